@@ -1,0 +1,28 @@
+"""Shared pytest setup: hypothesis profiles and the location of ../shared data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "thdpack",
+    deadline=None,  # the machine is shared and noisy: never fail on time
+    max_examples=int(os.environ.get("THDPACK_HYPOTHESIS_EXAMPLES", "60")),
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile("thdpack")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """../shared/data (real lengths, Alpaca, the GPT-2 tokenizer); skip where a clone lacks it."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} is absent (only the project's own checkout has ../shared)")
+    return SHARED_DATA

@@ -1,0 +1,90 @@
+"""The one place that detects optional dependencies.
+
+Everything else asks here, so a missing extra raises the same clear ``ImportError``
+(naming the extra to install) at the point of use, and the pure-PyTorch paths stay
+importable on any machine.
+
+>>> has_module("numpy")
+True
+>>> has_module("surely_not_a_module_name")
+False
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+
+# extra name in pyproject.toml for each optional import root
+_EXTRA_FOR = {
+    "transformer_engine": "te",
+    "flash_attn": "flash",
+    "hydra": "hydra",
+    "omegaconf": "hydra",
+    "datasets": "hf",
+    "tokenizers": "hf",
+    "pyarrow": "hf",
+    "matplotlib": "train",
+    "tqdm": "train",
+}
+
+
+@functools.cache
+def has_module(name: str) -> bool:
+    """True when ``import name`` would find the module (without importing it)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require(name: str, what: str) -> ModuleType:
+    """Import ``name`` or raise ``ImportError`` naming the thdpack extra that provides it.
+
+    ``what`` says what needed it, e.g. ``"the 'te' attention backend"``.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        root = name.split(".")[0]
+        extra = _EXTRA_FOR.get(root)
+        hint = f"pip install 'thdpack[{extra}]'" if extra else f"pip install {root}"
+        raise ImportError(f"{what} needs {root!r}, which is not installed; {hint}") from err
+
+
+@functools.cache
+def has_transformer_engine() -> bool:
+    """Transformer Engine's PyTorch bindings import (needs CUDA at import time)."""
+    if not has_module("transformer_engine"):
+        return False
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+        importlib.import_module("transformer_engine_torch")
+    except Exception:  # TE raises assorted errors without CUDA / with a mismatched build
+        return False
+    return True
+
+
+@functools.cache
+def has_flash_attn() -> bool:
+    """flash-attn 2.x with ``flash_attn_varlen_func``."""
+    if not has_module("flash_attn"):
+        return False
+    try:
+        return hasattr(importlib.import_module("flash_attn"), "flash_attn_varlen_func")
+    except Exception:
+        return False
+
+
+@functools.cache
+def has_varlen_attn() -> bool:
+    """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10)."""
+    return has_module("torch.nn.attention.varlen")
+
+
+@functools.cache
+def has_flex_attention() -> bool:
+    """``torch.nn.attention.flex_attention`` (torch >= 2.5)."""
+    return has_module("torch.nn.attention.flex_attention")
