@@ -181,14 +181,14 @@ def split_batch_into_thd_chunks(
             "split_batch_into_thd_chunks does not support 3-D (mRoPE) position_ids; use num_chunks=1"
         )
     per = rows // num_chunks
-    chunks = [
-        process_input_for_thd(
-            {k: v[c * per : (c + 1) * per] if isinstance(v, torch.Tensor) else v for k, v in batch.items()},
-            seq_lens_padding_value,
-            padding_token_id,
-        )
-        for c in range(num_chunks)
-    ]
+    chunks = []
+    for c in range(num_chunks):
+        rows_c = slice(c * per, (c + 1) * per)
+        part = {k: v[rows_c] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        try:
+            chunks.append(process_input_for_thd(part, seq_lens_padding_value, padding_token_id))
+        except ValueError as err:
+            raise ValueError(f"chunk {c} (rows {rows_c.start}-{rows_c.stop - 1}): {err}") from err
     out: dict[str, Any] = {
         "input_ids": torch.stack([c["input_ids"] for c in chunks]),
         "labels": torch.stack([c["labels"] for c in chunks]),
