@@ -69,6 +69,8 @@ def _int_array(value: Any, index: int, key: str) -> np.ndarray:
     array = np.asarray(value)
     if array.ndim != 1:
         raise ValueError(f"sample {index}: {key} must be 1-D, got shape {array.shape}")
+    if array.size == 0:  # an empty list reads as float64; its length is what gets reported
+        return np.zeros(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         shown = array[:5].tolist()
         raise TypeError(
