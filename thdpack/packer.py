@@ -141,6 +141,8 @@ def assemble_pack(
     >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
     ([0, 1, 2, 3, 0, 1, 2, 3], [3, 2], [4, 4])
     """
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
     seq_lens = np.array([len(p) for p in pieces], dtype=np.int64)
     seq_lens_padded = layout.pack_seq_lens_padded(seq_lens, pack_size, cp_size)
     # destination of every real token: its piece's slot start plus its offset in the piece

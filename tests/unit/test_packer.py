@@ -129,3 +129,5 @@ def test_pieces_that_do_not_fit():
     piece = SampleTokens(np.arange(5), np.arange(5))
     with pytest.raises(ValueError, match="the pack's sequences take 16 slots"):
         assemble_pack([piece, piece], 12, cp_size=2)
+    with pytest.raises(TypeError, match="pad_id must be an integer token id, got None"):
+        assemble_pack([piece], 8, pad_id=None)

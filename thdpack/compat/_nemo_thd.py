@@ -95,11 +95,11 @@ def process_input_for_thd(
     >>> out["padding_mask"].nonzero().flatten().tolist()
     [3]
     """
-    input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch["position_ids"]
-    seq_lens, seq_lens_padded = batch["seq_lens"], batch["seq_lens_padded"]
+    input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
+    seq_lens, seq_lens_padded = batch.get("seq_lens"), batch.get("seq_lens_padded")
     if seq_lens is None:
         raise ValueError(
-            "batch['seq_lens'] is None: thdpack derives cu_seqlens and padding_mask from the pack "
+            "batch['seq_lens'] is missing or None: thdpack derives cu_seqlens and padding_mask from the pack "
             "layout, never from token values; collate with packed_sequence_thd_collater"
         )
     rows, width = input_ids.shape[0], input_ids.shape[1]

@@ -197,7 +197,7 @@ def test_embeddings_mrope_and_missing_padded_lengths():
 
 def test_bad_batches():
     with pytest.raises(
-        ValueError, match=r"batch\['seq_lens'\] is None: thdpack derives cu_seqlens and padding_mask"
+        ValueError, match=r"batch\['seq_lens'\] is missing or None: thdpack derives cu_seqlens and padding_mask"
     ):
         process_input_for_thd({**t3_batch(), "seq_lens": None})
     bad = {**t3_batch(), "seq_lens": torch.tensor([[5, 2], [6, -1000]])}
