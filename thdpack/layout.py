@@ -177,9 +177,7 @@ def padding_mask(seq_lens: np.ndarray, seq_lens_padded: np.ndarray | None, total
     short = slots < seq_lens
     if short.any():
         i = int(np.argmax(short))
-        raise ValueError(
-            f"sequence {i} has seq_lens={int(seq_lens[i])} over its seq_lens_padded={int(slots[i])}"
-        )
+        raise ValueError(f"sequence {i} has seq_lens={int(seq_lens[i])} over its seq_lens_padded={int(slots[i])}")
     used = int(slots.sum())
     if used > total:
         raise ValueError(f"seq_lens_padded sum to {used}, over the {total} tokens of the stream")

@@ -129,6 +129,11 @@ class PackedDataset(torch.utils.data.Dataset):
     and then moves on to the next epoch; ``state_dict()`` captures epoch, seed and position.
     ``lengths`` (one per sample) saves a pass over the samples; they are checked as packs are
     built. The number of packs can differ between epochs with bfd/ffd re-planning.
+
+    Batch packs with ``thdpack.collate`` (or ``thdpack.compat.nemo.packed_sequence_thd_collater``):
+    ``seq_lens`` differ in length from pack to pack, so torch's default collate cannot stack them.
+    With a ``DataLoader`` the sampler decides the order of ``ds[i]``; ``state_dict()`` then still
+    carries epoch and seed, and the loader (e.g. torchdata's ``StatefulDataLoader``) its position.
     """
 
     def __init__(
@@ -164,9 +169,7 @@ class PackedDataset(torch.utils.data.Dataset):
             lengths = [len(read_sample(samples[i], i)) for i in range(len(samples))]
         self.lengths = as_lengths(lengths)
         if len(self.lengths) != len(samples):
-            raise ValueError(
-                f"got {len(self.lengths)} lengths for {len(samples)} samples; give one per sample"
-            )
+            raise ValueError(f"got {len(self.lengths)} lengths for {len(samples)} samples; give one per sample")
         self._epoch = 0
         self._position = 0
         self._cached: tuple[int, PackPlan, np.ndarray, EpochShard] | None = None
@@ -213,8 +216,7 @@ class PackedDataset(torch.utils.data.Dataset):
         )
         if shard.dropped_packs:
             log.warning(
-                "epoch %d: %d of %d packs (%d tokens) dropped to give %d ranks %d packs each "
-                "(remainder='drop')",
+                "epoch %d: %d of %d packs (%d tokens) dropped to give %d ranks %d packs each (remainder='drop')",
                 epoch,
                 shard.dropped_packs,
                 n,

@@ -73,9 +73,7 @@ def _int_array(value: Any, index: int, key: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if array.dtype.kind not in "iu":
         shown = array[:5].tolist()
-        raise TypeError(
-            f"sample {index}: {key} must hold integers, got dtype {array.dtype} (first values {shown})"
-        )
+        raise TypeError(f"sample {index}: {key} must hold integers, got dtype {array.dtype} (first values {shown})")
     return array.astype(np.int64, copy=False)
 
 
@@ -112,9 +110,7 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
             loss_mask = loss_mask.detach().cpu().numpy()
         loss_mask = np.asarray(loss_mask)
         if loss_mask.dtype.kind not in "iub":
-            raise TypeError(
-                f"sample {index}: loss_mask must hold 0/1 or booleans, got dtype {loss_mask.dtype}"
-            )
+            raise TypeError(f"sample {index}: loss_mask must hold 0/1 or booleans, got dtype {loss_mask.dtype}")
         if loss_mask.shape != input_ids.shape:
             raise ValueError(
                 f"sample {index}: loss_mask has {loss_mask.size} entries but input_ids has "
@@ -124,9 +120,7 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
     return SampleTokens(input_ids, labels)
 
 
-def assemble_pack(
-    pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: int = 1, pad_id: int = 0
-) -> Pack:
+def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: int = 1, pad_id: int = 0) -> Pack:
     """Lay ``pieces`` out back to back in a pack of ``pack_size`` tokens.
 
     Each piece starts at a multiple of ``2*cp_size`` (CP padding after each piece; tail padding

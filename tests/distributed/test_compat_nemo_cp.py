@@ -38,9 +38,7 @@ def c1():
 
 
 def p6():
-    return packed_sequence_thd_collater(
-        packs([{"input_ids": x, "labels": x} for x in ([1, 2, 3], [4, 5], [6])], 20, 2)
-    )
+    return packed_sequence_thd_collater(packs([{"input_ids": x, "labels": x} for x in ([1, 2, 3], [4, 5], [6])], 20, 2))
 
 
 def s3():
@@ -134,9 +132,5 @@ def test_four_ranks_s3_and_every_token_once():
         assert (s["input_ids"].tolist(), s["position_ids"].tolist()) == (ids, pos)
         assert (s["labels"].tolist(), s["padding_mask"].tolist()) == (labels, pad)
     # the ranks' (input, position) pairs together are the pack's, each exactly once
-    pairs = sorted(
-        p for s in shards for p in zip(s["position_ids"].tolist(), s["input_ids"].tolist(), strict=True)
-    )
-    assert pairs == sorted(
-        zip(batch["position_ids"][0].tolist(), batch["input_ids"][0].tolist(), strict=True)
-    )
+    pairs = sorted(p for s in shards for p in zip(s["position_ids"].tolist(), s["input_ids"].tolist(), strict=True))
+    assert pairs == sorted(zip(batch["position_ids"][0].tolist(), batch["input_ids"][0].tolist(), strict=True))

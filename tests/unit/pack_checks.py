@@ -50,9 +50,7 @@ def check_pack(pack, samples, pack_size: int, cp_size: int, pad_id: int) -> Coun
     assert padded.sum() == pack_size
     multiple = layout.cp_multiple(cp_size)
     assert (padded % multiple == 0).all()
-    assert (
-        padded[:-1] == layout.round_up_to_cp(seq_lens[:-1], cp_size)
-    ).all()  # tail padding only at the end
+    assert (padded[:-1] == layout.round_up_to_cp(seq_lens[:-1], cp_size)).all()  # tail padding only at the end
     assert pack["position_ids"].tolist() == layout.position_ids(padded).tolist()  # restart per sequence
     pad = layout.padding_mask(seq_lens, padded, pack_size)
     assert (pack["input_ids"].numpy()[pad] == pad_id).all() and (pack["labels"].numpy()[pad] == N).all()

@@ -17,11 +17,7 @@ lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=12)
 def test_round_up_to_cp(lengths, cp_size):
     rounded = layout.round_up_to_cp(np.array(lengths), cp_size)
     multiple = layout.cp_multiple(cp_size)
-    assert (
-        (rounded % multiple == 0).all()
-        and (rounded >= lengths).all()
-        and (rounded - lengths < multiple).all()
-    )
+    assert (rounded % multiple == 0).all() and (rounded >= lengths).all() and (rounded - lengths < multiple).all()
 
 
 @given(lengths_st, st.sampled_from([1, 2, 4]), st.integers(0, 50))
@@ -75,9 +71,7 @@ def test_worked_values():
 def test_errors():
     with pytest.raises(ValueError, match="cp_size must be >= 1, got 0"):
         layout.cp_multiple(0)
-    with pytest.raises(
-        ValueError, match=r"pack_size=10 is not a multiple of 2\*cp_size=4.*use pack_size=12 or 8"
-    ):
+    with pytest.raises(ValueError, match=r"pack_size=10 is not a multiple of 2\*cp_size=4.*use pack_size=12 or 8"):
         layout.check_pack_size(10, 2)
     with pytest.raises(ValueError, match="pack_size must be >= 1, got 0"):
         layout.check_pack_size(0, 1)

@@ -113,9 +113,7 @@ def test_iteration_moves_on_to_the_next_epoch_and_resumes_there():
 
 def test_state_from_other_settings_is_refused():
     state = make().state_dict()
-    with pytest.raises(
-        ValueError, match=r"other settings \(pack_size: saved 64, now 128, .*seed: saved 0, now 3"
-    ):
+    with pytest.raises(ValueError, match=r"other settings \(pack_size: saved 64, now 128, .*seed: saved 0, now 3"):
         make(pack_size=128, seed=3).load_state_dict(state)
 
 
@@ -148,9 +146,7 @@ def test_bad_settings(kwargs, message):
 
 def test_bad_access():
     ds = make()
-    with pytest.raises(
-        IndexError, match=rf"pack {len(ds)} out of range: this rank has {len(ds)} packs in epoch 0"
-    ):
+    with pytest.raises(IndexError, match=rf"pack {len(ds)} out of range: this rank has {len(ds)} packs in epoch 0"):
         ds[len(ds)]
     with pytest.raises(ValueError, match="epoch must be an integer >= 0, got -1"):
         ds.set_epoch(-1)

@@ -35,9 +35,7 @@ def test_packs_from_any_plan_conserve_tokens_and_keep_labels_in_their_document(
         return  # nothing left to plan
     plan = plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, overflow=overflow, seed=seed)
     packs = [
-        build_pack(
-            samples, plan.segments(i), pack_size, cp_size=cp_size, pad_id=pad_id, sample_lengths=lengths
-        )
+        build_pack(samples, plan.segments(i), pack_size, cp_size=cp_size, pad_id=pad_id, sample_lengths=lengths)
         for i in range(len(plan))
     ]
     check_packs(packs, samples, pack_size, cp_size, pad_id, overflow)
@@ -119,9 +117,7 @@ def test_plan_and_samples_disagree():
         build_pack(samples, ([0], [2], [4]), 8)
     with pytest.raises(ValueError, match="sample 0 has 3 tokens but the plan was made for length 5"):
         build_pack(samples, ([0], [0], [3]), 8, sample_lengths=np.array([5]))
-    with pytest.raises(
-        ValueError, match="segments must have equal lengths, got 1 indices, 2 starts, 1 lengths"
-    ):
+    with pytest.raises(ValueError, match="segments must have equal lengths, got 1 indices, 2 starts, 1 lengths"):
         build_pack(samples, ([0], [0, 0], [3]), 8)
 
 

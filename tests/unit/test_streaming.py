@@ -43,14 +43,10 @@ class StatefulSource:
     loss_mask=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_stream_packs_conserve_tokens(
-    lengths, cp_size, pack_units, buffer_size, overflow, labels, loss_mask, seed
-):
+def test_stream_packs_conserve_tokens(lengths, cp_size, pack_units, buffer_size, overflow, labels, loss_mask, seed):
     pack_size = 8 * pack_units
     samples = unique_samples(lengths, np.random.default_rng(seed), labels=labels, loss_mask=loss_mask)
-    packer = StreamingPacker(
-        iter(samples), pack_size, cp_size=cp_size, buffer_size=buffer_size, overflow=overflow
-    )
+    packer = StreamingPacker(iter(samples), pack_size, cp_size=cp_size, buffer_size=buffer_size, overflow=overflow)
     packs = list(packer)
     check_packs(packs, samples, pack_size, cp_size, 0, overflow)
     stats = packer.stats
@@ -125,15 +121,11 @@ def test_a_finished_stream_starts_a_new_pass():
 
 
 def test_errors():
-    with pytest.raises(
-        ValueError, match="sample 1 of the stream has 9 tokens, over pack_size=8; use overflow='split'"
-    ):
+    with pytest.raises(ValueError, match="sample 1 of the stream has 9 tokens, over pack_size=8; use overflow='split'"):
         list(StreamingPacker([{"input_ids": [1]}, {"input_ids": [1] * 9}], 8))
     with pytest.raises(ValueError, match="buffer_size must be an integer >= 1, got 0"):
         StreamingPacker([], 8, buffer_size=0)
-    with pytest.raises(
-        ValueError, match="unknown overflow policy 'wrap'; valid: error, drop, truncate, split"
-    ):
+    with pytest.raises(ValueError, match="unknown overflow policy 'wrap'; valid: error, drop, truncate, split"):
         StreamingPacker([], 8, overflow="wrap")
     with pytest.raises(ValueError, match=r"pack_size=8 is not a multiple of 2\*cp_size=6"):
         StreamingPacker([], 8, cp_size=3)

@@ -40,9 +40,7 @@ def _valid(lengths: torch.Tensor, sentinel: int) -> np.ndarray:
     return flat[flat != sentinel]
 
 
-def _check_rows(
-    seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor | None, width: int, sentinel: int
-) -> None:
+def _check_rows(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor | None, width: int, sentinel: int) -> None:
     """Each row lists as many padded as real lengths, and covers its ``width`` tokens exactly
     (only the very last row may end in unlisted padding, which the layout marks as padding)."""
     if seq_lens.dim() != 2:
@@ -115,9 +113,7 @@ def process_input_for_thd(
     device = seq_lens.device
     if position_ids is not None:
         position_ids = (
-            position_ids.reshape(position_ids.shape[0], 1, -1)
-            if position_ids.dim() == 3
-            else position_ids.reshape(-1)
+            position_ids.reshape(position_ids.shape[0], 1, -1) if position_ids.dim() == 3 else position_ids.reshape(-1)
         )
     out: dict[str, Any] = {
         "input_ids": input_ids.reshape(total, -1).squeeze(-1),
@@ -177,9 +173,7 @@ def split_batch_into_thd_chunks(
         )
     position_ids = batch.get("position_ids")
     if position_ids is not None and position_ids.dim() == 3:
-        raise ValueError(
-            "split_batch_into_thd_chunks does not support 3-D (mRoPE) position_ids; use num_chunks=1"
-        )
+        raise ValueError("split_batch_into_thd_chunks does not support 3-D (mRoPE) position_ids; use num_chunks=1")
     per = rows // num_chunks
     chunks = []
     for c in range(num_chunks):
@@ -219,9 +213,7 @@ def _shard_for_te(
         real = torch.diff(batch["cu_seqlens"][batch["cu_seqlens"] != sentinel]).cpu().numpy()
         batch = {
             **batch,
-            "padding_mask": torch.from_numpy(
-                layout.padding_mask(real, torch.diff(kept).cpu().numpy(), total)
-            ),
+            "padding_mask": torch.from_numpy(layout.padding_mask(real, torch.diff(kept).cpu().numpy(), total)),
         }
     index = partition_indices(kept, total, cp_size, cp_rank).to(torch.int64)
     out = {k: v for k, v in batch.items() if k not in ("attention_mask", "cu_seqlens_padded")}
@@ -274,9 +266,7 @@ def make_cp_batch_for_te(
     already_thd = "cu_seqlens" in batch and "seq_lens" not in batch
     if already_thd and num_chunks > 1:
         raise ValueError("num_chunks > 1 needs the collated BSHD batch (with seq_lens), not a THD batch")
-    thd = (
-        dict(batch) if already_thd else split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value)
-    )
+    thd = dict(batch) if already_thd else split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value)
     cp_size = 1 if cp_mesh is None else int(cp_mesh.size())
     if cp_size <= 1:
         if not return_local_indices:

@@ -110,9 +110,7 @@ def test_p7_single_sample_cp4():
     assert (p["seq_lens"], p["seq_lens_padded"], p["position_ids"]) == ([5], [16], list(range(16)))
 
 
-@pytest.mark.parametrize(
-    ("size", "cp_size", "fix"), [(10, 2, "use pack_size=12 or 8"), (6, 2, "pack_size=8 or 4")]
-)
+@pytest.mark.parametrize(("size", "cp_size", "fix"), [(10, 2, "use pack_size=12 or 8"), (6, 2, "pack_size=8 or 4")])
 def test_p7_and_broken_configuration_raise(size, cp_size, fix):
     # NeMo gives seq_lens_padded [10] for P=10, cp=2 (TE then mis-partitions), or crashes / corrupts packs
     with pytest.raises(ValueError, match=rf"pack_size={size} is not a multiple of 2\*cp_size=4.*{fix}"):
@@ -177,9 +175,7 @@ def test_p12_cp_pad_label_independent_of_padding_idx():
 def test_p13_no_packs():
     with pytest.raises(ValueError, match="No packs were produced: the dataset is empty"):
         pack_dataset([], "train", 8)
-    with pytest.raises(
-        ValueError, match=r"No packs were produced.*all of its samples \(1\) are longer than 4"
-    ):
+    with pytest.raises(ValueError, match=r"No packs were produced.*all of its samples \(1\) are longer than 4"):
         pack_dataset(rows([[1, 2, 3, 4, 5]]), "train", 4)
 
 
@@ -264,9 +260,7 @@ def test_collater_edge_cases():
     assert packed_sequence_thd_collater([]) == {}
     a, _ = _p5_and_second_pack()
     (short,) = packs_of(rows([[1, 2]]), "train", 8)
-    with pytest.raises(
-        ValueError, match=r"packs must all have the same length \(pack_size\) to stack; got \[16, 8\]"
-    ):
+    with pytest.raises(ValueError, match=r"packs must all have the same length \(pack_size\) to stack; got \[16, 8\]"):
         packed_sequence_thd_collater([a, short])
     with pytest.raises(ValueError, match="item 0 has no 'labels'"):
         packed_sequence_thd_collater([{"input_ids": [1]}])

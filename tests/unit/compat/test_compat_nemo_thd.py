@@ -47,11 +47,7 @@ def test_t1_two_plain_packs():
     assert out["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 3, 0, 1, 2, *range(10)]
     assert torch.equal(out["cu_seqlens"], i32([0, 3, 7, 9, 14]))
     assert torch.equal(out["cu_seqlens_padded"], i32([0, 3, 7, 10, 20]))
-    assert (
-        out["max_seqlen"].dtype == torch.int32
-        and out["max_seqlen"].dim() == 0
-        and int(out["max_seqlen"]) == 5
-    )
+    assert out["max_seqlen"].dtype == torch.int32 and out["max_seqlen"].dim() == 0 and int(out["max_seqlen"]) == 5
     assert where(out["padding_mask"]) == [9, 15, 16, 17, 18, 19]
     assert list(out) == [
         "input_ids", "position_ids", "cu_seqlens", "labels", "padding_mask", "cu_seqlens_padded", "max_seqlen",
@@ -131,22 +127,16 @@ def t6_batch(row2_padded):
             [[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 99, 99], [16, 17, 99, 18, 19, 20]]
         ),
         "labels": torch.arange(24).reshape(4, 6),
-        "position_ids": torch.tensor(
-            [[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 0], [0, 1, 0, 0, 1, 2]]
-        ),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 0], [0, 1, 0, 0, 1, 2]]),
         "seq_lens": torch.tensor([[3, 2, -1000], [6, -1000, -1000], [4, -1000, -1000], [2, 3, -1000]]),
-        "seq_lens_padded": torch.tensor(
-            [[4, 2, -1000], [6, -1000, -1000], [row2_padded, -1000, -1000], [3, 3, -1000]]
-        ),
+        "seq_lens_padded": torch.tensor([[4, 2, -1000], [6, -1000, -1000], [row2_padded, -1000, -1000], [3, 3, -1000]]),
     }
 
 
 def test_t6_split_into_chunks():
     # NeMo's own test lists row 2 (6 tokens) with seq_lens_padded [4]: its last 2 tokens belong to
     # no sequence, so every later boundary of the chunk points 2 tokens early. thdpack refuses that ...
-    with pytest.raises(
-        ValueError, match=r"chunk 1 \(rows 2-3\): row 0's sequences take 4 tokens but rows hold 6"
-    ):
+    with pytest.raises(ValueError, match=r"chunk 1 \(rows 2-3\): row 0's sequences take 4 tokens but rows hold 6"):
         split_batch_into_thd_chunks(t6_batch(row2_padded=4), 2)
     # ... and with the row's padding listed, the real boundaries are NeMo's, the padded ones correct
     out = split_batch_into_thd_chunks(t6_batch(row2_padded=6), 2)
@@ -189,9 +179,7 @@ def test_embeddings_mrope_and_missing_padded_lengths():
     batch = {**t3_batch(), "input_ids": torch.randn(2, 6, 4), "position_ids": torch.zeros(3, 2, 6)}
     out = process_input_for_thd(batch)
     assert out["input_ids"].shape == (12, 4) and out["position_ids"].shape == (3, 1, 12)
-    out = process_input_for_thd(
-        {**t3_batch(), "seq_lens_padded": None, "seq_lens": torch.tensor([[4, 2], [6, -1000]])}
-    )
+    out = process_input_for_thd({**t3_batch(), "seq_lens_padded": None, "seq_lens": torch.tensor([[4, 2], [6, -1000]])})
     assert torch.equal(out["cu_seqlens"], i32([0, 4, 6, 12])) and "cu_seqlens_padded" not in out
 
 
