@@ -36,6 +36,7 @@ from thdpack import layout
 from thdpack.packer import Pack, build_pack, read_sample
 from thdpack.plan import (
     ALGORITHMS,
+    DEFAULT_WINDOW,
     OVERFLOWS,
     Algorithm,
     Overflow,
@@ -75,9 +76,11 @@ class PackedDatasetConfig:
     """Data-parallel world size."""
     remainder: Remainder = "repeat"
     """Packs left over when world_size does not divide them: "repeat" packs or "drop" them."""
+    window: int = DEFAULT_WINDOW
+    """Lookahead of algorithm="window" (sequences it may reorder across)."""
 
     def __post_init__(self) -> None:
-        for name in ("pack_size", "cp_size", "world_size"):
+        for name in ("pack_size", "cp_size", "world_size", "window"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -151,6 +154,7 @@ class PackedDataset(torch.utils.data.Dataset):
         rank: int = 0,
         world_size: int = 1,
         remainder: Remainder = "repeat",
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         self.config = PackedDatasetConfig(
             pack_size=pack_size,
@@ -163,6 +167,7 @@ class PackedDataset(torch.utils.data.Dataset):
             rank=rank,
             world_size=world_size,
             remainder=remainder,
+            window=window,
         )
         self.samples = samples
         if lengths is None:
@@ -191,6 +196,7 @@ class PackedDataset(torch.utils.data.Dataset):
             cp_size=cfg.cp_size,
             overflow=cfg.overflow,
             seed=plan_seed,
+            window=cfg.window,
         )
         n, world = len(plan), cfg.world_size
         order = np.random.default_rng(order_seed).permutation(n) if cfg.shuffle else np.arange(n)

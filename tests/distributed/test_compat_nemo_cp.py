@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from thdpack.compat.nemo import make_cp_batch_for_te, pack_dataset, packed_sequence_thd_collater
+from thdpack.compat.nemo import make_cp_batch_for_te, pack_dataset, packed_sequence_thd_collater, process_input_for_thd
+from thdpack.packed_dataset import PackedDataset
 from thdpack.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
@@ -69,8 +70,17 @@ def test_two_ranks_s1_s2_s4_and_bad_lengths():
         "s2": (p6(), {}),
         "s4": (c1(), {"num_chunks": 2}),
         "unaligned": (packed_sequence_thd_collater([unaligned]), {}),
+        "packed_dataset": (from_packed_dataset(), {"return_local_indices": True}),
     }
     r0, r1 = run_distributed(shard_cases, 2, cases)
+    # PackedDataset -> collater -> CP shards: the ranks' tokens are a permutation of the batch, aligned
+    whole = process_input_for_thd(cases["packed_dataset"][0])
+    (p0, i0), (p1, i1) = r0["packed_dataset"], r1["packed_dataset"]
+    assert sorted(i0.tolist() + i1.tolist()) == list(range(len(whole["input_ids"])))
+    for part, index in ((p0, i0), (p1, i1)):
+        for key in ("input_ids", "labels", "position_ids", "padding_mask"):
+            assert torch.equal(part[key], whole[key][index]), key
+        assert torch.equal(part["cu_seqlens"], whole["cu_seqlens_padded"])
     for r in (r0, r1):  # TE would silently duplicate and drop tokens
         assert "ValueError: sequence 0 has padded length 6, not a multiple of 2*cp_size=4" in r["unaligned"]
     for r in (r0, r1):
@@ -114,6 +124,16 @@ def test_two_ranks_s1_s2_s4_and_bad_lengths():
     assert s4_0["input_ids"].tolist() == [[1, 0, 4, 5, 6, 0, 0, 0], [1, 0, 4, 0, 6, 0, 0, 0]]
     assert s4_1["input_ids"].tolist() == [[2, 3, 7, 8, 0, 0, 0, 0], [2, 3, 5, 0, 0, 0, 0, 0]]
     assert (s4_1["cp_size"], s4_1["cp_rank"]) == (2, 1)
+
+
+def from_packed_dataset():
+    """Three cp_size=2 packs of a PackedDataset (labels derived, prompt tokens masked), collated."""
+    samples = [
+        {"input_ids": list(range(100 * i, 100 * i + n)), "loss_mask": [0] * 2 + [1] * (n - 2)}
+        for i, n in enumerate((5, 9, 3, 12, 7, 2, 14, 6), start=1)
+    ]
+    ds = PackedDataset(samples, 24, cp_size=2, seed=3)
+    return packed_sequence_thd_collater([ds[i] for i in range(3)])
 
 
 def test_four_ranks_s3_and_every_token_once():
