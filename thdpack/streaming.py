@@ -290,12 +290,15 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         """Buffered tokens, counters and the source position (see the module docstring)."""
         entries = list(self._entries.values())
         empty = np.zeros(0, dtype=np.int64)
+        source = None
+        if self._has_source_state():  # a restored state not yet handed to the source is still the position
+            source = self._source_state if self._source_state is not None else self.source.state_dict()  # type: ignore[attr-defined]
         return {
             "config": self._fingerprint(),
             "consumed": self._consumed,
             "exhausted": self._exhausted,
             "finished": self._finished,
-            "source": self.source.state_dict() if self._has_source_state() else None,  # type: ignore[attr-defined]
+            "source": source,
             "buffer_index": torch.tensor([e.index for e in entries], dtype=torch.int64),
             "buffer_start": torch.tensor([e.start for e in entries], dtype=torch.int64),
             "buffer_length": torch.tensor([len(e.tokens) for e in entries], dtype=torch.int64),

@@ -71,6 +71,8 @@ def test_two_ranks_s1_s2_s4_and_bad_lengths():
         "s4": (c1(), {"num_chunks": 2}),
         "unaligned": (packed_sequence_thd_collater([unaligned]), {}),
         "packed_dataset": (from_packed_dataset(), {"return_local_indices": True}),
+        # an already-converted THD batch without padding_mask (the mask then comes from cu_seqlens)
+        "s1_from_thd": ({k: v for k, v in process_input_for_thd(c1()).items() if k != "padding_mask"}, {}),
     }
     r0, r1 = run_distributed(shard_cases, 2, cases)
     # PackedDataset -> collater -> CP shards: the ranks' tokens are a permutation of the batch, aligned
@@ -81,6 +83,9 @@ def test_two_ranks_s1_s2_s4_and_bad_lengths():
         for key in ("input_ids", "labels", "position_ids", "padding_mask"):
             assert torch.equal(part[key], whole[key][index]), key
         assert torch.equal(part["cu_seqlens"], whole["cu_seqlens_padded"])
+    for r in (r0, r1):
+        for key in ("input_ids", "labels", "position_ids", "padding_mask", "cu_seqlens", "max_seqlen"):
+            assert torch.equal(r["s1_from_thd"][key], r["s1"][0][key]), key
     for r in (r0, r1):  # TE would silently duplicate and drop tokens
         assert "ValueError: sequence 0 has padded length 6, not a multiple of 2*cp_size=4" in r["unaligned"]
     for r in (r0, r1):

@@ -96,6 +96,17 @@ def test_resume_anywhere(stop_after, stateful, overflow):
     assert_resumable(make, stop_after)
 
 
+def test_a_restored_state_is_saved_again_before_iterating():
+    samples = [{"input_ids": [1] * n} for n in (3, 4, 5, 6, 7)]
+    packer = StreamingPacker(StatefulSource(samples), 8, buffer_size=2)
+    next(iter(packer))
+    state = packer.state_dict()
+    restored = StreamingPacker(StatefulSource(samples), 8, buffer_size=2)
+    restored.load_state_dict(state)
+    again = restored.state_dict()
+    assert again["source"] == state["source"] == {"position": 2} and again["consumed"] == 2
+
+
 def test_state_survives_torch_save_with_weights_only():
     samples = [{"input_ids": list(range(1, n + 1))} for n in (5, 9, 3, 7, 2, 6)]
     packer = StreamingPacker(samples, 8, buffer_size=3, overflow="split")
