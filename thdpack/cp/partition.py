@@ -174,13 +174,16 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
             "shard the global batch (unshard / gather restores it)"
         )
     T = _num_tokens(thd, "the THD batch")
+    if cp_size == 1 and cp_rank == 0:
+        # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
+        return {**thd, "cp_size": 1, "cp_rank": 0}
     index_T = partition_indices(thd["cu_seqlens_padded"], T, cp_size, cp_rank)
     out: THDBatch = {}
     for key, value in thd.items():
         if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
             out[key] = value
         else:
-            out[key] = value if cp_size == 1 else value.index_select(0, index_T.to(value.device))
+            out[key] = value.index_select(0, index_T.to(value.device))
     out["cp_size"], out["cp_rank"] = cp_size, cp_rank
     return out
 
@@ -224,6 +227,8 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
                 raise ValueError(
                     f"shards[{r}] has a different {key} than shards[0]; shards must be of one batch"
                 )
+    if cp_size == 1:
+        return {key: value for key, value in first.items() if key not in ("cp_size", "cp_rank")}
     cu_padded = first["cu_seqlens_padded"]
     T = int(cu_padded[-1])
     # position in the rank-major concatenation -> global token index, then its inverse
