@@ -32,8 +32,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 SEQ_LENS_SENTINEL = -1000
 """Fills ``seq_lens`` / ``seq_lens_padded`` rows past a pack's last sequence (NeMo's value)."""
@@ -115,7 +115,10 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
     >>> thd["padding_mask"].int().tolist()
     [0, 0, 0, 1, 0, 0, 1, 1]
     """
-    real_N, padded_N = sequence_lengths(batch)
+    _check_bshd(batch)
+    real_N, padded_N = _flat_sequence_lengths(
+        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
+    )
     return _flatten(batch, real_N, padded_N)
 
 
@@ -203,7 +206,10 @@ def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tens
     (tensor([1, 2, 3]), tensor([2, 2, 4]))
     """
     _check_bshd(batch)
-    return _flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    real_N, padded_N = _flat_sequence_lengths(
+        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
+    )
+    return torch.from_numpy(real_N), torch.from_numpy(padded_N)
 
 
 def validate_thd(thd: Mapping[str, Any]) -> None:
@@ -336,18 +342,28 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
                 raise TypeError(f"{key} must hold integers, got {stacked.dtype}")
             stacked = stacked.to(torch.int64)
         batch[key] = stacked
-    lengths = {
-        key: [_as_tensor(p[key], i, key).to(torch.int64) for i, p in enumerate(packs)] for key in _LENGTH_KEYS
-    }
+    lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in _LENGTH_KEYS}
     for i, (real, padded) in enumerate(zip(lengths["seq_lens"], lengths["seq_lens_padded"], strict=True)):
-        if real.dim() != 1 or padded.shape != real.shape:
+        if real.ndim != 1 or padded.shape != real.shape:
             raise ValueError(
                 f"pack {i} has seq_lens {real.tolist()} and seq_lens_padded {padded.tolist()}; both must be "
                 "1-D with one entry per sequence"
             )
+    S = max(len(real) for real in lengths["seq_lens"])
     for key in _LENGTH_KEYS:
-        batch[key] = pad_sequence(lengths[key], batch_first=True, padding_value=SEQ_LENS_SENTINEL)
+        matrix_BS = np.full((len(packs), S), SEQ_LENS_SENTINEL, dtype=np.int64)
+        for i, row in enumerate(lengths[key]):
+            matrix_BS[i, : len(row)] = row
+        batch[key] = torch.from_numpy(matrix_BS)
     return batch
+
+
+def _as_lengths(value: Any, pack_index: int, key: str) -> np.ndarray:
+    """A pack's seq_lens / seq_lens_padded as an int64 numpy array (metadata is tiny: numpy is cheapest)."""
+    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"pack {pack_index} has {key} of dtype {array.dtype}; lengths must be integers")
+    return array.astype(np.int64, copy=False)
 
 
 def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
@@ -390,77 +406,85 @@ def _check_bshd(batch: Mapping[str, Any]) -> None:
 
 def _flat_sequence_lengths(
     seq_lens_BS: torch.Tensor, seq_lens_padded_BS: torch.Tensor, L: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate the (B, S) length matrices; return the real and padded lengths, (N,) int64, row-major."""
-    real_BS, padded_BS = seq_lens_BS.to(torch.int64), seq_lens_padded_BS.to(torch.int64)
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate the (B, S) length matrices; return the real and padded lengths, (N,) int64, row-major.
+
+    Runs in numpy on the host: a few dozen tiny checks cost microseconds there, tens of
+    microseconds as torch ops.
+    """
+    real_BS = seq_lens_BS.detach().cpu().numpy().astype(np.int64, copy=False)
+    padded_BS = seq_lens_padded_BS.detach().cpu().numpy().astype(np.int64, copy=False)
     present_BS = padded_BS != SEQ_LENS_SENTINEL
     mismatch = present_BS != (real_BS != SEQ_LENS_SENTINEL)
-    if bool(mismatch.any()):
-        b, s = torch.nonzero(mismatch)[0].tolist()
+    if mismatch.any():
+        b, s = np.argwhere(mismatch)[0]
         raise ValueError(
-            f"pack {b}: seq_lens[{s}]={int(real_BS[b, s])} but seq_lens_padded[{s}]={int(padded_BS[b, s])}; "
+            f"pack {b}: seq_lens[{s}]={real_BS[b, s]} but seq_lens_padded[{s}]={padded_BS[b, s]}; "
             f"both must hold a length there or both the sentinel {SEQ_LENS_SENTINEL}"
         )
-    if bool((present_BS[:, 1:] & ~present_BS[:, :-1]).any()):
-        b = int(torch.nonzero((present_BS[:, 1:] & ~present_BS[:, :-1]).any(1))[0])
+    gap = present_BS[:, 1:] & ~present_BS[:, :-1]
+    if gap.any():
+        b = np.argwhere(gap)[0][0]
         raise ValueError(
             f"pack {b}: seq_lens_padded={padded_BS[b].tolist()} has a length after the sentinel "
             f"{SEQ_LENS_SENTINEL}; the sentinel may only fill the end of a row"
         )
     negative = present_BS & ((real_BS < 0) | (padded_BS < 0))
-    if bool(negative.any()):
-        b, s = torch.nonzero(negative)[0].tolist()
+    if negative.any():
+        b, s = np.argwhere(negative)[0]
         raise ValueError(
-            f"pack {b}: sequence {s} has seq_lens={int(real_BS[b, s])}, "
-            f"seq_lens_padded={int(padded_BS[b, s])}; lengths must be >= 0"
+            f"pack {b}: sequence {s} has seq_lens={real_BS[b, s]}, seq_lens_padded={padded_BS[b, s]}; "
+            "lengths must be >= 0"
         )
     over = present_BS & (real_BS > padded_BS)
-    if bool(over.any()):
-        b, s = torch.nonzero(over)[0].tolist()
+    if over.any():
+        b, s = np.argwhere(over)[0]
         raise ValueError(
-            f"pack {b}: sequence {s} has seq_lens={int(real_BS[b, s])} > "
-            f"seq_lens_padded={int(padded_BS[b, s])}; a slot must hold its sequence (seq_lens_padded is "
-            "seq_lens rounded up, plus the pack's tail padding)"
+            f"pack {b}: sequence {s} has seq_lens={real_BS[b, s]} > seq_lens_padded={padded_BS[b, s]}; "
+            "a slot must hold its sequence (seq_lens_padded is seq_lens rounded up, plus the pack's tail "
+            "padding)"
         )
-    row_sums_B = torch.where(present_BS, padded_BS, 0).sum(1)
+    row_sums_B = np.where(present_BS, padded_BS, 0).sum(1)
     wrong = row_sums_B != L
-    if bool(wrong.any()):
-        b = int(torch.nonzero(wrong)[0])
+    if wrong.any():
+        b = np.argwhere(wrong)[0][0]
         raise ValueError(
-            f"pack {b}: seq_lens_padded={padded_BS[b][present_BS[b]].tolist()} sums to {int(row_sums_B[b])}, "
+            f"pack {b}: seq_lens_padded={padded_BS[b][present_BS[b]].tolist()} sums to {row_sums_B[b]}, "
             f"not the pack length {L}; the pack's tail padding belongs to its last entry"
         )
     return real_BS[present_BS], padded_BS[present_BS]
 
 
-def _cumsum_from_zero(lengths_N: torch.Tensor) -> torch.Tensor:
-    cu = torch.zeros(lengths_N.numel() + 1, dtype=torch.int32, device=lengths_N.device)
-    torch.cumsum(lengths_N, 0, out=cu[1:])
-    return cu
+def _cumsum_from_zero(lengths_N: np.ndarray) -> torch.Tensor:
+    """(N+1,) int32 ``[0] + cumsum(lengths)``."""
+    cu = np.zeros(len(lengths_N) + 1, dtype=np.int32)
+    np.cumsum(lengths_N, out=cu[1:])
+    return torch.from_numpy(cu)
 
 
-def _layout_padding_mask(cu_seqlens_padded: torch.Tensor, real_N: torch.Tensor, T: int) -> torch.Tensor:
-    """(T,) bool, True on the tokens of each slot past its real length: a +1/-1 difference array."""
-    starts_N = cu_seqlens_padded[:-1].to(torch.int64)
-    edges = torch.zeros(T + 1, dtype=torch.int32, device=cu_seqlens_padded.device)
-    ones = torch.ones_like(starts_N, dtype=torch.int32)
-    edges.index_add_(0, starts_N + real_N, ones)
-    edges.index_add_(0, cu_seqlens_padded[1:].to(torch.int64), -ones)
-    return torch.cumsum(edges[:T], 0, dtype=torch.int32) > 0
+def _layout_padding_mask(real_N: np.ndarray, padded_N: np.ndarray) -> torch.Tensor:
+    """(T,) bool, True past each slot's real length: runs of (real: False, padding: True), slot by slot."""
+    runs_2N = np.empty(2 * len(real_N), dtype=np.int64)
+    runs_2N[0::2] = real_N
+    runs_2N[1::2] = padded_N - real_N
+    is_padding_2N = np.zeros(2 * len(real_N), dtype=bool)
+    is_padding_2N[1::2] = True
+    return torch.from_numpy(np.repeat(is_padding_2N, runs_2N))
 
 
-def _flatten(batch: Mapping[str, Any], real_N: torch.Tensor, padded_N: torch.Tensor) -> THDBatch:
+def _flatten(batch: Mapping[str, Any], real_N: np.ndarray, padded_N: np.ndarray) -> THDBatch:
+    """The THD batch of a checked BSHD batch; metadata computed on the host, moved to the batch's device."""
     B, L = batch["input_ids"].shape
     T = B * L
-    cu_seqlens_padded = _cumsum_from_zero(padded_N)
+    device = batch["input_ids"].device
     thd: THDBatch = {
         "input_ids": batch["input_ids"].reshape(T),
         "labels": batch["labels"].reshape(T),
         "position_ids": batch["position_ids"].reshape(T),
-        "cu_seqlens": _cumsum_from_zero(real_N),
-        "cu_seqlens_padded": cu_seqlens_padded,
-        "max_seqlen": int(padded_N.max()) if padded_N.numel() else 0,
-        "padding_mask": _layout_padding_mask(cu_seqlens_padded, real_N, T),
+        "cu_seqlens": _cumsum_from_zero(real_N).to(device),
+        "cu_seqlens_padded": _cumsum_from_zero(padded_N).to(device),
+        "max_seqlen": int(padded_N.max()) if len(padded_N) else 0,
+        "padding_mask": _layout_padding_mask(real_N, padded_N).to(device),
     }
     for key, value in batch.items():
         if key in thd or key in _LENGTH_KEYS:

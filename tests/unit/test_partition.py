@@ -63,10 +63,11 @@ GOLDEN = [
 
 
 @pytest.mark.parametrize(("cu", "total", "cp_size", "expected"), GOLDEN)
-def test_matches_transformer_engine(cu, total, cp_size, expected):
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_matches_transformer_engine(cu, total, cp_size, expected, impl):
     cu_t = torch.tensor(cu, dtype=torch.int32)
     for rank, want in enumerate(expected):
-        got = partition_indices(cu_t, total, cp_size, rank)
+        got = partition_indices(cu_t, total, cp_size, rank, impl=impl)
         assert got.dtype == torch.int32
         assert got.tolist() == want
 
@@ -125,14 +126,18 @@ def test_matches_the_closed_form_and_partitions_every_token(case):
         return
     seen = []
     for rank in range(cp_size):
-        got = partition_indices(torch.tensor(cu, dtype=torch.int32), total, cp_size, rank).tolist()
-        assert got == _reference_partition(cu, cp_size, rank)
-        seen += got
+        want = _reference_partition(cu, cp_size, rank)
+        for impl in ("auto", "numpy", "torch"):  # auto = numpy on CPU
+            got = partition_indices(torch.tensor(cu, dtype=torch.int32), total, cp_size, rank, impl=impl)
+            assert got.dtype == torch.int32 and got.tolist() == want, impl
+        seen += want
     assert sorted(seen) == list(range(total))  # disjoint, and their union is every token
 
 
 def test_rejects_unknown_impl():
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'te', 'torch'\), got 'cuda'"):
+    with pytest.raises(
+        ValueError, match=r"impl must be one of \('auto', 'te', 'torch', 'numpy'\), got 'cuda'"
+    ):
         partition_indices(torch.tensor([0, 8]), 8, 2, 0, impl="cuda")
 
 
