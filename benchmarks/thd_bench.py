@@ -113,7 +113,7 @@ def _summary(samples_us: list[float]) -> dict[str, float]:
 
 
 def partition_case(num_tokens: int, num_seqs: int, cp_size: int, seed: int = SEED) -> torch.Tensor:
-    """(N+1,) int32 cu_seqlens_padded: ``num_seqs`` lognormal slots, multiples of 2*cp_size, ``num_tokens`` in all."""
+    """(N+1,) int32 cu_seqlens_padded of ``num_seqs`` lognormal slots, multiples of 2*cp_size."""
     rng = np.random.default_rng(seed)
     step = 2 * cp_size
     weights = rng.lognormal(0.0, 1.0, num_seqs)
