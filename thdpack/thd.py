@@ -94,6 +94,8 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
         batch: ``collate``'s output: (B, L) ``input_ids``, ``labels``, ``position_ids``;
             (B, S) ``seq_lens`` and ``seq_lens_padded`` padded with -1000; other (B, L, ...)
             tensors are flattened to (T, ...); non-tensor values (``qkv_format``) pass through.
+            A ``padding_mask`` already in ``batch`` (NeMo's token-value one) is replaced by the
+            layout's.
 
     Returns:
         The THD batch. ``cu_seqlens`` counts REAL tokens (TE's convention, so the kernel skips

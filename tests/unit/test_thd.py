@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 from itertools import pairwise
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given
 from thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
+from torch.utils.data import DataLoader
 
 from thdpack.thd import (
     collate,
@@ -138,6 +140,20 @@ def test_thd_collate_equals_to_thd_of_collate():
     assert want.keys() == got.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value) if isinstance(value, torch.Tensor) else got[key] == value
+
+
+@pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs the fork start method (POSIX)")
+def test_thd_collate_in_dataloader_workers():
+    packs = [P5, C1_SECOND, C1_SECOND, P5]
+    loader = DataLoader(
+        packs, batch_size=2, collate_fn=thd_collate, num_workers=1, multiprocessing_context="fork"
+    )
+    batches = list(loader)
+    assert [b["cu_seqlens_padded"].tolist() for b in batches] == [
+        [0, 4, 16, 20, 24, 32],
+        [0, 4, 8, 16, 20, 32],
+    ]
+    assert all(type(b["max_seqlen"]) is int for b in batches)
 
 
 def test_thd_to_device_keeps_max_seqlen_an_int():
