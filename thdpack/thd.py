@@ -8,23 +8,7 @@ never calls ``.item()``.
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences in one row,
 ``T = B*L`` packed tokens, ``N`` sequences in the whole batch.
 
-THD batch (a plain ``dict``; CONTRACT.md "THD batch"):
-
-=====================  ===================  ===========================================
-key                    shape, dtype         meaning
-=====================  ===================  ===========================================
-``input_ids``          (T,) int64           all rows flattened, row-major
-``labels``             (T,) int64           already shifted; -100 on padding
-``position_ids``       (T,) int64           restart at 0 per sequence, run on through padding
-``cu_seqlens``         (N+1,) int32         ``[0] + cumsum(real lengths)`` (TE's ``cu_seqlens``)
-``cu_seqlens_padded``  (N+1,) int32         ``[0] + cumsum(slot widths)``; ``[-1] == T``
-``max_seqlen``         Python int           the widest padded slot (see ``to_thd``)
-``padding_mask``       (T,) bool            True = padding, from the layout only
-any other key          (T, ...)             per-token extras (``loss_mask``), flattened alike
-=====================  ===================  ===========================================
-
-Sequence ``i`` occupies storage ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``; its
-``cu_seqlens[i+1] - cu_seqlens[i]`` real tokens are a prefix of that slot.
+The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd_format``.
 """
 
 from __future__ import annotations
@@ -35,20 +19,31 @@ from typing import Any
 import numpy as np
 import torch
 
-SEQ_LENS_SENTINEL = -1000
-"""Fills ``seq_lens`` / ``seq_lens_padded`` rows past a pack's last sequence (NeMo's value)."""
+from thdpack.thd_format import (
+    INT_TOKEN_KEYS,
+    LENGTH_KEYS,
+    PACK_KEYS,
+    SEQ_LENS_SENTINEL,
+    THD_METADATA_KEYS,
+    THDBatch,
+    check_bshd,
+    flat_sequence_lengths,
+    validate_thd,
+)
 
-PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
-"""Keys every pack carries (CONTRACT.md "Packs")."""
-
-THD_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank")
-"""Keys of a THD batch that describe the whole batch rather than one token each."""
-
-_INT_TOKEN_KEYS = ("input_ids", "labels", "position_ids")
-_LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
-
-THDBatch = dict[str, Any]
-"""A THD batch: the module docstring's table; CP shards add ``cp_size`` and ``cp_rank``."""
+__all__ = [
+    "PACK_KEYS",
+    "SEQ_LENS_SENTINEL",
+    "THD_METADATA_KEYS",
+    "THDBatch",
+    "collate",
+    "sequence_lengths",
+    "split_micro_batches",
+    "thd_collate",
+    "thd_to_device",
+    "to_thd",
+    "validate_thd",
+]
 
 
 def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -83,12 +78,12 @@ def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     ([[3, 5, -1000], [3, 2, 1]], [[4, 12, -1000], [4, 4, 8]])
     """
     batch = _stack_packs(packs)
-    _flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
     return batch
 
 
 def to_thd(batch: Mapping[str, Any]) -> THDBatch:
-    """Flatten a collated BSHD batch into a THD batch (the module docstring's table).
+    """Flatten a collated BSHD batch into a THD batch (the table in ``thdpack.thd_format``).
 
     Args:
         batch: ``collate``'s output: (B, L) ``input_ids``, ``labels``, ``position_ids``;
@@ -117,8 +112,8 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
     >>> thd["padding_mask"].int().tolist()
     [0, 0, 0, 1, 0, 0, 1, 1]
     """
-    _check_bshd(batch)
-    real_N, padded_N = _flat_sequence_lengths(
+    check_bshd(batch)
+    real_N, padded_N = flat_sequence_lengths(
         batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
     )
     return _flatten(batch, real_N, padded_N)
@@ -132,7 +127,7 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
     ``thd_to_device`` moves the batch without a host sync.
     """
     batch = _stack_packs(packs)
-    real_N, padded_N = _flat_sequence_lengths(
+    real_N, padded_N = flat_sequence_lengths(
         batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
     )
     return _flatten(batch, real_N, padded_N)
@@ -173,7 +168,7 @@ def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[
     """
     if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
         raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
-    _check_bshd(batch)
+    check_bshd(batch)
     B = batch["input_ids"].shape[0]
     if B % num_chunks != 0:
         raise ValueError(
@@ -188,7 +183,7 @@ def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[
             for key, value in batch.items()
         }
         width = int((chunk["seq_lens_padded"] != SEQ_LENS_SENTINEL).sum(1).max())
-        for key in _LENGTH_KEYS:
+        for key in LENGTH_KEYS:
             chunk[key] = chunk[key][:, :width]
         chunks.append(chunk)
     return chunks
@@ -207,104 +202,11 @@ def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tens
     ...                   "seq_lens_padded": torch.tensor([[2, 2], [4, -1000]])})
     (tensor([1, 2, 3]), tensor([2, 2, 4]))
     """
-    _check_bshd(batch)
-    real_N, padded_N = _flat_sequence_lengths(
+    check_bshd(batch)
+    real_N, padded_N = flat_sequence_lengths(
         batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
     )
     return torch.from_numpy(real_N), torch.from_numpy(padded_N)
-
-
-def validate_thd(thd: Mapping[str, Any]) -> None:
-    """Check a THD batch (global, or a CP shard carrying ``cp_size`` / ``cp_rank``) once, on the host.
-
-    Checks: required keys; ``input_ids``, ``labels``, ``position_ids`` integer and ``padding_mask``
-    bool; every per-token tensor has ``T`` rows (``T / cp_size`` for a shard); ``cu_seqlens`` and
-    ``cu_seqlens_padded`` (N+1,) int32, ``[0] == 0``, non-decreasing, real ``<=`` padded per
-    sequence, ``cu_seqlens_padded[-1] == T``; ``max_seqlen`` an int ``>=`` every padded width;
-    for a shard, every padded width a multiple of ``2*cp_size``. Raises ``ValueError`` /
-    ``TypeError`` saying what is wrong and how to fix it. Tensors on an accelerator are
-    copied to the host for the checks (one sync), so validate before moving the batch.
-    """
-    missing = [k for k in (*_INT_TOKEN_KEYS, "padding_mask", *THD_METADATA_KEYS[:3]) if k not in thd]
-    if missing:
-        raise ValueError(f"THD batch lacks {missing}; build it with thdpack.to_thd / thd_collate")
-    cu = _check_cu("cu_seqlens", thd["cu_seqlens"])
-    cu_padded = _check_cu("cu_seqlens_padded", thd["cu_seqlens_padded"])
-    if cu.shape != cu_padded.shape:
-        raise ValueError(
-            f"cu_seqlens has {cu.numel()} entries but cu_seqlens_padded has {cu_padded.numel()}; "
-            "both need one entry per sequence plus one"
-        )
-    real_N, padded_N = cu.diff(), cu_padded.diff()
-    over = real_N > padded_N
-    if bool(over.any()):
-        i = int(torch.nonzero(over)[0])
-        raise ValueError(
-            f"sequence {i} has {int(real_N[i])} real tokens but a padded slot of {int(padded_N[i])}; "
-            "cu_seqlens must count real tokens and cu_seqlens_padded the slots that hold them"
-        )
-    max_seqlen = thd["max_seqlen"]
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
-        raise TypeError(
-            "max_seqlen must be a Python int (so the forward pass needs no .item()), "
-            f"got {type(max_seqlen).__name__}"
-        )
-    widest = int(padded_N.max()) if padded_N.numel() else 0
-    if max_seqlen < widest:
-        raise ValueError(
-            f"max_seqlen={max_seqlen} is below the widest padded slot ({widest}); kernels may then write "
-            "out of bounds; use max(diff(cu_seqlens_padded))"
-        )
-    T = int(cu_padded[-1])
-    cp_size, cp_rank = thd.get("cp_size", 1), thd.get("cp_rank", 0)
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be an int in [0, {cp_size}), got {cp_rank!r}")
-    if cp_size > 1:
-        bad = padded_N % (2 * cp_size) != 0
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise ValueError(
-                f"sequence {i} has padded width {int(padded_N[i])}, not a multiple of "
-                f"2*cp_size={2 * cp_size}; pack with cp_size={cp_size}"
-            )
-    local_T = T // cp_size
-    for key, value in thd.items():
-        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 0 or value.shape[0] != local_T:
-            where = f"T / cp_size = {T} / {cp_size}" if cp_size > 1 else "T = cu_seqlens_padded[-1]"
-            raise ValueError(
-                f"{key} has shape {tuple(value.shape)}; per-token tensors need {local_T} rows ({where})"
-            )
-    for key in _INT_TOKEN_KEYS:
-        if thd[key].dtype.is_floating_point or thd[key].dtype.is_complex or thd[key].dtype == torch.bool:
-            raise TypeError(f"{key} must be an integer tensor, got {thd[key].dtype}")
-    if thd["padding_mask"].dtype != torch.bool:
-        raise TypeError(
-            f"padding_mask must be a bool tensor (True = padding), got {thd['padding_mask'].dtype}"
-        )
-
-
-def _check_cu(name: str, cu: Any) -> torch.Tensor:
-    """Validate one cu_seqlens tensor; return it on the host as int64."""
-    if not isinstance(cu, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 (what TE and flash-attn take), got {cu.dtype}")
-    if cu.dim() != 1 or cu.numel() < 2:
-        raise ValueError(f"{name} must be 1-D with N+1 >= 2 entries, got shape {tuple(cu.shape)}")
-    cu = cu.detach().to("cpu", torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu[0])}")
-    drops = cu.diff() < 0
-    if bool(drops.any()):
-        i = int(torch.nonzero(drops)[0]) + 1
-        raise ValueError(
-            f"{name} must be non-decreasing; it drops at entry {i} ({int(cu[i - 1])} -> {int(cu[i])})"
-        )
-    return cu
 
 
 def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -328,7 +230,7 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         raise ValueError("pack 0 has 0 tokens; packs need pack_size >= 1")
     batch: dict[str, torch.Tensor] = {}
     for key in keys:
-        if key in _LENGTH_KEYS:
+        if key in LENGTH_KEYS:
             continue
         rows = [_as_tensor(pack[key], i, key) for i, pack in enumerate(packs)]
         for i, row in enumerate(rows):
@@ -339,12 +241,12 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
                     "needs the same pack_size, and collate stacks only per-token keys (first dim = pack_size)"
                 )
         stacked = torch.stack(rows)
-        if key in _INT_TOKEN_KEYS:
+        if key in INT_TOKEN_KEYS:
             if stacked.dtype.is_floating_point or stacked.dtype.is_complex or stacked.dtype == torch.bool:
                 raise TypeError(f"{key} must hold integers, got {stacked.dtype}")
             stacked = stacked.to(torch.int64)
         batch[key] = stacked
-    lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in _LENGTH_KEYS}
+    lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in LENGTH_KEYS}
     for i, (real, padded) in enumerate(zip(lengths["seq_lens"], lengths["seq_lens_padded"], strict=True)):
         if real.ndim != 1 or padded.shape != real.shape:
             raise ValueError(
@@ -352,7 +254,7 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
                 "1-D with one entry per sequence"
             )
     S = max(len(real) for real in lengths["seq_lens"])
-    for key in _LENGTH_KEYS:
+    for key in LENGTH_KEYS:
         matrix_BS = np.full((len(packs), S), SEQ_LENS_SENTINEL, dtype=np.int64)
         for i, row in enumerate(lengths[key]):
             matrix_BS[i, : len(row)] = row
@@ -377,84 +279,6 @@ def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
         raise TypeError(
             f"pack {pack_index} has {key} of type {type(value).__name__}, not a tensor: {err}"
         ) from err
-
-
-def _check_bshd(batch: Mapping[str, Any]) -> None:
-    """Keys and shapes of a collated batch (values are checked by ``_flat_sequence_lengths``)."""
-    missing = [k for k in PACK_KEYS if k not in batch]
-    if missing:
-        raise ValueError(f"batch lacks {missing}; build it with thdpack.collate")
-    input_ids = batch["input_ids"]
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(
-            f"input_ids must be a (B, L) tensor, got {getattr(input_ids, 'shape', type(input_ids).__name__)}"
-        )
-    B, L = input_ids.shape
-    for key, value in batch.items():
-        if not isinstance(value, torch.Tensor):
-            continue
-        if key in _LENGTH_KEYS:
-            if value.dim() != 2 or value.shape[0] != B or value.shape != batch["seq_lens_padded"].shape:
-                raise ValueError(
-                    f"{key} has shape {tuple(value.shape)}; seq_lens and seq_lens_padded must both be (B, S) "
-                    f"with B={B}"
-                )
-        elif value.dim() < 2 or value.shape[:2] != (B, L):
-            raise ValueError(
-                f"{key} has shape {tuple(value.shape)}; per-token tensors must be (B, L, ...) "
-                f"= ({B}, {L}, ...)"
-            )
-
-
-def _flat_sequence_lengths(
-    seq_lens_BS: torch.Tensor, seq_lens_padded_BS: torch.Tensor, L: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Validate the (B, S) length matrices; return the real and padded lengths, (N,) int64, row-major.
-
-    Runs in numpy on the host: a few dozen tiny checks cost microseconds there, tens of
-    microseconds as torch ops.
-    """
-    real_BS = seq_lens_BS.detach().cpu().numpy().astype(np.int64, copy=False)
-    padded_BS = seq_lens_padded_BS.detach().cpu().numpy().astype(np.int64, copy=False)
-    present_BS = padded_BS != SEQ_LENS_SENTINEL
-    mismatch = present_BS != (real_BS != SEQ_LENS_SENTINEL)
-    if mismatch.any():
-        b, s = np.argwhere(mismatch)[0]
-        raise ValueError(
-            f"pack {b}: seq_lens[{s}]={real_BS[b, s]} but seq_lens_padded[{s}]={padded_BS[b, s]}; "
-            f"both must hold a length there or both the sentinel {SEQ_LENS_SENTINEL}"
-        )
-    gap = present_BS[:, 1:] & ~present_BS[:, :-1]
-    if gap.any():
-        b = np.argwhere(gap)[0][0]
-        raise ValueError(
-            f"pack {b}: seq_lens_padded={padded_BS[b].tolist()} has a length after the sentinel "
-            f"{SEQ_LENS_SENTINEL}; the sentinel may only fill the end of a row"
-        )
-    negative = present_BS & ((real_BS < 0) | (padded_BS < 0))
-    if negative.any():
-        b, s = np.argwhere(negative)[0]
-        raise ValueError(
-            f"pack {b}: sequence {s} has seq_lens={real_BS[b, s]}, seq_lens_padded={padded_BS[b, s]}; "
-            "lengths must be >= 0"
-        )
-    over = present_BS & (real_BS > padded_BS)
-    if over.any():
-        b, s = np.argwhere(over)[0]
-        raise ValueError(
-            f"pack {b}: sequence {s} has seq_lens={real_BS[b, s]} > seq_lens_padded={padded_BS[b, s]}; "
-            "a slot must hold its sequence (seq_lens_padded is seq_lens rounded up, plus the pack's tail "
-            "padding)"
-        )
-    row_sums_B = np.where(present_BS, padded_BS, 0).sum(1)
-    wrong = row_sums_B != L
-    if wrong.any():
-        b = np.argwhere(wrong)[0][0]
-        raise ValueError(
-            f"pack {b}: seq_lens_padded={padded_BS[b][present_BS[b]].tolist()} sums to {row_sums_B[b]}, "
-            f"not the pack length {L}; the pack's tail padding belongs to its last entry"
-        )
-    return real_BS[present_BS], padded_BS[present_BS]
 
 
 def _cumsum_from_zero(lengths_N: np.ndarray) -> torch.Tensor:
@@ -489,7 +313,7 @@ def _flatten(batch: Mapping[str, Any], real_N: np.ndarray, padded_N: np.ndarray)
         "padding_mask": _layout_padding_mask(real_N, padded_N).to(device),
     }
     for key, value in batch.items():
-        if key in thd or key in _LENGTH_KEYS:
+        if key in thd or key in LENGTH_KEYS:
             continue
         thd[key] = value.reshape(T, *value.shape[2:]) if isinstance(value, torch.Tensor) else value
     return thd
