@@ -5,7 +5,7 @@ chunks; rank ``r`` keeps chunk ``r`` and chunk ``2*cp_size-1-r`` of each sequenc
 sequence, head chunk first. For causal attention this gives every rank the same work.
 
 ``partition_indices`` runs TE's own CUDA kernel when Transformer Engine is installed and the
-metadata lives on a GPU, and an exact torch twin otherwise. ``shard`` applies the partition to
+metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, numpy on CPU). ``shard`` applies the partition to
 a THD batch (``thdpack.to_thd``), ``unshard`` and ``gather`` invert it.
 
 Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``N`` sequences, ``W = cp_size``.
@@ -87,7 +87,7 @@ def partition_indices(
         (T / cp_size,) int32 on ``cu_seqlens_padded``'s device: same values, same order as TE.
 
     Raises ``ValueError`` where TE's release build would silently return wrong indices (the
-    checks run before either implementation; they copy ``cu_seqlens_padded`` to the host once).
+    checks run before any implementation; they copy ``cu_seqlens_padded`` to the host once).
 
     >>> cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     >>> partition_indices(cu, 16, 2, 0).tolist()   # chunks 0 and 3 of each sequence
@@ -112,7 +112,7 @@ def partition_indices(
         if not cu_seqlens_padded.is_cuda:
             raise ValueError(
                 f"impl='te' runs TE's CUDA kernel, but cu_seqlens_padded is on {cu_seqlens_padded.device}; "
-                "move it to a GPU or use impl='torch'"
+                "move it to a GPU or use impl='auto'"
             )
         tex = require("transformer_engine_torch", "partition_indices(impl='te')")
         return tex.thd_get_partitioned_indices(
