@@ -5,8 +5,9 @@ chunks; rank ``r`` keeps chunk ``r`` and chunk ``2*cp_size-1-r`` of each sequenc
 sequence, head chunk first. For causal attention this gives every rank the same work.
 
 ``partition_indices`` runs TE's own CUDA kernel when Transformer Engine is installed and the
-metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, numpy on CPU). ``shard`` applies the partition to
-a THD batch (``thdpack.to_thd``), ``unshard`` and ``gather`` invert it.
+metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, numpy on CPU).
+``shard`` applies the partition to a THD batch (``thdpack.to_thd``); ``unshard`` and
+``gather`` invert it.
 
 Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``N`` sequences, ``W = cp_size``.
 """
