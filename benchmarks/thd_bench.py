@@ -155,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     T = int(cu[-1])
     part_name = f"partition_indices, {T:,} tokens, {args.partition_seqs:,} seqs, cp {args.cp_size}"
     rows.append((f"{part_name}, CPU", time_cpu(lambda: partition_indices(cu, T, args.cp_size, 0), 50), None))
+    rows.append(
+        (
+            f"{part_name}, CPU torch twin",
+            time_cpu(lambda: partition_indices(cu, T, args.cp_size, 0, impl="torch"), 50),
+            None,
+        )
+    )
     if torch.cuda.is_available():
         cu_cuda = cu.cuda()
         rows.append(
