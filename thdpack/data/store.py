@@ -78,11 +78,10 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def write_manifest(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
     """Write ``manifest.json`` atomically (a reader sees the old or the new file, never half)."""
-    folder = Path(path)
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-        json.dump(manifest, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(f.name, folder / MANIFEST_FILE)
+    final = Path(path) / MANIFEST_FILE
+    partial = final.with_name(f".{MANIFEST_FILE}.partial")
+    partial.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, final)
 
 
 class TokenStore(Sequence[dict[str, np.ndarray]]):
