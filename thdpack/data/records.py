@@ -117,7 +117,11 @@ def record_segments(
 
 
 def _string(record: Mapping[str, Any], key: str, origin: str, *, optional: bool = False) -> str:
-    value = record.get(key)
+    if key not in record:
+        if optional:
+            return ""
+        raise ValueError(f"{origin} has no field {key!r} (its keys: {sorted(record)})")
+    value = record[key]
     if value is None and optional:
         return ""
     if not isinstance(value, str):
@@ -139,6 +143,8 @@ def _alpaca_segments(record: Mapping[str, Any], append_eos: bool, origin: str) -
 def _chat_messages(record: Mapping[str, Any], origin: str) -> list[tuple[str, str]]:
     """``(role, content)`` pairs from OpenAI-style ``messages`` or ShareGPT ``conversations``."""
     sharegpt = "messages" not in record
+    if sharegpt and "conversations" not in record:
+        raise ValueError(f"{origin} has no 'messages' or 'conversations' field (its keys: {sorted(record)})")
     messages = record["conversations" if sharegpt else "messages"]
     if not isinstance(messages, list):
         raise ValueError(f"{origin}: 'messages' must be a list, got {type(messages).__name__}")

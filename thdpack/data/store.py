@@ -338,7 +338,11 @@ class TokenStoreWriter:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self._closed:
             return
-        if exc_type is None:
-            self.close()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.close()
+        except BaseException:
+            self.abort()
+            raise
