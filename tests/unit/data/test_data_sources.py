@@ -151,9 +151,8 @@ def test_stdlib_is_the_interpreters_sorted_py_files():
     assert paths[:2] == ["__future__.py", "__hello__.py"]
     assert all(p.endswith(".py") and "site-packages" not in p for p in paths)
     on_disk = [p for p in stdlib_root().rglob("*.py") if "site-packages" not in p.parts]
-    empty = sum(1 for p in on_disk if not p.read_bytes().strip())
-    assert src.report.records == len(on_disk) - empty == len(paths)
-    assert src.report.skipped_empty == empty
+    assert src.report.records + src.report.skipped_empty == len(on_disk)
+    assert src.report.records == len(paths) and src.report.skipped_empty > 0  # e.g. empty __init__.py files
     assert src.describe()["format"] == "stdlib"
 
 
