@@ -58,7 +58,7 @@ def micro_batch(dp_size: int, dp_rank: int, step: int, cp_size: int) -> dict[str
 
 
 def local_shards(dp_size: int, dp_rank: int, cp_size: int, cp_rank: int) -> list[dict[str, torch.Tensor]]:
-    """This rank's CP shard of each micro-batch; both reductions' weights come from the global batch."""
+    """This rank's CP shard of each micro-batch; the per-sequence weights come from the global batch."""
     shards = []
     for step in range(MICRO_STEPS):
         batch = micro_batch(dp_size, dp_rank, step, cp_size)
@@ -66,8 +66,7 @@ def local_shards(dp_size: int, dp_rank: int, cp_size: int, cp_rank: int) -> list
         total = int(cu[-1])
         idx = torch.arange(total) if cp_size == 1 else partition_indices(cu, total, cp_size, cp_rank).long()
         shard = {"input_ids": batch["input_ids"][idx], "labels": batch["labels"][idx]}
-        for reduction in ("token_mean", "sequence_mean"):
-            shard[reduction] = loss_weights(batch["labels"], cu, reduction=reduction)[idx]
+        shard["weights"] = loss_weights(batch["labels"], cu, reduction="sequence_mean")[idx]
         shards.append(shard)
     return shards
 
@@ -82,14 +81,15 @@ def config_step(rank: int, dp_size: int, cp_size: int, groups: dict) -> dict:
     for reduction in ("token_mean", "sequence_mean"):
         for layout in ("flat_average", "dp_average_cp_sum"):
             model = make_model()
+            per_sequence = reduction == "sequence_mean"  # token mean: counted from the labels alone
             loss = StepLoss.begin(
                 [mb["labels"] for mb in shards],
-                micro_batch_weights=[mb[reduction] for mb in shards],
+                micro_batch_weights=[mb["weights"] for mb in shards] if per_sequence else None,
                 grad_average_size=world if layout == "flat_average" else dp_size,
                 group=dp_cp_group,
             )
             for mb in shards:
-                loss(model(mb["input_ids"]), mb["labels"], mb[reduction]).backward()
+                loss(model(mb["input_ids"]), mb["labels"], mb["weights"] if per_sequence else None).backward()
             for p in model.parameters():
                 if layout == "flat_average":  # FSDP / DDP over the flattened dp x cp mesh
                     dist.all_reduce(p.grad, group=dp_cp_group)

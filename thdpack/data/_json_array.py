@@ -23,7 +23,7 @@ class _Window:
     def __init__(self, stream: IO[bytes], name: str, errors: str) -> None:
         self.stream = stream
         self.name = name
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors=errors)
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors=errors)  # drops a leading BOM
         self.buf = ""
         self.pos = 0
         self.line = 1
@@ -43,7 +43,7 @@ class _Window:
             ) from err
         if not raw:
             self.eof = True
-        if self.pos > _CHUNK_CHARS:  # drop the consumed prefix so memory stays bounded
+        elif self.pos > _CHUNK_CHARS:  # drop the consumed prefix so memory stays bounded
             self.buf = self.buf[self.pos :]
             self.pos = 0
         self.buf += text

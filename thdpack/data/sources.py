@@ -126,7 +126,7 @@ def detect_format(path: str | os.PathLike[str]) -> SourceFormat:
         return "jsonl"
     if suffix == ".json":
         with _open_binary(p) as f:
-            head = f.read(4096).lstrip()
+            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
         return "json" if head.startswith(b"[") else "jsonl"
     if suffix == ".parquet":
         return "parquet"
@@ -226,6 +226,8 @@ class Source:
                 if not raw.strip():
                     self.report.blank_lines += 1
                     continue
+                if lineno == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
                 try:
                     record = json.loads(self._decode(raw, origin))
                 except json.JSONDecodeError as err:

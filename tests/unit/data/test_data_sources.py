@@ -42,6 +42,13 @@ def test_jsonl_gzip_and_json_with_objects_per_line(tmp_path):
     assert [r["text"] for r in Source(tmp_path / "lines.json")] == ["x", "y"]
 
 
+def test_byte_order_marks_are_dropped(tmp_path):
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "a"}\n')
+    (tmp_path / "bom.json").write_bytes(b'\xef\xbb\xbf[{"text": "b"}]')
+    assert list(Source(tmp_path / "bom.jsonl")) == [{"text": "a"}]
+    assert list(Source(tmp_path / "bom.json")) == [{"text": "b"}]
+
+
 def test_jsonl_errors_name_file_and_line(tmp_path):
     bad = write_jsonl(tmp_path / "bad.jsonl", ['{"text": "a"}', '{"text": "b"', "[1, 2]"])
     with pytest.raises(ValueError, match=r"bad.jsonl line 2: malformed JSON: Expecting ',' delimiter"):
