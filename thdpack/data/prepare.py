@@ -131,6 +131,7 @@ def _prepare(args: argparse.Namespace) -> int:
         source=[s.describe() for s in sources],
         overwrite=args.overwrite,
     )
+    (out / PLAN_FILE).unlink(missing_ok=True)  # an older plan must never sit next to a new store
     with writer:
         bar = progress_bar(total=args.limit, desc="tokenize", unit="rec", enabled=args.progress)
         try:

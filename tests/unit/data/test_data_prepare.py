@@ -88,6 +88,8 @@ def test_errors_are_messages(corpus, tmp_path, capsys):
     assert "already holds token store files" in error(str(corpus), "--pack-size", "64", "--out", out)
     assert prepare(str(corpus), "--pack-size", "64", "--out", out, "--overwrite", "--no-plots") == 0
     capsys.readouterr()
+    assert "only planning failed" in error(str(corpus), "--pack-size", "32", "--out", out, "--overwrite")
+    assert not (tmp_path / "out" / "plan.npz").exists()  # the older plan went with the older store
     assert "has no 'messages' or 'conversations' field" in error(
         str(corpus), "--kind", "chat", "--pack-size", "64", "--out", out + "2"
     )
