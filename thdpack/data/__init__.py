@@ -20,6 +20,7 @@ from thdpack.data.tokenize import (
     TokenizedSample,
     TokenizeReport,
     load_tokenizer,
+    record_batches,
     tokenize_records,
 )
 
@@ -45,6 +46,7 @@ __all__ = [
     "detect_kind",
     "load_tokenizer",
     "read_manifest",
+    "record_batches",
     "record_segments",
     "tokenize_records",
 ]

@@ -29,7 +29,13 @@ from thdpack.data._progress import progress_bar
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, Source, SourceConfig
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest, write_manifest
-from thdpack.data.tokenize import SAMPLE_FORMATS, SampleEncoder, TokenizeConfig, load_tokenizer
+from thdpack.data.tokenize import (
+    SAMPLE_FORMATS,
+    SampleEncoder,
+    TokenizeConfig,
+    load_tokenizer,
+    record_batches,
+)
 from thdpack.plan import ALGORITHMS, OVERFLOWS, plan_packs
 
 PLAN_FILE = "plan.npz"
@@ -135,8 +141,7 @@ def _prepare(args: argparse.Namespace) -> int:
     with writer:
         bar = progress_bar(total=args.limit, desc="tokenize", unit="rec", enabled=args.progress)
         try:
-            records = _records(sources, args.limit)
-            while batch := list(itertools.islice(records, tokenize_config.batch_size)):
+            for batch in record_batches(_records(sources, args.limit), tokenize_config, lambda item: item[1]):
                 writer.add_all(encoder.encode([r for _, r in batch], [o for o, _ in batch]))
                 bar.update(len(batch))
                 bar.set_postfix_str(f"{writer.num_tokens:,} tokens")

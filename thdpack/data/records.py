@@ -116,6 +116,17 @@ def record_segments(
     return segments
 
 
+def text_chars(value: Any) -> int:
+    """Characters of text in a record (all string values, nested ones included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
 def _string(record: Mapping[str, Any], key: str, origin: str, *, optional: bool = False) -> str:
     if key not in record:
         if optional:

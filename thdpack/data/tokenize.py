@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import numpy as np
 
 from thdpack._optional import require
 from thdpack.data._progress import progress_bar
-from thdpack.data.records import RECORD_KINDS, RecordKind, detect_kind, record_segments
+from thdpack.data.records import RECORD_KINDS, RecordKind, detect_kind, record_segments, text_chars
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)
@@ -46,6 +46,7 @@ IGNORE_INDEX = -100
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZERS = {"gpt2": ASSETS / "gpt2_tokenizer.json"}
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,12 +65,17 @@ class TokenizeConfig:
     """SFT: prompt tokens are not targets (label -100); False trains on the prompt too."""
     batch_size: int = 512
     """Records per ``encode_batch`` call (the tokenizer parallelises inside a batch)."""
+    batch_chars: int = 4_000_000
+    """Cut a batch early once its records hold this many characters: bounds memory when documents
+    are huge (a tokenizer output costs ~100 bytes per token until it is converted)."""
 
     def __post_init__(self) -> None:
         if self.kind not in (*RECORD_KINDS, "auto"):
             raise ValueError(f"unknown record kind {self.kind!r}; use one of {['auto', *RECORD_KINDS]}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_chars < 1:
+            raise ValueError(f"batch_chars must be >= 1, got {self.batch_chars}")
         if self.eos_id is not None and self.eos_id < 0:
             raise ValueError(f"eos_id must be a token id >= 0, got {self.eos_id}")
 
@@ -285,6 +291,30 @@ class SampleEncoder:
         samples.append(TokenizedSample(tokens, target_mask))
 
 
+def record_batches(
+    items: Iterable[T], config: TokenizeConfig, record_of: Callable[[T], Any] = lambda item: item
+) -> Iterator[list[T]]:
+    """Group ``items`` into tokenizer batches: ``config.batch_size`` records at most, cut early once
+    they hold ``config.batch_chars`` characters. ``record_of`` finds the record in an item.
+
+    >>> docs = [{"text": "x" * 5}] * 5
+    >>> [len(b) for b in record_batches(docs, TokenizeConfig(batch_size=3, batch_chars=100))]
+    [3, 2]
+    >>> [len(b) for b in record_batches(docs, TokenizeConfig(batch_size=3, batch_chars=9))]
+    [2, 2, 1]
+    """
+    batch: list[T] = []
+    chars = 0
+    for item in items:
+        batch.append(item)
+        chars += text_chars(record_of(item))
+        if len(batch) == config.batch_size or chars >= config.batch_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
 def tokenize_records(
     records: Iterable[Mapping[str, Any]],
     tokenizer: TextTokenizer | str | os.PathLike[str] | Any = "gpt2",
@@ -293,21 +323,14 @@ def tokenize_records(
     total: int | None = None,
     progress: bool | None = None,
 ) -> Iterator[TokenizedSample]:
-    """Stream ``TokenizedSample``s from records, ``config.batch_size`` records per tokenizer call.
+    """Stream ``TokenizedSample``s from records, one tokenizer call per ``record_batches`` batch.
 
     ``progress``: a tqdm bar over records (None: only when stderr is a terminal).
     """
     encoder = SampleEncoder(tokenizer, config)
     bar = progress_bar(total=total, desc="tokenize", unit="rec", enabled=progress)
-    batch: list[Mapping[str, Any]] = []
     try:
-        for record in records:
-            batch.append(record)
-            if len(batch) == encoder.config.batch_size:
-                yield from encoder.encode(batch)
-                bar.update(len(batch))
-                batch = []
-        if batch:
+        for batch in record_batches(records, encoder.config):
             yield from encoder.encode(batch)
             bar.update(len(batch))
     finally:
