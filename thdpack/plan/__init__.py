@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 from thdpack.plan.api import ALGORITHMS, DEFAULT_WINDOW, Algorithm, as_lengths, plan_packs, slot_multiple
+from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram
-from thdpack.plan.materialize import materialize
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.plan.packplan import PackPlan
 from thdpack.plan.stats import PackingStats

@@ -17,9 +17,9 @@ from typing import Literal
 
 import numpy as np
 
+from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import plan_histogram
-from thdpack.plan.materialize import materialize
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOWS, Entries, Overflow, apply_overflow
 from thdpack.plan.packplan import PackPlan
@@ -121,6 +121,11 @@ def plan_packs(
         )
 
     entries = apply_overflow(lengths, pack_size, overflow)
+    if len(entries.length) == 0:
+        raise ValueError(
+            f"overflow='drop' dropped all {len(lengths)} sequences (each is longer than "
+            f"pack_size={pack_size}); nothing is left to pack: use a larger pack_size or overflow='split'"
+        )
     units = entries.length if multiple == 1 else -(-entries.length // multiple)  # slots, in `multiple`s
     capacity = pack_size // multiple
     counts = np.bincount(units, minlength=capacity + 1)
@@ -134,7 +139,7 @@ def plan_packs(
         ids, offsets = window_best_fit(units, capacity, window)
     else:
         hp = plan_histogram(counts, capacity, fit=algorithm, rng=rng)
-        ids, offsets = materialize(hp, _size_order(units, capacity, rng))
+        ids, offsets = materialize(hp, units, rng=rng)
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
@@ -154,16 +159,6 @@ def plan_packs(
         entry_starts=entries.start[ids] if cut else None,
         entry_lengths=entries.length[ids] if cut else None,
     )
-
-
-def _size_order(units: np.ndarray, capacity: int, rng: np.random.Generator | None) -> np.ndarray:
-    """Item ids sorted by size, ascending; equal sizes in id order, or shuffled by ``rng``."""
-    # numpy's stable sort is a radix sort for 16-bit keys: O(n) on typical pack sizes
-    keys = units.astype(np.uint16) if capacity < 2**16 else units
-    if rng is None:
-        return np.argsort(keys, kind="stable")
-    perm = rng.permutation(len(units))
-    return perm[np.argsort(keys[perm], kind="stable")]
 
 
 def _stats(

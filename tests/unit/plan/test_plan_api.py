@@ -35,6 +35,10 @@ def problems(draw, max_len=300):
 )
 def test_every_sequence_placed_once_and_no_pack_over_capacity(problem, algorithm, overflow, seed):
     lengths, pack_size, cp_size = problem
+    if overflow == "drop" and min(lengths) > pack_size:
+        with pytest.raises(ValueError, match=f"overflow='drop' dropped all {len(lengths)} sequences"):
+            plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, overflow=overflow, seed=seed)
+        return
     plan = plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, overflow=overflow, seed=seed)
     stats = plan.stats
     lengths = np.asarray(lengths)
