@@ -141,9 +141,7 @@ def count_loss_tokens(
     ``micro_batch_labels``: this rank's (T,) labels of every micro-batch of the step.
     Returns a float64 scalar tensor (exact up to 2**53 tokens).
     """
-    return global_loss_denominator(
-        ((labels_T != ignore_index) for labels_T in micro_batch_labels), group=group
-    )
+    return global_loss_denominator(((labels_T != ignore_index) for labels_T in micro_batch_labels), group=group)
 
 
 def cross_entropy_sum(
@@ -197,8 +195,7 @@ def packed_cross_entropy(
     """
     if isinstance(grad_average_size, bool) or not isinstance(grad_average_size, int) or grad_average_size < 1:
         raise ValueError(
-            "grad_average_size must be an int >= 1 (the ranks your DDP/FSDP averages over), "
-            f"got {grad_average_size!r}"
+            f"grad_average_size must be an int >= 1 (the ranks your DDP/FSDP averages over), got {grad_average_size!r}"
         )
     total = cross_entropy_sum(logits_TV, labels_T, weights_T, ignore_index=ignore_index)
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator)).to(total.dtype)
@@ -284,8 +281,7 @@ def _sequence_lengths(cu_seqlens_padded: torch.Tensor, total_tokens: int) -> tor
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != total_tokens:
         raise ValueError(
-            f"cu_seqlens_padded must start at 0, never decrease and end at T={total_tokens}, "
-            f"got {cu.tolist()}"
+            f"cu_seqlens_padded must start at 0, never decrease and end at T={total_tokens}, got {cu.tolist()}"
         )
     return lengths
 

@@ -168,7 +168,5 @@ def test_packed_sharded_accumulated_loss_equals_unpacked(layout_results, dp_size
             assert max_diff(grads, ref_grads) <= 1e-10, f"{where}: gradients differ"
         naive_loss, naive_grads = out["naive"]
         ref_loss, ref_grads = references["token_mean"]
-        assert abs(naive_loss - ref_loss) > 1e-3, (
-            "the mean-of-means should differ: the test would not discriminate"
-        )
+        assert abs(naive_loss - ref_loss) > 1e-3, "the mean-of-means should differ: the test would not discriminate"
         assert max_diff(naive_grads, ref_grads) > 1e-4

@@ -127,15 +127,11 @@ def test_bad_inputs_raise_with_the_values():
         cross_entropy_sum(logits, labels, torch.ones(2))
     with pytest.raises(TypeError, match=r"labels must be an integer tensor, got torch\.float32"):
         cross_entropy_sum(logits, labels.float())
-    with pytest.raises(
-        ValueError, match=r"unknown reduction 'mean'; use one of \['token_mean', 'sequence_mean'\]"
-    ):
+    with pytest.raises(ValueError, match=r"unknown reduction 'mean'; use one of \['token_mean', 'sequence_mean'\]"):
         loss_weights(labels, torch.tensor([0, 3]), reduction="mean")
     with pytest.raises(ValueError, match=r"end at T=3, got \[0, 2\]"):
         loss_weights(labels, torch.tensor([0, 2]), reduction="sequence_mean")
     with pytest.raises(ValueError, match="micro_batch_weights is empty"):
         global_loss_denominator([])
-    with pytest.raises(
-        ValueError, match=r"a process group was given but torch\.distributed is not initialised"
-    ):
+    with pytest.raises(ValueError, match=r"a process group was given but torch\.distributed is not initialised"):
         count_loss_tokens([labels], group=object())

@@ -38,8 +38,7 @@ class _Window:
             text = self.decoder.decode(raw, final=not raw)
         except UnicodeDecodeError as err:
             raise ValueError(
-                f"{self.name} near line {self.line}: not valid UTF-8 ({err.reason}); "
-                "re-encode the file as UTF-8"
+                f"{self.name} near line {self.line}: not valid UTF-8 ({err.reason}); re-encode the file as UTF-8"
             ) from err
         if not raw:
             self.eof = True
@@ -63,9 +62,7 @@ class _Window:
                 return ""
 
 
-def iter_json_array(
-    stream: IO[bytes], name: str, *, errors: str = "strict"
-) -> Iterator[tuple[int, int, Any]]:
+def iter_json_array(stream: IO[bytes], name: str, *, errors: str = "strict") -> Iterator[tuple[int, int, Any]]:
     """Yield ``(record_index, line, record)`` for each element of a top-level JSON array.
 
     Raises ``ValueError`` naming ``name``, the record index and the line for a file that is not
@@ -100,9 +97,7 @@ def iter_json_array(
                     read_size *= 2
                     continue
                 err_line = window.line + window.buf.count("\n", window.pos, err.pos)
-                raise ValueError(
-                    f"{name} record {index} (line {err_line}): malformed JSON: {err.msg}"
-                ) from err
+                raise ValueError(f"{name} record {index} (line {err_line}): malformed JSON: {err.msg}") from err
         line = window.line
         window.advance(end)
         yield index, line, record
@@ -113,9 +108,7 @@ def iter_json_array(
             break
         if sep != ",":
             found = repr(sep) if sep else "the end of the file"
-            raise ValueError(
-                f"{name} line {window.line}: expected ',' or ']' after record {index - 1}, found {found}"
-            )
+            raise ValueError(f"{name} line {window.line}: expected ',' or ']' after record {index - 1}, found {found}")
         window.advance(window.pos + 1)
     trailing = window.skip_whitespace()
     if trailing:

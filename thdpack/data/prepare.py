@@ -50,18 +50,12 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         help="jsonl / json / parquet file, HF save_to_disk folder, text folder, or 'stdlib' "
         "(several are read one after another)",
     )
-    parser.add_argument(
-        "--tokenizer", default="gpt2", help="'gpt2' (shipped) or a tokenizer.json path (default: gpt2)"
-    )
+    parser.add_argument("--tokenizer", default="gpt2", help="'gpt2' (shipped) or a tokenizer.json path (default: gpt2)")
     parser.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    parser.add_argument(
-        "--algorithm", default="bfd", choices=ALGORITHMS, help="packing algorithm (default: bfd)"
-    )
-    parser.add_argument(
-        "--overflow", default="error", choices=OVERFLOWS, help="samples over a pack (default: error)"
-    )
+    parser.add_argument("--algorithm", default="bfd", choices=ALGORITHMS, help="packing algorithm (default: bfd)")
+    parser.add_argument("--overflow", default="error", choices=OVERFLOWS, help="samples over a pack (default: error)")
     parser.add_argument("--seed", type=int, help="planner tie-break seed (default: deterministic)")
     parser.add_argument("--format", default="auto", choices=["auto", *SOURCE_FORMATS], help="input format")
     parser.add_argument("--split", help="split of an HF DatasetDict folder")
@@ -81,9 +75,7 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         choices=SAMPLE_FORMATS,
         help="how samples are read (default: labels)",
     )
-    parser.add_argument(
-        "--batch-size", type=int, default=512, help="records per tokenizer call (default: 512)"
-    )
+    parser.add_argument("--batch-size", type=int, default=512, help="records per tokenizer call (default: 512)")
     parser.add_argument("--limit", type=int, help="read only the first N records (a quick trial)")
     parser.add_argument("--overwrite", action="store_true", help="replace a token store already in --out")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -148,9 +140,7 @@ def _prepare(args: argparse.Namespace) -> int:
         finally:
             bar.close()
         if writer.num_samples == 0:
-            raise ValueError(
-                f"no samples to store: {encoder.report}; check the inputs and --kind / --text-key"
-            )
+            raise ValueError(f"no samples to store: {encoder.report}; check the inputs and --kind / --text-key")
         seconds = time.perf_counter() - start
         writer.close(
             extra={

@@ -69,9 +69,7 @@ class SourceConfig:
         if self.format not in (*SOURCE_FORMATS, "auto"):
             raise ValueError(f"unknown source format {self.format!r}; use one of {['auto', *SOURCE_FORMATS]}")
         if self.decode_errors not in (None, *get_args(DecodeErrors)):
-            raise ValueError(
-                f"unknown decode_errors {self.decode_errors!r}; use one of {list(get_args(DecodeErrors))}"
-            )
+            raise ValueError(f"unknown decode_errors {self.decode_errors!r}; use one of {list(get_args(DecodeErrors))}")
         if self.text_suffixes is not None and not all(s.startswith(".") for s in self.text_suffixes):
             raise ValueError(f"text_suffixes must start with '.', got {self.text_suffixes}")
 
@@ -113,9 +111,7 @@ def detect_format(path: str | os.PathLike[str]) -> SourceFormat:
     if str(path) == STDLIB and not p.exists():
         return "stdlib"
     if not p.exists():
-        raise FileNotFoundError(
-            f"input {str(path)!r} does not exist (for the embedded corpus pass {STDLIB!r})"
-        )
+        raise FileNotFoundError(f"input {str(path)!r} does not exist (for the embedded corpus pass {STDLIB!r})")
     if p.is_dir():
         return "hf" if any((p / m).is_file() for m in _HF_MARKERS) else "text"
     suffixes = [s.lower() for s in p.suffixes]
@@ -133,8 +129,7 @@ def detect_format(path: str | os.PathLike[str]) -> SourceFormat:
     if suffix in (".txt", ".md", ".py", ".rst"):
         return "text"
     raise ValueError(
-        f"cannot tell the format of {str(path)!r} from its name; "
-        f"pass format= (--format) one of {list(SOURCE_FORMATS)}"
+        f"cannot tell the format of {str(path)!r} from its name; pass format= (--format) one of {list(SOURCE_FORMATS)}"
     )
 
 

@@ -64,9 +64,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of the store at ``path``; ``ValueError`` when there is no finished store."""
     file = Path(path) / MANIFEST_FILE
     if not file.is_file():
-        raise ValueError(
-            f"{path} holds no token store ({MANIFEST_FILE} is missing); run `thdpack prepare` first"
-        )
+        raise ValueError(f"{path} holds no token store ({MANIFEST_FILE} is missing); run `thdpack prepare` first")
     manifest = json.loads(file.read_text())
     if manifest.get("format") != STORE_FORMAT or manifest.get("version") != STORE_VERSION:
         raise ValueError(
@@ -95,9 +93,7 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
         self.manifest = read_manifest(self.path)
         self.sample_format: SampleFormat = sample_format or self.manifest["sample_format"]
         if self.sample_format not in SAMPLE_FORMATS:
-            raise ValueError(
-                f"unknown sample_format {self.sample_format!r}; use one of {list(SAMPLE_FORMATS)}"
-            )
+            raise ValueError(f"unknown sample_format {self.sample_format!r}; use one of {list(SAMPLE_FORMATS)}")
         self.dtype = np.dtype(self.manifest["dtype"])
         self.num_tokens: int = self.manifest["num_tokens"]
         self._num_samples: int = self.manifest["num_samples"]
@@ -116,8 +112,7 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
             actual = file.stat().st_size if file.is_file() else None
             if actual != size:
                 raise ValueError(
-                    f"{file} has {actual} bytes, the manifest implies {size}; "
-                    "the store is damaged: prepare it again"
+                    f"{file} has {actual} bytes, the manifest implies {size}; the store is damaged: prepare it again"
                 )
 
     def _open(self) -> None:
@@ -171,10 +166,7 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
         assert self._tokens is not None and self._offsets is not None
         start, end = int(self._offsets[i]), int(self._offsets[i + 1])
         tokens = self._tokens[start:end].astype(np.int64)
-        if self._mask is None:
-            target_mask = np.ones(end - start, dtype=bool)
-        else:
-            target_mask = self._mask[start:end].astype(bool)
+        target_mask = np.ones(end - start, dtype=bool) if self._mask is None else self._mask[start:end].astype(bool)
         return TokenizedSample(tokens, target_mask)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -120,9 +120,7 @@ def load_tokenizer(spec: str | os.PathLike[str] | Any) -> TextTokenizer:
         sha = hashlib.sha256(backend.to_str().encode()).hexdigest()
         eos = getattr(spec, "eos_token_id", None)
         name = str(getattr(spec, "name_or_path", "") or type(spec).__name__)
-        return TextTokenizer(
-            backend, name=name, sha256=sha, eos_id=eos if eos is not None else _find_eos(backend)
-        )
+        return TextTokenizer(backend, name=name, sha256=sha, eos_id=eos if eos is not None else _find_eos(backend))
     raise TypeError(
         f"cannot use a {type(spec).__name__} as a tokenizer; pass 'gpt2', a tokenizer.json path, a "
         "tokenizers.Tokenizer or a fast transformers tokenizer (one with .backend_tokenizer)"
@@ -145,12 +143,9 @@ def _load_from_path(spec: str | os.PathLike[str]) -> TextTokenizer:
         backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
     except Exception as err:  # tokenizers raises a bare Exception for bad JSON / unknown models
         raise ValueError(
-            f"cannot read {path} as a Hugging Face tokenizer.json ({err}); "
-            "pass 'gpt2' or a valid tokenizer.json"
+            f"cannot read {path} as a Hugging Face tokenizer.json ({err}); pass 'gpt2' or a valid tokenizer.json"
         ) from err
-    return TextTokenizer(
-        backend, name=name, sha256=hashlib.sha256(data).hexdigest(), eos_id=_find_eos(backend)
-    )
+    return TextTokenizer(backend, name=name, sha256=hashlib.sha256(data).hexdigest(), eos_id=_find_eos(backend))
 
 
 def _find_eos(backend: Any) -> int | None:
@@ -220,9 +215,7 @@ class TokenizeReport:
 class SampleEncoder:
     """Turns batches of records into ``TokenizedSample``s; ``report`` counts what it did."""
 
-    def __init__(
-        self, tokenizer: TextTokenizer | str | os.PathLike[str] | Any, config: TokenizeConfig | None = None
-    ):
+    def __init__(self, tokenizer: TextTokenizer | str | os.PathLike[str] | Any, config: TokenizeConfig | None = None):
         self.tokenizer = load_tokenizer(tokenizer)
         self.config = config or TokenizeConfig()
         self.eos_id = self.config.eos_id if self.config.eos_id is not None else self.tokenizer.eos_id
@@ -232,9 +225,7 @@ class SampleEncoder:
                 "pass eos_id= (--eos-id) or append_eos=False (--no-eos)"
             )
         if self.eos_id is not None and self.eos_id >= self.tokenizer.vocab_size:
-            raise ValueError(
-                f"eos_id={self.eos_id} is outside the vocabulary (size {self.tokenizer.vocab_size})"
-            )
+            raise ValueError(f"eos_id={self.eos_id} is outside the vocabulary (size {self.tokenizer.vocab_size})")
         self.report = TokenizeReport()
 
     def encode(

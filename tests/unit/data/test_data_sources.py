@@ -19,9 +19,7 @@ def write_jsonl(path, lines):
 
 
 def test_jsonl_records_with_counted_skips(tmp_path):
-    path = write_jsonl(
-        tmp_path / "d.jsonl", ['{"text": "a"}', "", '{"text": "  "}', '{"text": "b", "id": 3}']
-    )
+    path = write_jsonl(tmp_path / "d.jsonl", ['{"text": "a"}', "", '{"text": "  "}', '{"text": "b", "id": 3}'])
     src = Source(path)
     assert src.format == "jsonl"
     assert list(src.records_with_origin()) == [
@@ -190,9 +188,7 @@ def test_hf_save_to_disk_folder(tmp_path):
         {"instruction": "i0", "input": "", "output": "o0"},
         {"instruction": "i1", "input": "x", "output": "o1"},
     ]
-    both = datasets.DatasetDict(
-        {"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows)}
-    )
+    both = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows), "test": datasets.Dataset.from_dict(rows)})
     both.save_to_disk(str(tmp_path / "dict"))
     with pytest.raises(ValueError, match=r"holds the splits \['train', 'test'\]; pass split="):
         list(Source(tmp_path / "dict"))

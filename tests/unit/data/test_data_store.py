@@ -100,9 +100,7 @@ def test_pickles_without_the_data_and_reopens_lazily(tmp_path, gpt2):
     clone = pickle.loads(blob)
     assert clone._tokens is None
     assert clone[2]["labels"].tolist() == [-100, 32, 33] and clone.lengths.tolist() == [2, 1, 3]
-    loader = torch.utils.data.DataLoader(
-        store, batch_size=None, num_workers=1, collate_fn=lambda s: s["input_ids"]
-    )
+    loader = torch.utils.data.DataLoader(store, batch_size=None, num_workers=1, collate_fn=lambda s: s["input_ids"])
     assert [b.tolist() for b in loader] == [[10, 11], [20], [30, 31, 32]]
 
 
@@ -128,9 +126,7 @@ def test_writer_errors(tmp_path, gpt2):
         writer.add(sample([7, 8]))
     assert len(TokenStore(tmp_path)) == 1
     with (
-        pytest.raises(
-            ValueError, match=r"sample 1 has token id 50257, outside \[0, 50257\) of tokenizer 'gpt2'"
-        ),
+        pytest.raises(ValueError, match=r"sample 1 has token id 50257, outside \[0, 50257\) of tokenizer 'gpt2'"),
         TokenStoreWriter(tmp_path / "ids", tokenizer=gpt2) as writer,
     ):
         writer.add_all([sample([1, 2]), sample([3, 50257])])
@@ -142,9 +138,7 @@ def test_writer_errors(tmp_path, gpt2):
 
 
 def test_reader_errors(tmp_path, gpt2):
-    with pytest.raises(
-        ValueError, match=r"holds no token store \(manifest.json is missing\); run `thdpack prepare`"
-    ):
+    with pytest.raises(ValueError, match=r"holds no token store \(manifest.json is missing\); run `thdpack prepare`"):
         TokenStore(tmp_path)
     store = written_out_store(tmp_path, gpt2)
     with pytest.raises(IndexError, match="sample 3 is out of range for a store of 3 samples"):
@@ -153,7 +147,29 @@ def test_reader_errors(tmp_path, gpt2):
         store["0"]
     with open(tmp_path / "tokens.bin", "r+b") as f:
         f.truncate(10)
-    with pytest.raises(
-        ValueError, match=r"tokens.bin has 10 bytes, the manifest implies 18; the store is damaged"
-    ):
+    with pytest.raises(ValueError, match=r"tokens.bin has 10 bytes, the manifest implies 18; the store is damaged"):
         TokenStore(tmp_path)
+
+
+def test_packed_dataset_over_a_store_trains_the_same_targets_in_both_sample_formats(tmp_path, gpt2):
+    from thdpack.data.tokenize import SampleEncoder
+    from thdpack.packed_dataset import PackedDataset
+
+    records = [{"instruction": f"Count to {i}.", "output": " ".join(map(str, range(i)))} for i in range(1, 9)]
+    records += [{"text": "word " * n} for n in (5, 17, 2)]
+    with TokenStoreWriter(tmp_path, tokenizer=gpt2) as writer:
+        writer.add_all(SampleEncoder(gpt2).encode(records))
+    pairs = {}
+    for sample_format in ("labels", "loss_mask"):
+        store = TokenStore(tmp_path, sample_format=sample_format)
+        ds = PackedDataset(store, 64, cp_size=2, lengths=store.lengths, shuffle=False, pad_id=50256)
+        packs = [ds[i] for i in range(len(ds))]
+        assert sum(int(p["seq_lens"].sum()) for p in packs) == int(store.lengths.sum())  # tokens conserved
+        trained = [
+            (int(t), int(lb)) for p in packs for t, lb in zip(p["input_ids"], p["labels"], strict=True) if lb != -100
+        ]
+        pairs[sample_format] = sorted(trained)
+    assert (
+        pairs["labels"] == pairs["loss_mask"]
+        and len(pairs["labels"]) == TokenStore(tmp_path).manifest["num_target_tokens"]
+    )

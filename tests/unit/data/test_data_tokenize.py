@@ -18,9 +18,7 @@ from thdpack.data.tokenize import (
     tokenize_records,
 )
 
-tokenizers = pytest.importorskip(
-    "tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')"
-)
+tokenizers = pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
 
 GPT2_SHA256 = "e88dafdf79f2026eaffb161c36a8b914b5fa586a620d108b9fecc117f74dbdd7"
 EOS = 50256
@@ -110,17 +108,13 @@ def test_sample_formats_train_the_same_targets(gpt2):
     derived = np.append(by_mask["input_ids"][1:], -100)
     derived[by_mask["loss_mask"] == 0] = -100
     assert derived[:-1].tolist() == by_labels["labels"].tolist()
-    with pytest.raises(
-        ValueError, match=r"unknown sample_format 'bshd'; use one of \['labels', 'loss_mask'\]"
-    ):
+    with pytest.raises(ValueError, match=r"unknown sample_format 'bshd'; use one of \['labels', 'loss_mask'\]"):
         sample.to_sample("bshd")
 
 
 def test_skips_are_counted_not_silent(gpt2):
     encoder = SampleEncoder(gpt2, TokenizeConfig(append_eos=False))
-    out = encoder.encode(
-        [{"text": "Hi"}, {"text": "Hello world"}, {"messages": [{"role": "user", "content": "q"}]}]
-    )
+    out = encoder.encode([{"text": "Hi"}, {"text": "Hello world"}, {"messages": [{"role": "user", "content": "q"}]}])
     assert [s.tokens.tolist() for s in out] == [[15496, 995]]
     report = encoder.report
     assert (report.records, report.samples, report.skipped_too_short, report.skipped_no_target) == (
@@ -148,9 +142,7 @@ def test_other_tokenizers_paths_objects_and_errors(tmp_path, gpt2):
         loaded = load_tokenizer(spec)
         assert loaded.encode_batch(["a b c"]) == [[0, 1, 2]] and loaded.eos_id is None
     assert load_tokenizer(word).sha256 == hashlib.sha256(word.to_str().encode()).hexdigest()
-    with pytest.raises(
-        ValueError, match=r"none of the EOS tokens .* pass eos_id= \(--eos-id\) or append_eos=False"
-    ):
+    with pytest.raises(ValueError, match=r"none of the EOS tokens .* pass eos_id= \(--eos-id\) or append_eos=False"):
         SampleEncoder(word)
     assert SampleEncoder(word, TokenizeConfig(eos_id=2)).encode([{"text": "a b"}])[0].tokens.tolist() == [
         0,
@@ -160,9 +152,7 @@ def test_other_tokenizers_paths_objects_and_errors(tmp_path, gpt2):
     with pytest.raises(ValueError, match=r"eos_id=7 is outside the vocabulary \(size 3\)"):
         SampleEncoder(word, TokenizeConfig(eos_id=7))
     # a fast transformers tokenizer is used through its backend_tokenizer and eos_token_id
-    fast = SimpleNamespace(
-        backend_tokenizer=gpt2.backend, eos_token_id=EOS, name_or_path="openai-community/gpt2"
-    )
+    fast = SimpleNamespace(backend_tokenizer=gpt2.backend, eos_token_id=EOS, name_or_path="openai-community/gpt2")
     assert load_tokenizer(fast).name == "openai-community/gpt2"
     assert load_tokenizer(fast).encode_batch(["Hello world"]) == [[15496, 995]]
     with pytest.raises(ValueError, match=r"tokenizer 'gpt3' is neither a shipped one \(\['gpt2'\]\)"):
@@ -176,17 +166,13 @@ def test_other_tokenizers_paths_objects_and_errors(tmp_path, gpt2):
 
 def test_record_errors_name_the_record(gpt2):
     encoder = SampleEncoder(gpt2)
-    with pytest.raises(
-        ValueError, match=r"d.jsonl line 4 has keys \['body', 'id'\]; expected 'text' \(text\)"
-    ):
+    with pytest.raises(ValueError, match=r"d.jsonl line 4 has keys \['body', 'id'\]; expected 'text' \(text\)"):
         encoder.encode([{"body": "x", "id": 1}], ["d.jsonl line 4"])
     with pytest.raises(
         ValueError, match=r"record 0: message 0 has role='tool'; use one of \['system', 'user', 'assistant'\]"
     ):
         encoder.encode([{"messages": [{"role": "tool", "content": "x"}]}])
-    with pytest.raises(
-        ValueError, match=r"record 0 has no field 'output' \(its keys: \['instruction', 'text'\]\)"
-    ):
+    with pytest.raises(ValueError, match=r"record 0 has no field 'output' \(its keys: \['instruction', 'text'\]\)"):
         SampleEncoder(gpt2, TokenizeConfig(kind="alpaca")).encode([{"instruction": "x", "text": "y"}])
     with pytest.raises(ValueError, match=r"field 'output' must be a string, got int"):
         encoder.encode([{"instruction": "x", "output": 5}])

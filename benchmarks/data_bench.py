@@ -1,7 +1,7 @@
 """Data pipeline throughput: read, tokenize, store write, random-access read; peak memory.
 
-    python benchmarks/bench_data.py                                # the embedded stdlib corpus
-    python benchmarks/bench_data.py --input ../shared/data/alpaca_data.json --json out.json
+    python benchmarks/data_bench.py                                # the embedded stdlib corpus
+    python benchmarks/data_bench.py --input ../shared/data/alpaca_data.json --json out.json
 
 Prints a table (one row per stage) and writes the rows as JSON with ``--json PATH``.
 """
@@ -121,9 +121,7 @@ def main() -> int:
         rate = f"{r['rate']:,.0f} {r['unit']}"
         print(f"| {r['stage']} | {r['seconds']:.2f} | {r['items']:,} | {rate} | {r['note']} |")
     if args.json:
-        args.json.write_text(
-            json.dumps({"input": args.input, "peak_rss_mib": peak_rss_mib(), "rows": rows}, indent=2)
-        )
+        args.json.write_text(json.dumps({"input": args.input, "peak_rss_mib": peak_rss_mib(), "rows": rows}, indent=2))
         print(f"\nwrote {args.json}")
     return 0
 
