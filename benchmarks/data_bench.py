@@ -21,7 +21,7 @@ import numpy as np
 
 from thdpack.data.sources import Source
 from thdpack.data.store import TokenStore, TokenStoreWriter
-from thdpack.data.tokenize import SampleEncoder, TokenizeConfig
+from thdpack.data.tokenize import SampleEncoder, TokenizeConfig, record_batches
 
 
 def peak_rss_mib() -> float:
@@ -56,8 +56,9 @@ def main() -> int:
     encoder = SampleEncoder("gpt2", TokenizeConfig(batch_size=args.batch_size))
     start = time.perf_counter()
     samples = []
-    for i in range(0, len(records), args.batch_size):
-        samples.extend(encoder.encode(records[i : i + args.batch_size]))
+    batches = ((batch, None) for batch in record_batches(records, encoder.config))  # as `thdpack prepare`
+    for batch_samples in encoder.encode_stream(batches):
+        samples.extend(batch_samples)
     seconds = time.perf_counter() - start
     tokens = encoder.report.tokens
     rows.append(
@@ -67,7 +68,7 @@ def main() -> int:
             "items": tokens,
             "rate": tokens / seconds,
             "unit": "tokens/s",
-            "note": f"batch {args.batch_size}, {len(samples)} samples",
+            "note": f"batches of <= {args.batch_size} records / {encoder.config.batch_chars:,} chars",
         }
     )
 

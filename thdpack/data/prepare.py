@@ -132,10 +132,15 @@ def _prepare(args: argparse.Namespace) -> int:
     (out / PLAN_FILE).unlink(missing_ok=True)  # an older plan must never sit next to a new store
     with writer:
         bar = progress_bar(total=args.limit, desc="tokenize", unit="rec", enabled=args.progress)
-        try:
+
+        def read() -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
             for batch in record_batches(_records(sources, args.limit), tokenize_config, lambda item: item[1]):
-                writer.add_all(encoder.encode([r for _, r in batch], [o for o, _ in batch]))
                 bar.update(len(batch))
+                yield [record for _, record in batch], [origin for origin, _ in batch]
+
+        try:
+            for samples in encoder.encode_stream(read()):
+                writer.add_all(samples)
                 bar.set_postfix_str(f"{writer.num_tokens:,} tokens")
         finally:
             bar.close()

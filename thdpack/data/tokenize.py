@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, get_args
@@ -38,7 +39,7 @@ import numpy as np
 
 from thdpack._optional import require
 from thdpack.data._progress import progress_bar
-from thdpack.data.records import RECORD_KINDS, RecordKind, detect_kind, record_segments, text_chars
+from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments, text_chars
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)
@@ -231,7 +232,34 @@ class SampleEncoder:
     def encode(
         self, records: Sequence[Mapping[str, Any]], origins: Sequence[str] | None = None
     ) -> list[TokenizedSample]:
-        """Encode records in one tokenizer call; skipped records are counted, not returned."""
+        """Encode records in one tokenizer call; skipped records are counted, not returned.
+
+        ``origins`` name the records in error messages ("data.jsonl line 7"); default "record i".
+        """
+        per_record = self._segments(records, origins)
+        return self._assemble(per_record, self.tokenizer.encode_batch(_texts(per_record)))
+
+    def encode_stream(
+        self, batches: Iterable[tuple[Sequence[Mapping[str, Any]], Sequence[str] | None]]
+    ) -> Iterator[list[TokenizedSample]]:
+        """``encode`` over a stream of ``(records, origins)`` batches, yielding each batch's samples.
+
+        The tokenizer encodes the next batch in a worker thread while this thread assembles the
+        current one (``tokenizers`` releases the GIL), so the tokenizer's threads are not left idle
+        between batches. At most two batches are in flight.
+        """
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="thdpack-tokenize") as pool:
+            pending: tuple[list[list[Segment]], Future[list[list[int]]]] | None = None
+            for records, origins in batches:
+                per_record = self._segments(records, origins)
+                encoding = pool.submit(self.tokenizer.encode_batch, _texts(per_record))
+                if pending is not None:
+                    yield self._assemble(pending[0], pending[1].result())
+                pending = (per_record, encoding)
+            if pending is not None:
+                yield self._assemble(pending[0], pending[1].result())
+
+    def _segments(self, records: Sequence[Mapping[str, Any]], origins: Sequence[str] | None) -> list[list[Segment]]:
         cfg = self.config
         per_record = []
         for i, record in enumerate(records):
@@ -248,8 +276,12 @@ class SampleEncoder:
                     origin=origin,
                 )
             )
-        ids = iter(self.tokenizer.encode_batch([s.text for segments in per_record for s in segments]))
-        samples = []
+        self.report.records += len(records)
+        return per_record
+
+    def _assemble(self, per_record: list[list[Segment]], encoded: list[list[int]]) -> list[TokenizedSample]:
+        ids = iter(encoded)
+        samples: list[TokenizedSample] = []
         for segments in per_record:
             pieces: list[list[int]] = []
             marks: list[np.ndarray] = []
@@ -260,7 +292,6 @@ class SampleEncoder:
                 pieces.append(seg_ids)
                 marks.append(np.full(len(seg_ids), segment.target))
             self._add(samples, pieces, marks)
-        self.report.records += len(records)
         return samples
 
     def _add(self, samples: list[TokenizedSample], pieces: list[list[int]], marks: list[np.ndarray]) -> None:
@@ -280,6 +311,10 @@ class SampleEncoder:
         self.report.tokens += len(tokens)
         self.report.target_tokens += targets
         samples.append(TokenizedSample(tokens, target_mask))
+
+
+def _texts(per_record: list[list[Segment]]) -> list[str]:
+    return [segment.text for segments in per_record for segment in segments]
 
 
 def record_batches(
@@ -314,15 +349,21 @@ def tokenize_records(
     total: int | None = None,
     progress: bool | None = None,
 ) -> Iterator[TokenizedSample]:
-    """Stream ``TokenizedSample``s from records, one tokenizer call per ``record_batches`` batch.
+    """Stream ``TokenizedSample``s from records, one tokenizer call per ``record_batches`` batch
+    (``SampleEncoder.encode_stream``).
 
     ``progress``: a tqdm bar over records (None: only when stderr is a terminal).
     """
     encoder = SampleEncoder(tokenizer, config)
     bar = progress_bar(total=total, desc="tokenize", unit="rec", enabled=progress)
-    try:
+
+    def read() -> Iterator[tuple[list[Mapping[str, Any]], None]]:
         for batch in record_batches(records, encoder.config):
-            yield from encoder.encode(batch)
             bar.update(len(batch))
+            yield batch, None
+
+    try:
+        for samples in encoder.encode_stream(read()):
+            yield from samples
     finally:
         bar.close()

@@ -132,6 +132,9 @@ def test_streaming_batches_equal_one_batch(gpt2):
     streamed = list(tokenize_records(records, gpt2, TokenizeConfig(batch_size=2), progress=False))
     whole = SampleEncoder(gpt2).encode(records)
     assert [s.tokens.tolist() for s in streamed] == [s.tokens.tolist() for s in whole]
+    broken = [*records[:3], {"body": "no text"}, *records[3:]]
+    with pytest.raises(ValueError, match=r"^record 3 has keys \['body'\]"):  # counted across batches
+        list(tokenize_records(broken, gpt2, TokenizeConfig(batch_size=2), progress=False))
 
 
 def test_other_tokenizers_paths_objects_and_errors(tmp_path, gpt2):
