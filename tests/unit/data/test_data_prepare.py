@@ -1,0 +1,102 @@
+"""`thdpack prepare` end to end on tiny corpora, and its errors as messages with a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from thdpack._optional import has_module
+from thdpack.data.prepare import add_prepare_arguments, run_prepare
+from thdpack.data.store import TokenStore
+from thdpack.plan import PackPlan
+
+pytest.importorskip("tokenizers", reason="prepare tokenizes (pip install 'thdpack[hf]')")
+
+
+def prepare(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="thdpack prepare")
+    add_prepare_arguments(parser)
+    return run_prepare(parser.parse_args([*argv, "--no-progress"]))
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    docs = [{"text": " ".join(["word"] * n)} for n in (3, 40, 7, 25, 60, 1, 12)] + [{"text": ""}]
+    path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    return path
+
+
+def test_end_to_end(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert prepare(str(corpus), "--pack-size", "64", "--cp-size", "2", "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "7 records, 1 empty skipped" in printed
+    assert "efficiency" in printed and "lower bound (L2)" in printed  # the PackingStats table
+    store = TokenStore(out)
+    # "word word ..." (n words) is n GPT-2 tokens; EOS is appended and labels are shifted: n input tokens
+    assert store.lengths.tolist() == [3, 40, 7, 25, 60, 1, 12]
+    assert store[5]["input_ids"].tolist() == [4775] and store[5]["labels"].tolist() == [50256]
+    plan = PackPlan.load(out / "plan.npz")
+    assert sorted(np.concatenate(list(plan)).tolist()) == list(range(7))  # every sample exactly once
+    assert plan.pack_size == 64 and plan.cp_size == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["plan"]["stats"]["num_sequences"] == 7 and manifest["plan"]["algorithm"] == "bfd"
+    assert manifest["prepare"]["inputs"][0]["skipped_empty"] == 1
+    assert manifest["prepare"]["tokenize_report"]["samples"] == 7
+    if has_module("matplotlib"):
+        assert (out / "lengths.png").stat().st_size > 0 and (out / "fullness.png").stat().st_size > 0
+    else:
+        assert "no plots: matplotlib is not installed" in printed
+
+
+def test_sft_json_with_limit_and_options(tmp_path, capsys):
+    records = [{"instruction": f"Repeat {i}.", "input": "", "output": f"{i}"} for i in range(5)]
+    (tmp_path / "sft.json").write_text(json.dumps(records))
+    out = tmp_path / "out"
+    args = [str(tmp_path / "sft.json"), "--pack-size", "128", "--out", str(out), "--limit", "3"]
+    assert prepare(*args, "--algorithm", "sequential", "--no-plots", "--sample-format", "loss_mask") == 0
+    assert "stopped after the first 3 records (--limit)" in capsys.readouterr().out
+    store = TokenStore(out)
+    assert len(store) == 3 and (out / "loss_mask.bin").exists() and not (out / "lengths.png").exists()
+    assert store.sample_format == "loss_mask" and store[0]["loss_mask"].sum() == 2  # "0" and EOS
+    assert [p.tolist() for p in PackPlan.load(out / "plan.npz")] == [[0, 1, 2]]
+
+
+def test_errors_are_messages(corpus, tmp_path, capsys):
+    out = str(tmp_path / "out")
+
+    def error(*argv: str) -> str:
+        assert prepare(*argv) == 2
+        return capsys.readouterr().err
+
+    assert "input 'nope.jsonl' does not exist" in error("nope.jsonl", "--pack-size", "64", "--out", out)
+    (tmp_path / "d.csv").write_text("a,b\n")
+    assert "cannot tell the format of" in error(str(tmp_path / "d.csv"), "--pack-size", "64", "--out", out)
+    assert "tokenizer 'gpt3' is neither a shipped one" in error(
+        str(corpus), "--tokenizer", "gpt3", "--pack-size", "64", "--out", out
+    )
+    assert "pack_size=63 is not a multiple of 2*cp_size=4" in error(
+        str(corpus), "--pack-size", "63", "--cp-size", "2", "--out", out
+    )
+    assert not (tmp_path / "out").exists()  # both were caught before anything was written
+    message = error(str(corpus), "--pack-size", "32", "--out", out)
+    assert "has 40 tokens" in message and "only planning failed" in message
+    assert "already holds token store files" in error(str(corpus), "--pack-size", "64", "--out", out)
+    assert prepare(str(corpus), "--pack-size", "64", "--out", out, "--overwrite", "--no-plots") == 0
+    capsys.readouterr()
+    assert "only planning failed" in error(str(corpus), "--pack-size", "32", "--out", out, "--overwrite")
+    assert not (tmp_path / "out" / "plan.npz").exists()  # the older plan went with the older store
+    assert "has no 'messages' or 'conversations' field" in error(
+        str(corpus), "--kind", "chat", "--pack-size", "64", "--out", out + "2"
+    )
+    (tmp_path / "short.jsonl").write_text('{"text": "word"}\n')  # one token, nothing to predict
+    assert "no samples to store: 1 records (text: 1) -> 0 samples" in error(
+        str(tmp_path / "short.jsonl"), "--no-eos", "--pack-size", "64", "--out", out + "3"
+    )
+    with pytest.raises(SystemExit):
+        prepare(str(corpus), "--format", "csv", "--pack-size", "64", "--out", out)
+    assert "invalid choice: 'csv'" in capsys.readouterr().err

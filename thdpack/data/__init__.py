@@ -1,0 +1,52 @@
+"""The data side: sources -> tokenization (with SFT masks) -> token store -> ``thdpack prepare``."""
+
+from __future__ import annotations
+
+from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments
+from thdpack.data.sources import (
+    SOURCE_FORMATS,
+    Source,
+    SourceConfig,
+    SourceFormat,
+    SourceReport,
+    detect_format,
+)
+from thdpack.data.tokenize import (
+    SAMPLE_FORMATS,
+    SampleEncoder,
+    SampleFormat,
+    TextTokenizer,
+    TokenizeConfig,
+    TokenizedSample,
+    TokenizeReport,
+    load_tokenizer,
+    record_batches,
+    tokenize_records,
+)
+
+__all__ = [
+    "RECORD_KINDS",
+    "SAMPLE_FORMATS",
+    "SOURCE_FORMATS",
+    "RecordKind",
+    "SampleEncoder",
+    "SampleFormat",
+    "Segment",
+    "Source",
+    "SourceConfig",
+    "SourceFormat",
+    "SourceReport",
+    "TextTokenizer",
+    "TokenStore",
+    "TokenStoreWriter",
+    "TokenizeConfig",
+    "TokenizeReport",
+    "TokenizedSample",
+    "detect_format",
+    "detect_kind",
+    "load_tokenizer",
+    "read_manifest",
+    "record_batches",
+    "record_segments",
+    "tokenize_records",
+]

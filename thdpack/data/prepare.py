@@ -1,0 +1,229 @@
+"""``thdpack prepare``: read, tokenize, store tokens, plan packs, report. One pass, bounded memory.
+
+    thdpack prepare stdlib --tokenizer gpt2 --pack-size 4096 --out runs/stdlib   # embedded corpus
+    thdpack prepare data/*.jsonl --pack-size 8192 --cp-size 2 --out runs/web
+    thdpack prepare alpaca_data.json --pack-size 2048 --algorithm bfd --out runs/alpaca
+
+The output folder holds the token store (``tokens.bin``, ``offsets.npy``, ``loss_mask.bin`` for
+SFT, ``manifest.json``; see ``thdpack.data.store``), the packing plan ``plan.npz``
+(``thdpack.plan.PackPlan.load``) planned over the store's sample lengths, and PNG plots (length
+histogram, pack fullness) when matplotlib is installed. ``manifest.json`` records the arguments,
+what every stage read and skipped, and the plan's ``PackingStats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from thdpack._optional import has_module
+from thdpack.data._progress import progress_bar
+from thdpack.data.records import RECORD_KINDS
+from thdpack.data.sources import SOURCE_FORMATS, Source, SourceConfig
+from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest, write_manifest
+from thdpack.data.tokenize import (
+    SAMPLE_FORMATS,
+    SampleEncoder,
+    TokenizeConfig,
+    load_tokenizer,
+    record_batches,
+)
+from thdpack.plan import ALGORITHMS, OVERFLOWS, plan_packs
+
+PLAN_FILE = "plan.npz"
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``thdpack prepare`` arguments."""
+    parser.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="jsonl / json / parquet file, HF save_to_disk folder, text folder, or 'stdlib' "
+        "(several are read one after another)",
+    )
+    parser.add_argument("--tokenizer", default="gpt2", help="'gpt2' (shipped) or a tokenizer.json path (default: gpt2)")
+    parser.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--algorithm", default="bfd", choices=ALGORITHMS, help="packing algorithm (default: bfd)")
+    parser.add_argument("--overflow", default="error", choices=OVERFLOWS, help="samples over a pack (default: error)")
+    parser.add_argument("--seed", type=int, help="planner tie-break seed (default: deterministic)")
+    parser.add_argument("--format", default="auto", choices=["auto", *SOURCE_FORMATS], help="input format")
+    parser.add_argument("--split", help="split of an HF DatasetDict folder")
+    parser.add_argument(
+        "--decode-errors",
+        choices=["strict", "replace"],
+        help="non-UTF-8 bytes (default: strict; stdlib: replace)",
+    )
+    parser.add_argument("--kind", default="auto", choices=["auto", *RECORD_KINDS], help="record kind")
+    parser.add_argument("--text-key", default="text", help="field holding a document's text (default: text)")
+    parser.add_argument("--no-eos", action="store_true", help="do not append EOS to documents and responses")
+    parser.add_argument("--eos-id", type=int, help="EOS token id (default: the tokenizer's)")
+    parser.add_argument("--train-on-prompt", action="store_true", help="SFT: prompt tokens are targets too")
+    parser.add_argument(
+        "--sample-format",
+        default="labels",
+        choices=SAMPLE_FORMATS,
+        help="how samples are read (default: labels)",
+    )
+    parser.add_argument("--batch-size", type=int, default=512, help="records per tokenizer call (default: 512)")
+    parser.add_argument("--limit", type=int, help="read only the first N records (a quick trial)")
+    parser.add_argument("--overwrite", action="store_true", help="replace a token store already in --out")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar (default: on a TTY)",
+    )
+
+
+def run_prepare(args: argparse.Namespace) -> int:
+    """Run ``thdpack prepare``; 0 on success, 2 with a message on stderr for bad input."""
+    try:
+        return _prepare(args)
+    except (ValueError, TypeError, OSError, ImportError) as err:
+        print(f"thdpack prepare: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
+    # check the planning arguments on a one-sequence plan now, not after an hour of tokenizing
+    plan_packs(
+        [1],
+        args.pack_size,
+        algorithm=args.algorithm,
+        cp_size=args.cp_size,
+        overflow=args.overflow,
+        seed=args.seed,
+    )
+    source_config = SourceConfig(format=args.format, decode_errors=args.decode_errors, split=args.split)
+    sources = [Source(path, source_config) for path in args.inputs]
+    tokenize_config = TokenizeConfig(
+        kind=args.kind,
+        text_key=args.text_key,
+        append_eos=not args.no_eos,
+        eos_id=args.eos_id,
+        mask_prompt=not args.train_on_prompt,
+        batch_size=args.batch_size,
+    )
+    encoder = SampleEncoder(load_tokenizer(args.tokenizer), tokenize_config)
+    out: Path = args.out
+
+    start = time.perf_counter()
+    writer = TokenStoreWriter(
+        out,
+        tokenizer=encoder.tokenizer,
+        sample_format=args.sample_format,
+        source=[s.describe() for s in sources],
+        overwrite=args.overwrite,
+    )
+    (out / PLAN_FILE).unlink(missing_ok=True)  # an older plan must never sit next to a new store
+    with writer:
+        bar = progress_bar(total=args.limit, desc="tokenize", unit="rec", enabled=args.progress)
+
+        def read() -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
+            for batch in record_batches(_records(sources, args.limit), tokenize_config, lambda item: item[1]):
+                bar.update(len(batch))
+                yield [record for _, record in batch], [origin for origin, _ in batch]
+
+        try:
+            for samples in encoder.encode_stream(read()):
+                writer.add_all(samples)
+                bar.set_postfix_str(f"{writer.num_tokens:,} tokens")
+        finally:
+            bar.close()
+        if writer.num_samples == 0:
+            raise ValueError(f"no samples to store: {encoder.report}; check the inputs and --kind / --text-key")
+        seconds = time.perf_counter() - start
+        writer.close(
+            extra={
+                "prepare": {
+                    "inputs": [{**s.describe(), **dataclasses.asdict(s.report)} for s in sources],
+                    "limit": args.limit,
+                    "tokenize": {**dataclasses.asdict(tokenize_config), "eos_id": encoder.eos_id},
+                    "tokenize_report": dataclasses.asdict(encoder.report),
+                    "seconds": round(seconds, 3),
+                }
+            }
+        )
+    _print_reading(sources, encoder, writer, seconds, args.limit)
+
+    store = TokenStore(out)
+    lengths = store.lengths
+    print(
+        f"sample lengths ({store.sample_format}): min {lengths.min():,}, median {int(np.median(lengths)):,}, "
+        f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
+    )
+    try:
+        plan = plan_packs(
+            store.lengths,
+            args.pack_size,
+            algorithm=args.algorithm,
+            cp_size=args.cp_size,
+            overflow=args.overflow,
+            seed=args.seed,
+        )
+    except ValueError as err:
+        raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
+    plan.save(out / PLAN_FILE)
+    manifest = read_manifest(out)
+    manifest["plan"] = {
+        "file": PLAN_FILE,
+        "pack_size": args.pack_size,
+        "cp_size": args.cp_size,
+        "algorithm": args.algorithm,
+        "overflow": args.overflow,
+        "seed": args.seed,
+        "stats": plan.stats.to_dict(),
+    }
+    write_manifest(out, manifest)
+    print(f"\n{plan.stats}\n")
+    _write_plots(store, plan, args.no_plots, out)
+    files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]
+    print(f"wrote {out}/: {', '.join(files)}, {PLAN_FILE}, manifest.json")
+    return 0
+
+
+def _records(sources: list[Source], limit: int | None) -> Iterator[tuple[str, dict[str, Any]]]:
+    records = itertools.chain.from_iterable(s.records_with_origin() for s in sources)
+    return itertools.islice(records, limit)
+
+
+def _print_reading(
+    sources: list[Source], encoder: SampleEncoder, writer: TokenStoreWriter, seconds: float, limit: int | None
+) -> None:
+    for source in sources:
+        print(f"read {source.describe()['path']} ({source.format}): {source.report}")
+    if limit is not None:
+        print(f"stopped after the first {limit:,} records (--limit)")
+    report = encoder.report
+    print(f"tokenized ({encoder.tokenizer.name}): {report}")
+    print(
+        f"stored {writer.num_samples:,} samples, {writer.num_tokens:,} tokens ({writer.dtype.name}) in "
+        f"{seconds:.1f} s: {report.records / seconds:,.0f} records/s, "
+        f"{writer.num_tokens / seconds:,.0f} tokens/s"
+    )
+
+
+def _write_plots(store: TokenStore, plan: Any, skip: bool, out: Path) -> None:
+    if skip:
+        return
+    if not has_module("matplotlib"):
+        print("no plots: matplotlib is not installed (pip install 'thdpack[train]')")
+        return
+    from thdpack.report import Row, plot
+
+    for path in plot(store.lengths, [Row(plan.algorithm, plan.pack_size, 0.0, plan.stats)], out):
+        print(f"wrote {path}")

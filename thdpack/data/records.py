@@ -1,0 +1,189 @@
+"""Record shapes and the prompt templates that mark which text is a training target.
+
+A record is one mapping from a ``Source``. Its kind (``RecordKind``) decides its segments: runs
+of text that are either prompt (masked out of the loss) or target, and where the EOS token goes.
+``thdpack.data.tokenize`` encodes the segments and turns the marks into labels.
+
+- ``text`` (pretraining): ``{"text": str}`` (the key is configurable). One target segment, then EOS.
+- ``alpaca`` (SFT): ``{"instruction": str, "input": str (optional), "output": str}``. The prompt
+  is Stanford Alpaca's published prompt format (below), masked; the output and EOS are targets.
+- ``chat`` (SFT): ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}]}``,
+  or ShareGPT's ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}]}``.
+  Every message is rendered as ``### System:`` / ``### User:`` / ``### Assistant:`` then a newline
+  and its content; messages are separated by a blank line. Each assistant content and the EOS
+  after it are targets; everything else (headers, system and user turns, separators) is masked.
+  The GPT-2 tokenizer has no chat special tokens, so the template is plain text; a model with its
+  own chat template should be given records already rendered with it (as ``text``) or use this.
+
+The Alpaca prompt (with an input; without one the input sentence and section are left out):
+
+    Below is an instruction that describes a task, paired with an input that provides further
+    context. Write a response that appropriately completes the request.
+
+    ### Instruction:
+    {instruction}
+
+    ### Input:
+    {input}
+
+    ### Response:
+    {output}<EOS>
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+RecordKind = Literal["text", "alpaca", "chat"]
+RECORD_KINDS: tuple[str, ...] = get_args(RecordKind)
+
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+CHAT_HEADERS = {"system": "### System:\n", "user": "### User:\n", "assistant": "### Assistant:\n"}
+CHAT_SEPARATOR = "\n\n"
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of text and whether its tokens are training targets."""
+
+    text: str
+    target: bool
+    eos: bool = False
+    """Append the EOS token after the text (a target exactly when ``target`` is)."""
+
+
+def detect_kind(record: Mapping[str, Any], text_key: str = "text", origin: str = "record") -> RecordKind:
+    """The kind of a record from its keys; ``ValueError`` naming ``origin`` and the keys otherwise.
+
+    >>> detect_kind({"instruction": "Add 2 and 3.", "input": "", "output": "5"})
+    'alpaca'
+    >>> detect_kind({"messages": []}), detect_kind({"text": "hi"})
+    ('chat', 'text')
+    """
+    if "messages" in record or "conversations" in record:
+        return "chat"
+    if "instruction" in record and "output" in record:
+        return "alpaca"
+    if text_key in record:
+        return "text"
+    raise ValueError(
+        f"{origin} has keys {sorted(record)}; expected {text_key!r} (text), 'instruction' + 'output' "
+        "(alpaca) or 'messages' (chat); set text_key (--text-key) to the field holding the text"
+    )
+
+
+def record_segments(
+    record: Mapping[str, Any],
+    kind: RecordKind,
+    *,
+    text_key: str = "text",
+    append_eos: bool = True,
+    mask_prompt: bool = True,
+    origin: str = "record",
+) -> list[Segment]:
+    """Split a record into prompt and target segments (see the module docstring for the templates).
+
+    ``mask_prompt=False`` makes every segment a target (training on the prompt too).
+
+    >>> record_segments({"instruction": "Say hi.", "output": "Hi!"}, "alpaca")[1]
+    Segment(text='Hi!', target=True, eos=True)
+    >>> chat = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    >>> [(s.text, s.target) for s in record_segments(chat, "chat")]
+    [('### User:\\n2+2?\\n\\n### Assistant:\\n', False), ('4', True)]
+    """
+    if kind == "text":
+        segments = [Segment(_string(record, text_key, origin), target=True, eos=append_eos)]
+    elif kind == "alpaca":
+        segments = _alpaca_segments(record, append_eos, origin)
+    elif kind == "chat":
+        segments = _chat_segments(record, append_eos, origin)
+    else:
+        raise ValueError(f"unknown record kind {kind!r}; use one of {list(RECORD_KINDS)}")
+    if not mask_prompt:
+        segments = [Segment(s.text, True, s.eos) for s in segments]
+    return segments
+
+
+def text_chars(value: Any) -> int:
+    """Characters of text in a record (all string values, nested ones included)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_chars(v) for v in value)
+    return 0
+
+
+def _string(record: Mapping[str, Any], key: str, origin: str, *, optional: bool = False) -> str:
+    if key not in record:
+        if optional:
+            return ""
+        raise ValueError(f"{origin} has no field {key!r} (its keys: {sorted(record)})")
+    value = record[key]
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str):
+        raise ValueError(f"{origin}: field {key!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _alpaca_segments(record: Mapping[str, Any], append_eos: bool, origin: str) -> list[Segment]:
+    instruction = _string(record, "instruction", origin)
+    context = _string(record, "input", origin, optional=True)
+    output = _string(record, "output", origin)
+    if context.strip():
+        prompt = ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=context)
+    else:
+        prompt = ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+    return [Segment(prompt, target=False), Segment(output, target=True, eos=append_eos)]
+
+
+def _chat_messages(record: Mapping[str, Any], origin: str) -> list[tuple[str, str]]:
+    """``(role, content)`` pairs from OpenAI-style ``messages`` or ShareGPT ``conversations``."""
+    sharegpt = "messages" not in record
+    if sharegpt and "conversations" not in record:
+        raise ValueError(f"{origin} has no 'messages' or 'conversations' field (its keys: {sorted(record)})")
+    messages = record["conversations" if sharegpt else "messages"]
+    if not isinstance(messages, list):
+        raise ValueError(f"{origin}: 'messages' must be a list, got {type(messages).__name__}")
+    role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
+    valid = list(_SHAREGPT_ROLES) if sharegpt else list(CHAT_HEADERS)
+    pairs = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{origin}: message {i} must be a mapping, got {type(message).__name__}")
+        role = message.get(role_key)
+        if role not in valid:
+            raise ValueError(f"{origin}: message {i} has {role_key}={role!r}; use one of {valid}")
+        content = _string(message, content_key, f"{origin} message {i}")
+        pairs.append((_SHAREGPT_ROLES[role] if sharegpt else role, content))
+    return pairs
+
+
+def _chat_segments(record: Mapping[str, Any], append_eos: bool, origin: str) -> list[Segment]:
+    segments: list[Segment] = []
+    prompt = ""  # masked text waiting for the next target
+    for i, (role, content) in enumerate(_chat_messages(record, origin)):
+        prompt += (CHAT_SEPARATOR if i else "") + CHAT_HEADERS[role]
+        if role == "assistant":
+            segments.append(Segment(prompt, target=False))
+            segments.append(Segment(content, target=True, eos=append_eos))
+            prompt = ""
+        else:
+            prompt += content
+    if prompt:
+        segments.append(Segment(prompt, target=False))
+    return segments

@@ -1,0 +1,309 @@
+"""Where records come from: jsonl, json, parquet, HF ``save_to_disk`` folders, text, the stdlib.
+
+A ``Source`` is a re-iterable stream of records (plain ``dict``s) from one path, read with
+bounded memory. Records keep the shape they have on disk: ``{"text": ...}`` for documents,
+Alpaca's ``{"instruction", "input", "output"}``, chat ``{"messages": [...]}``;
+``thdpack.data.tokenize`` turns them into token ids.
+
+Formats (``SourceFormat``; ``"auto"`` tells them apart by the path):
+
+- ``jsonl``: ``*.jsonl`` / ``*.ndjson`` (``.gz`` too), or a ``*.json`` whose first character is
+  ``{``; one JSON object per line is one record.
+- ``json``: a ``*.json`` (``.gz`` too) holding an array of objects; streamed element by element.
+- ``parquet``: ``*.parquet`` (pyarrow, the ``hf`` extra); one row per record.
+- ``hf``: a folder written by ``datasets``' ``save_to_disk`` (the ``hf`` extra); one row per record.
+- ``text``: a folder of text files (or one ``.txt`` / ``.md`` / ``.rst`` / ``.py`` file);
+  ``{"text", "path"}`` per file.
+- ``stdlib``: the word ``stdlib``; ``{"text", "path"}`` per ``.py`` file of the standard library.
+
+``stdlib`` is the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``,
+without ``site-packages``): a real, heavy-tailed code corpus present wherever Python is, and
+thdpack's embedded default training data. Folders are walked in ``os.walk`` order with sorted
+names (a folder's files, then its sub-folders), hidden files and folders skipped.
+
+Nothing is dropped silently: empty records (no text, no values) are skipped and counted in
+``Source.report``; blank lines in jsonl are counted too. Undecodable bytes raise ``ValueError``
+naming the file and line, unless ``decode_errors="replace"`` (the default for ``stdlib``, where
+four test files are deliberately not UTF-8), which counts the documents it repaired.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Literal, get_args
+
+from thdpack._optional import require
+from thdpack.data._json_array import iter_json_array
+
+SourceFormat = Literal["jsonl", "json", "parquet", "hf", "text", "stdlib"]
+SOURCE_FORMATS: tuple[str, ...] = get_args(SourceFormat)
+DecodeErrors = Literal["strict", "replace"]
+STDLIB = "stdlib"
+
+_HF_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+_SKIPPED_STDLIB_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """How to read one input path."""
+
+    format: SourceFormat | Literal["auto"] = "auto"
+    """One of ``SOURCE_FORMATS``, or ``"auto"`` to tell it from the path."""
+    decode_errors: DecodeErrors | None = None
+    """Bytes that are not UTF-8: ``"strict"`` raises, ``"replace"`` writes U+FFFD and counts the
+    document. ``None``: ``"replace"`` for ``stdlib``, ``"strict"`` for everything else."""
+    text_suffixes: tuple[str, ...] | None = None
+    """``text`` folders: read only files with these suffixes (e.g. ``(".txt", ".md")``); None = all."""
+    split: str | None = None
+    """``hf`` folders holding a ``DatasetDict``: the split to read (optional when there is one)."""
+
+    def __post_init__(self) -> None:
+        if self.format not in (*SOURCE_FORMATS, "auto"):
+            raise ValueError(f"unknown source format {self.format!r}; use one of {['auto', *SOURCE_FORMATS]}")
+        if self.decode_errors not in (None, *get_args(DecodeErrors)):
+            raise ValueError(f"unknown decode_errors {self.decode_errors!r}; use one of {list(get_args(DecodeErrors))}")
+        if self.text_suffixes is not None and not all(s.startswith(".") for s in self.text_suffixes):
+            raise ValueError(f"text_suffixes must start with '.', got {self.text_suffixes}")
+
+
+@dataclass
+class SourceReport:
+    """What one pass over a source read and skipped."""
+
+    records: int = 0
+    """Records yielded."""
+    skipped_empty: int = 0
+    """Records / documents skipped because they hold no text and no values."""
+    blank_lines: int = 0
+    """Blank lines between jsonl records (not records; counted so nothing goes unseen)."""
+    decode_replaced: int = 0
+    """Documents whose undecodable bytes were replaced by U+FFFD (``decode_errors="replace"``)."""
+
+    def __str__(self) -> str:
+        parts = [f"{self.records} records", f"{self.skipped_empty} empty skipped"]
+        if self.blank_lines:
+            parts.append(f"{self.blank_lines} blank lines")
+        if self.decode_replaced:
+            parts.append(f"{self.decode_replaced} with undecodable bytes replaced")
+        return ", ".join(parts)
+
+
+def stdlib_root() -> Path:
+    """The running interpreter's standard library folder."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def detect_format(path: str | os.PathLike[str]) -> SourceFormat:
+    """Tell a source's format from its path (see the module table); ``ValueError`` when unclear.
+
+    >>> detect_format("stdlib")
+    'stdlib'
+    """
+    p = Path(path)
+    if str(path) == STDLIB and not p.exists():
+        return "stdlib"
+    if not p.exists():
+        raise FileNotFoundError(f"input {str(path)!r} does not exist (for the embedded corpus pass {STDLIB!r})")
+    if p.is_dir():
+        return "hf" if any((p / m).is_file() for m in _HF_MARKERS) else "text"
+    suffixes = [s.lower() for s in p.suffixes]
+    if suffixes and suffixes[-1] == ".gz":
+        suffixes.pop()
+    suffix = suffixes[-1] if suffixes else ""
+    if suffix in (".jsonl", ".ndjson"):
+        return "jsonl"
+    if suffix == ".json":
+        with _open_binary(p) as f:
+            head = f.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+        return "json" if head.startswith(b"[") else "jsonl"
+    if suffix == ".parquet":
+        return "parquet"
+    if suffix in (".txt", ".md", ".py", ".rst"):
+        return "text"
+    raise ValueError(
+        f"cannot tell the format of {str(path)!r} from its name; pass format= (--format) one of {list(SOURCE_FORMATS)}"
+    )
+
+
+class Source:
+    """Records from one path, re-iterable; ``report`` counts the last (or current) pass.
+
+    >>> import pathlib, tempfile
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (folder / "a.jsonl").write_text('{"text": "hi"}\\n{"text": ""}\\n')
+    >>> src = Source(folder / "a.jsonl")
+    >>> list(src)
+    [{'text': 'hi'}]
+    >>> str(src.report)
+    '1 records, 1 empty skipped'
+    """
+
+    def __init__(self, path: str | os.PathLike[str], config: SourceConfig | None = None) -> None:
+        self.config = config or SourceConfig()
+        self.path = Path(path)
+        if self.config.format == "auto":
+            self.format: SourceFormat = detect_format(path)
+        elif self.config.format == "stdlib":
+            if str(path) != STDLIB:
+                raise ValueError(
+                    "format='stdlib' reads the interpreter's standard library; "
+                    f"pass {STDLIB!r} as the input, not {str(path)!r}"
+                )
+            self.format = "stdlib"
+        else:
+            if not self.path.exists():
+                raise FileNotFoundError(f"input {str(path)!r} does not exist")
+            self.format = self.config.format
+        if self.format == "stdlib":
+            self.path = stdlib_root()
+        self.decode_errors: DecodeErrors = self.config.decode_errors or (
+            "replace" if self.format == "stdlib" else "strict"
+        )
+        self.report = SourceReport()
+
+    def describe(self) -> dict[str, Any]:
+        """A JSON-able description for manifests."""
+        out: dict[str, Any] = {"format": self.format, "path": str(self.path.resolve())}
+        if self.format == "stdlib":
+            out["python"] = sys.version.split()[0]
+        if self.config.split is not None:
+            out["split"] = self.config.split
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for _, record in self.records_with_origin():
+            yield record
+
+    def records_with_origin(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yield ``(origin, record)``; ``origin`` says where the record is ("data.jsonl line 7")."""
+        self.report = SourceReport()
+        readers = {
+            "jsonl": self._jsonl,
+            "json": self._json,
+            "parquet": self._parquet,
+            "hf": self._hf,
+            "text": self._text,
+            "stdlib": self._text,
+        }
+        for origin, record in readers[self.format]():
+            if not isinstance(record, Mapping):
+                raise ValueError(f"{origin}: expected a JSON object (a mapping), got {type(record).__name__}")
+            if _is_blank(record):
+                self.report.skipped_empty += 1
+                continue
+            self.report.records += 1
+            yield origin, dict(record)
+
+    def _decode(self, raw: bytes, origin: str) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            if self.decode_errors == "strict":
+                raise ValueError(
+                    f"{origin}: not valid UTF-8 ({err.reason} at byte {err.start}); re-encode it as UTF-8 "
+                    "or pass decode_errors='replace' (--decode-errors replace)"
+                ) from err
+            self.report.decode_replaced += 1
+            return raw.decode("utf-8", errors="replace")
+
+    def _jsonl(self) -> Iterator[tuple[str, Any]]:
+        with _open_binary(self.path) as f:
+            for lineno, raw in enumerate(f, start=1):
+                origin = f"{self.path} line {lineno}"
+                if not raw.strip():
+                    self.report.blank_lines += 1
+                    continue
+                if lineno == 1:
+                    raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
+                try:
+                    record = json.loads(self._decode(raw, origin))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{origin}: malformed JSON: {err.msg} (column {err.colno})") from err
+                yield origin, record
+
+    def _json(self) -> Iterator[tuple[str, Any]]:
+        with _open_binary(self.path) as f:
+            for index, line, record in iter_json_array(f, str(self.path), errors=self.decode_errors):
+                yield f"{self.path} record {index} (line {line})", record
+
+    def _parquet(self) -> Iterator[tuple[str, Any]]:
+        pq = require("pyarrow.parquet", "reading parquet files")
+        try:
+            parquet = pq.ParquetFile(self.path)
+        except Exception as err:  # pyarrow raises ArrowInvalid / OSError subclasses
+            raise ValueError(f"{self.path}: not a readable parquet file ({err})") from err
+        row = 0
+        for batch in parquet.iter_batches(batch_size=1024):
+            for record in batch.to_pylist():
+                yield f"{self.path} row {row}", record
+                row += 1
+
+    def _hf(self) -> Iterator[tuple[str, Any]]:
+        datasets = require("datasets", "reading a Hugging Face datasets folder (save_to_disk)")
+        loaded = datasets.load_from_disk(str(self.path))
+        split = self.config.split
+        if isinstance(loaded, datasets.DatasetDict):
+            names = list(loaded.keys())
+            if split is None and len(names) == 1:
+                split = names[0]
+            if split not in loaded:
+                raise ValueError(f"{self.path} holds the splits {names}; pass split= (--split) one of them")
+            loaded = loaded[split]
+        elif split is not None:
+            raise ValueError(f"split={split!r} given, but {self.path} holds a single Dataset without splits")
+        for row, record in enumerate(loaded.with_format(None)):
+            yield f"{self.path} row {row}", record
+
+    def _text(self) -> Iterator[tuple[str, Any]]:
+        files = [self.path] if self.path.is_file() else list(self._walk_files())
+        for file in files:
+            rel = file.name if file == self.path else file.relative_to(self.path).as_posix()
+            try:
+                raw = file.read_bytes()
+            except OSError as err:
+                raise ValueError(f"{file}: cannot read it ({err.strerror})") from err
+            text = self._decode(raw, str(file))
+            if not text.strip():  # the record would not be blank: it carries its path
+                self.report.skipped_empty += 1
+                continue
+            yield str(file), {"text": text, "path": rel}
+
+    def _walk_files(self) -> Iterator[Path]:
+        stdlib = self.format == "stdlib"
+        suffixes = (".py",) if stdlib else self.config.text_suffixes
+        for folder, dirnames, filenames in os.walk(self.path):
+            # os.walk visits sub-folders in the order left in dirnames: sort for a stable corpus order
+            dirnames[:] = sorted(
+                d for d in dirnames if not d.startswith(".") and not (stdlib and d in _SKIPPED_STDLIB_DIRS)
+            )
+            for name in sorted(filenames):
+                if name.startswith(".") or (suffixes is not None and not name.endswith(suffixes)):
+                    continue
+                yield Path(folder) / name
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    if path.suffix.lower() == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def _is_blank(value: Any) -> bool:
+    """True for values with nothing to learn from: blank strings, None, empty containers."""
+    if isinstance(value, str):
+        return not value.strip()
+    if value is None:
+        return True
+    if isinstance(value, Mapping):
+        return all(_is_blank(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_is_blank(v) for v in value)
+    return False

@@ -1,0 +1,340 @@
+"""A memory-mapped token store: every sample's tokens in one file, their offsets in another.
+
+A store folder holds:
+
+- ``tokens.bin``: the samples' token rows (``TokenizedSample.tokens``: EOS included, not shifted)
+  back to back, raw little-endian; ``uint16`` when the vocabulary fits (<= 65,536), else ``int32``.
+- ``offsets.npy``: ``int64 (N+1,)``; sample ``i`` is ``tokens[offsets[i]:offsets[i+1]]``;
+  ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == num_tokens``.
+- ``loss_mask.bin`` (only when some token is not a target, i.e. SFT): ``uint8`` aligned with
+  ``tokens.bin``, 1 where the token is a training target. Absent: every token is a target.
+- ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256, vocab size,
+  EOS), dtype, counts, the sample format, the source, and whatever the writer's caller adds (the
+  ``prepare`` command adds its arguments and the packing plan's stats). Written last: a folder
+  without it is an unfinished store.
+
+``TokenStore(path)`` is a read-only ``Sequence`` of samples in the manifest's sample format
+(``thdpack.data.tokenize``): ``store[i] -> {"input_ids", "labels"}`` or ``{"input_ids",
+"loss_mask"}``, int64 numpy arrays. ``store.lengths`` comes from the offsets alone. Files are
+memory-mapped on first access, so a store pickles cheaply into DataLoader workers, each of which
+maps the files itself; memory per access is the sample's size, whatever the store's.
+
+>>> import tempfile
+>>> from thdpack.data.tokenize import SampleEncoder
+>>> encoder = SampleEncoder("gpt2")
+>>> folder = tempfile.mkdtemp()
+>>> with TokenStoreWriter(folder, tokenizer=encoder.tokenizer) as writer:
+...     writer.add_all(encoder.encode([{"text": "Hello world"}, {"text": "Hi"}]))
+>>> store = TokenStore(folder)
+>>> store.lengths.tolist(), store[0]["input_ids"].tolist(), store[0]["labels"].tolist()
+([2, 1], [15496, 995], [995, 50256])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+
+from thdpack import __version__
+from thdpack.data.tokenize import SAMPLE_FORMATS, SampleFormat, TextTokenizer, TokenizedSample
+
+STORE_FORMAT = "thdpack-token-store"
+STORE_VERSION = 1
+TOKENS_FILE = "tokens.bin"
+OFFSETS_FILE = "offsets.npy"
+LOSS_MASK_FILE = "loss_mask.bin"
+MANIFEST_FILE = "manifest.json"
+STORE_FILES = (TOKENS_FILE, OFFSETS_FILE, LOSS_MASK_FILE, MANIFEST_FILE)
+_CHUNK = 1 << 20  # tokens per buffered write / copy
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (vocab_size <= 65,536), else ``int32``."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of the store at ``path``; ``ValueError`` when there is no finished store."""
+    file = Path(path) / MANIFEST_FILE
+    if not file.is_file():
+        raise ValueError(f"{path} holds no token store ({MANIFEST_FILE} is missing); run `thdpack prepare` first")
+    manifest = json.loads(file.read_text())
+    if manifest.get("format") != STORE_FORMAT or manifest.get("version") != STORE_VERSION:
+        raise ValueError(
+            f"{file} is not a {STORE_FORMAT} v{STORE_VERSION} manifest "
+            f"(format={manifest.get('format')!r}, version={manifest.get('version')!r})"
+        )
+    return manifest
+
+
+def write_manifest(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
+    """Write ``manifest.json`` atomically (a reader sees the old or the new file, never half)."""
+    final = Path(path) / MANIFEST_FILE
+    partial = final.with_name(f".{MANIFEST_FILE}.partial")
+    partial.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    os.replace(partial, final)
+
+
+class TokenStore(Sequence[dict[str, np.ndarray]]):
+    """Read-only samples of a store folder (see the module docstring).
+
+    ``sample_format``: override the manifest's ``"labels"`` / ``"loss_mask"``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, sample_format: SampleFormat | None = None) -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self.sample_format: SampleFormat = sample_format or self.manifest["sample_format"]
+        if self.sample_format not in SAMPLE_FORMATS:
+            raise ValueError(f"unknown sample_format {self.sample_format!r}; use one of {list(SAMPLE_FORMATS)}")
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.num_tokens: int = self.manifest["num_tokens"]
+        self._num_samples: int = self.manifest["num_samples"]
+        self._check_files()
+        self._tokens: np.ndarray | None = None
+        self._offsets: np.ndarray | None = None
+        self._mask: np.ndarray | None = None
+        self._lengths: np.ndarray | None = None
+
+    def _check_files(self) -> None:
+        expected = {TOKENS_FILE: self.num_tokens * self.dtype.itemsize}
+        if self.manifest["has_loss_mask"]:
+            expected[LOSS_MASK_FILE] = self.num_tokens
+        for name, size in expected.items():
+            file = self.path / name
+            actual = file.stat().st_size if file.is_file() else None
+            if actual != size:
+                raise ValueError(
+                    f"{file} has {actual} bytes, the manifest implies {size}; the store is damaged: prepare it again"
+                )
+
+    def _open(self) -> None:
+        offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r")
+        if offsets.shape != (self._num_samples + 1,) or offsets[0] != 0 or offsets[-1] != self.num_tokens:
+            raise ValueError(
+                f"{self.path / OFFSETS_FILE} does not match the manifest ({self._num_samples} samples, "
+                f"{self.num_tokens} tokens); the store is damaged: prepare it again"
+            )
+        if self.num_tokens == 0:  # numpy cannot memory-map an empty file
+            self._tokens = np.zeros(0, dtype=self.dtype)
+        else:
+            self._tokens = np.memmap(self.path / TOKENS_FILE, dtype=self.dtype, mode="r")
+        if self.manifest["has_loss_mask"] and self.num_tokens:
+            self._mask = np.memmap(self.path / LOSS_MASK_FILE, dtype=np.uint8, mode="r")
+        self._offsets = offsets
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """``(N,) int64``: ``len(store[i]["input_ids"])`` for every sample, from the offsets only."""
+        if self._lengths is None:
+            if self._offsets is None:
+                self._open()
+            row = np.diff(np.asarray(self._offsets, dtype=np.int64))
+            self._lengths = row - 1 if self.sample_format == "labels" else row
+        return self._lengths
+
+    def __len__(self) -> int:
+        return self._num_samples
+
+    @overload
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[dict[str, np.ndarray]]: ...
+
+    def __getitem__(self, index: int | slice) -> dict[str, np.ndarray] | list[dict[str, np.ndarray]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.tokenized(index).to_sample(self.sample_format)
+
+    def tokenized(self, index: int) -> TokenizedSample:
+        """Sample ``index`` as its full token row and target mask."""
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"store indices must be integers or slices, got {type(index).__name__}")
+        i = int(index) + (len(self) if index < 0 else 0)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {index} is out of range for a store of {len(self)} samples")
+        if self._tokens is None:
+            self._open()
+        assert self._tokens is not None and self._offsets is not None
+        start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        tokens = self._tokens[start:end].astype(np.int64)
+        target_mask = np.ones(end - start, dtype=bool) if self._mask is None else self._mask[start:end].astype(bool)
+        return TokenizedSample(tokens, target_mask)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # memory maps do not pickle well (they would copy the data): each process maps the files itself
+        state = self.__dict__.copy()
+        state.update(_tokens=None, _offsets=None, _mask=None, _lengths=None)
+        return state
+
+    def __repr__(self) -> str:
+        return f"TokenStore({str(self.path)!r}, samples={len(self)}, tokens={self.num_tokens})"
+
+
+class TokenStoreWriter:
+    """Streams ``TokenizedSample``s into a new store folder with bounded memory.
+
+    Use as a context manager (an exception removes the partial files) or call ``close()``.
+    ``overwrite=False`` refuses a folder that already holds store files.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        tokenizer: TextTokenizer,
+        sample_format: SampleFormat = "labels",
+        source: Any = None,
+        overwrite: bool = False,
+    ) -> None:
+        if sample_format not in SAMPLE_FORMATS:
+            raise ValueError(f"unknown sample_format {sample_format!r}; use one of {list(SAMPLE_FORMATS)}")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        present = [name for name in STORE_FILES if (self.path / name).exists()]
+        if present and not overwrite:
+            raise FileExistsError(
+                f"{self.path} already holds token store files {present}; pass overwrite=True (--overwrite) "
+                "or choose another folder"
+            )
+        for name in present:
+            (self.path / name).unlink()
+        self.tokenizer = tokenizer
+        self.sample_format = sample_format
+        self.source = source
+        self.dtype = token_dtype(tokenizer.vocab_size)
+        self.num_samples = 0
+        self.num_tokens = 0  # flushed and buffered
+        self.num_target_tokens = 0
+        self.max_length = 0
+        self._flushed = 0
+        self._buffer: list[TokenizedSample] = []
+        self._buffered = 0
+        # the writer owns its files across add() calls; close() / abort() close them all together
+        self._files = contextlib.ExitStack()
+        self._tokens_file = self._files.enter_context(open(self.path / TOKENS_FILE, "wb"))  # noqa: SIM115
+        self._offsets_tmp = self._files.enter_context(tempfile.TemporaryFile(dir=self.path))  # noqa: SIM115
+        self._mask_file: Any = None
+        self._closed = False
+
+    def add(self, sample: TokenizedSample) -> None:
+        """Append one sample (at least 2 tokens: the first has nothing before it to be predicted from)."""
+        n = len(sample.tokens)
+        if n < 2 or sample.tokens.ndim != 1 or sample.target_mask.shape != (n,):
+            raise ValueError(
+                f"sample {self.num_samples}: tokens must be 1-D with >= 2 entries and target_mask the same "
+                f"shape, got tokens {sample.tokens.shape} and target_mask {sample.target_mask.shape}"
+            )
+        self._buffer.append(sample)
+        self._buffered += n
+        self.num_samples += 1
+        self.num_tokens += n
+        self.num_target_tokens += int(np.count_nonzero(sample.target_mask[1:]))
+        self.max_length = max(self.max_length, n)
+        if self._buffered >= _CHUNK:
+            self._flush()
+
+    def add_all(self, samples: Iterable[TokenizedSample]) -> None:
+        for sample in samples:
+            self.add(sample)
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        first = self.num_samples - len(self._buffer)
+        tokens = np.concatenate([s.tokens for s in self._buffer])
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.tokenizer.vocab_size:
+            bad = int(np.flatnonzero((tokens < 0) | (tokens >= self.tokenizer.vocab_size))[0])
+            sample_ends = np.cumsum([len(s.tokens) for s in self._buffer])
+            which = first + int(np.searchsorted(sample_ends, bad, side="right"))
+            raise ValueError(
+                f"sample {which} has token id {int(tokens[bad])}, outside [0, {self.tokenizer.vocab_size}) "
+                f"of tokenizer {self.tokenizer.name!r}; its eos_id or the records' ids are wrong"
+            )
+        tokens.astype(self.dtype).tofile(self._tokens_file)
+        ends = self._flushed + np.cumsum([len(s.tokens) for s in self._buffer], dtype=np.int64)
+        ends.tofile(self._offsets_tmp)
+        masks = [s.target_mask for s in self._buffer]
+        if self._mask_file is None and not all(m.all() for m in masks):
+            self._start_mask_file()
+        if self._mask_file is not None:
+            np.concatenate(masks).astype(np.uint8).tofile(self._mask_file)
+        self._flushed += len(tokens)
+        self._buffer, self._buffered = [], 0
+
+    def _start_mask_file(self) -> None:
+        """The first sample with a masked token: back-fill 'target' for everything written so far."""
+        self._mask_file = self._files.enter_context(open(self.path / LOSS_MASK_FILE, "wb"))  # noqa: SIM115
+        ones = np.ones(_CHUNK, dtype=np.uint8)
+        for start in range(0, self._flushed, _CHUNK):
+            ones[: min(_CHUNK, self._flushed - start)].tofile(self._mask_file)
+
+    def close(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Flush, write ``offsets.npy`` and ``manifest.json`` (with ``extra`` merged in); return it."""
+        self._flush()
+        self._tokens_file.flush()
+        offsets = np.lib.format.open_memmap(
+            self.path / OFFSETS_FILE, mode="w+", dtype=np.int64, shape=(self.num_samples + 1,)
+        )
+        offsets[0] = 0
+        self._offsets_tmp.seek(0)
+        for start in range(1, self.num_samples + 1, _CHUNK):
+            chunk = np.fromfile(self._offsets_tmp, dtype=np.int64, count=_CHUNK)
+            offsets[start : start + len(chunk)] = chunk
+        offsets.flush()
+        del offsets
+        self._files.close()
+        manifest = {
+            "format": STORE_FORMAT,
+            "version": STORE_VERSION,
+            "created_by": f"thdpack {__version__}",
+            "tokenizer": {
+                "name": self.tokenizer.name,
+                "sha256": self.tokenizer.sha256,
+                "vocab_size": self.tokenizer.vocab_size,
+                "eos_id": self.tokenizer.eos_id,
+            },
+            "dtype": self.dtype.name,
+            "sample_format": self.sample_format,
+            "num_samples": self.num_samples,
+            "num_tokens": self.num_tokens,
+            "num_target_tokens": self.num_target_tokens,
+            "max_tokens_per_sample": self.max_length,
+            "has_loss_mask": self._mask_file is not None,
+            "source": self.source,
+            **(extra or {}),
+        }
+        write_manifest(self.path, manifest)
+        self._closed = True
+        return manifest
+
+    def abort(self) -> None:
+        """Close the files and remove what was written (the folder itself stays)."""
+        self._files.close()
+        for name in STORE_FILES:
+            (self.path / name).unlink(missing_ok=True)
+        self._closed = True
+
+    def __enter__(self) -> TokenStoreWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if self._closed:
+            return
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.close()
+        except BaseException:
+            self.abort()
+            raise

@@ -1,0 +1,369 @@
+"""Tokenization: the shipped GPT-2 tokenizer or any Hugging Face tokenizer, batched, with SFT masks.
+
+``load_tokenizer("gpt2")`` loads the GPT-2 byte-level BPE shipped in ``thdpack/assets`` (see its
+README for source and licences); a path to any HF ``tokenizer.json`` (or a folder holding one),
+a ``tokenizers.Tokenizer`` or a fast ``transformers`` tokenizer work too. The tokenizer's own
+special tokens (BOS templates) are not added; thdpack appends only EOS (``<|endoftext|>`` = 50256
+for GPT-2) after each document and after each SFT response, unless ``append_eos=False``.
+
+A record becomes a ``TokenizedSample``: the full token row ``tokens (n,)`` and ``target_mask (n,)``
+(True where a token is a training target: every token of a document, the response and its EOS
+in SFT). Models see it in one of two equivalent sample formats (``SampleFormat``):
+
+- ``"labels"`` (NeMo AutoModel, research/nemo_te_spec.md 1.1): ``input_ids = tokens[:-1]`` and
+  ``labels = tokens[1:]`` with non-targets set to -100, so ``labels[t]`` is the target for
+  ``input_ids[t]`` and no function downstream shifts again. Length ``n - 1``.
+- ``"loss_mask"``: ``input_ids = tokens`` and ``loss_mask[t] = 1`` when the prediction made at
+  position ``t`` (of ``tokens[t + 1]``) is trained; the last position predicts nothing. The packer
+  derives next-token labels inside each sequence and applies the mask. Length ``n``.
+
+>>> tok = load_tokenizer("gpt2")
+>>> tok.encode_batch(["Hello world"])
+[[15496, 995]]
+>>> sample = SampleEncoder(tok).encode([{"text": "Hello world"}])[0]
+>>> sample.tokens.tolist(), sample.as_labels()["labels"].tolist()
+([15496, 995, 50256], [995, 50256])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args
+
+import numpy as np
+
+from thdpack._optional import require
+from thdpack.data._progress import progress_bar
+from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments, text_chars
+
+SampleFormat = Literal["labels", "loss_mask"]
+SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)
+IGNORE_INDEX = -100
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED_TOKENIZERS = {"gpt2": ASSETS / "gpt2_tokenizer.json"}
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizeConfig:
+    """How records become token ids."""
+
+    kind: RecordKind | Literal["auto"] = "auto"
+    """Record kind (``thdpack.data.records``); ``"auto"`` tells it from each record's keys."""
+    text_key: str = "text"
+    """Field holding a document's text (``text`` records)."""
+    append_eos: bool = True
+    """Append EOS after each document and each SFT response (so the model learns to stop)."""
+    eos_id: int | None = None
+    """EOS token id; None: the tokenizer's ``<|endoftext|>`` / ``</s>`` / eos token."""
+    mask_prompt: bool = True
+    """SFT: prompt tokens are not targets (label -100); False trains on the prompt too."""
+    batch_size: int = 512
+    """Records per ``encode_batch`` call (the tokenizer parallelises inside a batch)."""
+    batch_chars: int = 4_000_000
+    """Cut a batch early once its records hold this many characters: bounds memory when documents
+    are huge (a tokenizer output costs ~100 bytes per token until it is converted)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in (*RECORD_KINDS, "auto"):
+            raise ValueError(f"unknown record kind {self.kind!r}; use one of {['auto', *RECORD_KINDS]}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.batch_chars < 1:
+            raise ValueError(f"batch_chars must be >= 1, got {self.batch_chars}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise ValueError(f"eos_id must be a token id >= 0, got {self.eos_id}")
+
+
+class TextTokenizer:
+    """A ``tokenizers.Tokenizer`` with what a token store records: name, sha256, vocab size, EOS."""
+
+    def __init__(self, backend: Any, *, name: str, sha256: str, eos_id: int | None) -> None:
+        self.backend = backend
+        self.name = name
+        self.sha256 = sha256
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.eos_id = eos_id
+        # encode_batch_fast (tokenizers >= 0.21) skips offsets, which we never use
+        self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids of each text, without the tokenizer's special-token template."""
+        return [e.ids for e in self._encode(list(texts), add_special_tokens=False)]
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def load_tokenizer(spec: str | os.PathLike[str] | Any) -> TextTokenizer:
+    """``"gpt2"`` (shipped), a ``tokenizer.json`` path or folder, or a tokenizer object.
+
+    Objects: a ``tokenizers.Tokenizer``, or a fast ``transformers`` tokenizer (its
+    ``backend_tokenizer`` is used; its ``eos_token_id`` is the EOS). Raises ``ValueError`` for a
+    path that is missing or not a tokenizer, ``TypeError`` for other objects.
+    """
+    if isinstance(spec, TextTokenizer):
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        return _load_from_path(spec)
+    tokenizers = require("tokenizers", "tokenizing text")
+    if isinstance(spec, tokenizers.Tokenizer):
+        sha = hashlib.sha256(spec.to_str().encode()).hexdigest()
+        return TextTokenizer(spec, name="tokenizers.Tokenizer", sha256=sha, eos_id=_find_eos(spec))
+    backend = getattr(spec, "backend_tokenizer", None)
+    if isinstance(backend, tokenizers.Tokenizer):
+        sha = hashlib.sha256(backend.to_str().encode()).hexdigest()
+        eos = getattr(spec, "eos_token_id", None)
+        name = str(getattr(spec, "name_or_path", "") or type(spec).__name__)
+        return TextTokenizer(backend, name=name, sha256=sha, eos_id=eos if eos is not None else _find_eos(backend))
+    raise TypeError(
+        f"cannot use a {type(spec).__name__} as a tokenizer; pass 'gpt2', a tokenizer.json path, a "
+        "tokenizers.Tokenizer or a fast transformers tokenizer (one with .backend_tokenizer)"
+    )
+
+
+def _load_from_path(spec: str | os.PathLike[str]) -> TextTokenizer:
+    tokenizers = require("tokenizers", "tokenizing text")
+    name = str(spec)
+    path = SHIPPED_TOKENIZERS.get(name, Path(spec))
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(
+            f"tokenizer {name!r} is neither a shipped one ({sorted(SHIPPED_TOKENIZERS)}) nor an existing "
+            "tokenizer.json (or a folder holding one)"
+        )
+    data = path.read_bytes()
+    try:
+        backend = tokenizers.Tokenizer.from_str(data.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a bare Exception for bad JSON / unknown models
+        raise ValueError(
+            f"cannot read {path} as a Hugging Face tokenizer.json ({err}); pass 'gpt2' or a valid tokenizer.json"
+        ) from err
+    return TextTokenizer(backend, name=name, sha256=hashlib.sha256(data).hexdigest(), eos_id=_find_eos(backend))
+
+
+def _find_eos(backend: Any) -> int | None:
+    for token in _EOS_CANDIDATES:
+        token_id = backend.token_to_id(token)
+        if token_id is not None:
+            return int(token_id)
+    return None
+
+
+@dataclass(frozen=True)
+class TokenizedSample:
+    """One record's token row and which tokens are training targets.
+
+    ``tokens``: (n,) int64, n >= 2. ``target_mask``: (n,) bool, True where ``tokens[t]`` is a
+    target (``target_mask[0]`` is never used: the first token has nothing before it).
+    """
+
+    tokens: np.ndarray
+    target_mask: np.ndarray
+
+    def as_labels(self) -> dict[str, np.ndarray]:
+        """``{"input_ids": (n-1,) int64, "labels": (n-1,) int64}``; ``labels[t]`` is the target of t."""
+        labels = np.where(self.target_mask[1:], self.tokens[1:], IGNORE_INDEX)
+        return {"input_ids": self.tokens[:-1], "labels": labels}
+
+    def as_loss_mask(self) -> dict[str, np.ndarray]:
+        """``{"input_ids": (n,) int64, "loss_mask": (n,) int64}``; the last position predicts nothing."""
+        loss_mask = np.zeros(len(self.tokens), dtype=np.int64)
+        loss_mask[:-1] = self.target_mask[1:]
+        return {"input_ids": self.tokens, "loss_mask": loss_mask}
+
+    def to_sample(self, sample_format: SampleFormat = "labels") -> dict[str, np.ndarray]:
+        """The sample as the packer takes it (see the module docstring)."""
+        if sample_format == "labels":
+            return self.as_labels()
+        if sample_format == "loss_mask":
+            return self.as_loss_mask()
+        raise ValueError(f"unknown sample_format {sample_format!r}; use one of {list(SAMPLE_FORMATS)}")
+
+
+@dataclass
+class TokenizeReport:
+    """Counts of one tokenization pass; every record is either a sample or counted as skipped."""
+
+    records: int = 0
+    samples: int = 0
+    tokens: int = 0
+    """Tokens in the samples' rows (``tokens``, EOS included)."""
+    target_tokens: int = 0
+    """Tokens that are training targets (the loss tokens)."""
+    skipped_too_short: int = 0
+    """Records with fewer than 2 tokens: nothing to predict."""
+    skipped_no_target: int = 0
+    """Records whose tokens are all masked (e.g. a chat with no assistant turn)."""
+    kinds: dict[str, int] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items()))
+        return (
+            f"{self.records} records ({kinds}) -> {self.samples} samples, {self.tokens} tokens "
+            f"({self.target_tokens} targets); skipped {self.skipped_too_short} too short (< 2 tokens), "
+            f"{self.skipped_no_target} without targets"
+        )
+
+
+class SampleEncoder:
+    """Turns batches of records into ``TokenizedSample``s; ``report`` counts what it did."""
+
+    def __init__(self, tokenizer: TextTokenizer | str | os.PathLike[str] | Any, config: TokenizeConfig | None = None):
+        self.tokenizer = load_tokenizer(tokenizer)
+        self.config = config or TokenizeConfig()
+        self.eos_id = self.config.eos_id if self.config.eos_id is not None else self.tokenizer.eos_id
+        if self.config.append_eos and self.eos_id is None:
+            raise ValueError(
+                f"tokenizer {self.tokenizer.name!r} has none of the EOS tokens {list(_EOS_CANDIDATES)}; "
+                "pass eos_id= (--eos-id) or append_eos=False (--no-eos)"
+            )
+        if self.eos_id is not None and self.eos_id >= self.tokenizer.vocab_size:
+            raise ValueError(f"eos_id={self.eos_id} is outside the vocabulary (size {self.tokenizer.vocab_size})")
+        self.report = TokenizeReport()
+
+    def encode(
+        self, records: Sequence[Mapping[str, Any]], origins: Sequence[str] | None = None
+    ) -> list[TokenizedSample]:
+        """Encode records in one tokenizer call; skipped records are counted, not returned.
+
+        ``origins`` name the records in error messages ("data.jsonl line 7"); default "record i".
+        """
+        per_record = self._segments(records, origins)
+        return self._assemble(per_record, self.tokenizer.encode_batch(_texts(per_record)))
+
+    def encode_stream(
+        self, batches: Iterable[tuple[Sequence[Mapping[str, Any]], Sequence[str] | None]]
+    ) -> Iterator[list[TokenizedSample]]:
+        """``encode`` over a stream of ``(records, origins)`` batches, yielding each batch's samples.
+
+        The tokenizer encodes the next batch in a worker thread while this thread assembles the
+        current one (``tokenizers`` releases the GIL), so the tokenizer's threads are not left idle
+        between batches. At most two batches are in flight.
+        """
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="thdpack-tokenize") as pool:
+            pending: tuple[list[list[Segment]], Future[list[list[int]]]] | None = None
+            for records, origins in batches:
+                per_record = self._segments(records, origins)
+                encoding = pool.submit(self.tokenizer.encode_batch, _texts(per_record))
+                if pending is not None:
+                    yield self._assemble(pending[0], pending[1].result())
+                pending = (per_record, encoding)
+            if pending is not None:
+                yield self._assemble(pending[0], pending[1].result())
+
+    def _segments(self, records: Sequence[Mapping[str, Any]], origins: Sequence[str] | None) -> list[list[Segment]]:
+        cfg = self.config
+        per_record = []
+        for i, record in enumerate(records):
+            origin = origins[i] if origins is not None else f"record {self.report.records + i}"
+            kind = cfg.kind if cfg.kind != "auto" else detect_kind(record, cfg.text_key, origin)
+            self.report.kinds[kind] = self.report.kinds.get(kind, 0) + 1
+            per_record.append(
+                record_segments(
+                    record,
+                    kind,
+                    text_key=cfg.text_key,
+                    append_eos=cfg.append_eos,
+                    mask_prompt=cfg.mask_prompt,
+                    origin=origin,
+                )
+            )
+        self.report.records += len(records)
+        return per_record
+
+    def _assemble(self, per_record: list[list[Segment]], encoded: list[list[int]]) -> list[TokenizedSample]:
+        ids = iter(encoded)
+        samples: list[TokenizedSample] = []
+        for segments in per_record:
+            pieces: list[list[int]] = []
+            marks: list[np.ndarray] = []
+            for segment in segments:
+                seg_ids = next(ids)
+                if segment.eos:
+                    seg_ids = [*seg_ids, self.eos_id]
+                pieces.append(seg_ids)
+                marks.append(np.full(len(seg_ids), segment.target))
+            self._add(samples, pieces, marks)
+        return samples
+
+    def _add(self, samples: list[TokenizedSample], pieces: list[list[int]], marks: list[np.ndarray]) -> None:
+        if len(pieces) == 1:
+            tokens, target_mask = np.asarray(pieces[0], dtype=np.int64), marks[0]
+        else:
+            tokens = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces])
+            target_mask = np.concatenate(marks)
+        if len(tokens) < 2:
+            self.report.skipped_too_short += 1
+            return
+        targets = int(target_mask[1:].sum())
+        if targets == 0:
+            self.report.skipped_no_target += 1
+            return
+        self.report.samples += 1
+        self.report.tokens += len(tokens)
+        self.report.target_tokens += targets
+        samples.append(TokenizedSample(tokens, target_mask))
+
+
+def _texts(per_record: list[list[Segment]]) -> list[str]:
+    return [segment.text for segments in per_record for segment in segments]
+
+
+def record_batches(
+    items: Iterable[T], config: TokenizeConfig, record_of: Callable[[T], Any] = lambda item: item
+) -> Iterator[list[T]]:
+    """Group ``items`` into tokenizer batches: ``config.batch_size`` records at most, cut early once
+    they hold ``config.batch_chars`` characters. ``record_of`` finds the record in an item.
+
+    >>> docs = [{"text": "x" * 5}] * 5
+    >>> [len(b) for b in record_batches(docs, TokenizeConfig(batch_size=3, batch_chars=100))]
+    [3, 2]
+    >>> [len(b) for b in record_batches(docs, TokenizeConfig(batch_size=3, batch_chars=9))]
+    [2, 2, 1]
+    """
+    batch: list[T] = []
+    chars = 0
+    for item in items:
+        batch.append(item)
+        chars += text_chars(record_of(item))
+        if len(batch) == config.batch_size or chars >= config.batch_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_records(
+    records: Iterable[Mapping[str, Any]],
+    tokenizer: TextTokenizer | str | os.PathLike[str] | Any = "gpt2",
+    config: TokenizeConfig | None = None,
+    *,
+    total: int | None = None,
+    progress: bool | None = None,
+) -> Iterator[TokenizedSample]:
+    """Stream ``TokenizedSample``s from records, one tokenizer call per ``record_batches`` batch
+    (``SampleEncoder.encode_stream``).
+
+    ``progress``: a tqdm bar over records (None: only when stderr is a terminal).
+    """
+    encoder = SampleEncoder(tokenizer, config)
+    bar = progress_bar(total=total, desc="tokenize", unit="rec", enabled=progress)
+
+    def read() -> Iterator[tuple[list[Mapping[str, Any]], None]]:
+        for batch in record_batches(records, encoder.config):
+            bar.update(len(batch))
+            yield batch, None
+
+    try:
+        for samples in encoder.encode_stream(read()):
+            yield from samples
+    finally:
+        bar.close()

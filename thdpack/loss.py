@@ -1,0 +1,294 @@
+"""Packed cross-entropy normalised over the whole global batch: DP ranks, CP ranks, micro-steps.
+
+Legend: ``T`` tokens of this rank's micro-batch (a CP shard: the global pack's T / cp_size),
+``V`` vocabulary, ``N`` sequences of a THD batch.
+
+The loss of an optimizer step must equal the unpacked token mean over the global batch,
+
+    L = sum of CE over every loss token of the global batch / number of those tokens,
+
+and its gradient must be that mean's gradient. The usual shortcut, a mean on each rank and
+micro-batch followed by averaging those means (mean-of-means), weighs every token by
+1 / (loss tokens on its rank and micro-batch): ranks and micro-batches with fewer loss tokens
+(more padding, shorter sequences, more masked prompt) count more, and the result changes with
+the packing, the CP size and the accumulation steps. Research note ring_attention.md section 8,
+pitfall 9: "sum token losses locally, all-reduce the sum and the count of non-ignored labels,
+divide — otherwise ranks with more padding are over-weighted".
+
+The recipe for one optimizer step of M micro-batches per rank (``StepLoss`` packages it):
+
+1. Before the micro-steps, ``denominator = count_loss_tokens([mb["labels"] for mb in mbs],
+   group=dp_cp_group)``: this rank's loss tokens over its M micro-batches, all-reduced (SUM) over
+   the DP x CP group. One collective per step.
+2. Each micro-step: ``packed_cross_entropy(logits_TV, labels_T, denominator=denominator,
+   grad_average_size=G).backward()``: ``sum(local token losses) / denominator * G``. Gradient
+   accumulation sums the micro-steps' gradients, which is what the global mean needs.
+3. Gradient reduction. Every rank computed a disjoint part of one sum, so the step's gradient is
+   the SUM of all ranks' gradients. CP ranks hold the same parameters and each computes part of
+   every sequence's loss: their gradients are summed, never averaged. DDP and FSDP *average* over
+   their process group, so ``grad_average_size`` (G) is the size of the group your gradient
+   reduction averages over; the loss is multiplied by it and the average becomes the sum:
+
+   - one process, or you all-reduce (SUM) the gradients yourself over DP x CP: ``G = 1``
+   - DDP / FSDP over the DP group, plus your own all-reduce (SUM) over the CP group: ``G = dp_size``
+   - FSDP2 / DDP over the flattened DP x CP mesh (torchtitan's and NeMo's ``dp_shard_cp``):
+     ``G = dp_size * cp_size``
+
+4. Logging: the global loss is the SUM over ranks and micro-steps of ``local sum / denominator``
+   (``StepLoss.value()``: one more collective, only when you log).
+
+Per-sequence mean (``reduction="sequence_mean"``): every sequence's token mean, then the mean
+over the global batch's sequences (SFT recipes that do not want long answers to dominate).
+A sequence is cut across CP ranks (and a global batch across micro-batches and DP ranks), so no
+rank can take a sequence's mean alone. Instead ``loss_weights`` gives each token of the *global*
+THD batch, before CP sharding, the weight ``1 / (loss tokens of its sequence)``; shard the
+weights like every other per-token tensor (``thd["loss_weights"] = loss_weights(...)`` before
+``cp.shard``), pass each micro-batch's weights, and the denominator becomes the global sum of
+weights, which is the number of sequences that have loss tokens. Token mean is the special case
+of weight 1 per loss token. A sequence that ``overflow="split"`` cut into pieces counts as one
+sequence per piece.
+
+A step with no loss token anywhere gives loss 0 and zero gradients (not NaN).
+
+>>> import math
+>>> logits_TV = torch.zeros(4, 3, dtype=torch.float64)       # uniform: CE = log 3 per token
+>>> labels_T = torch.tensor([1, -100, 2, 0])
+>>> denominator = count_loss_tokens([labels_T])              # 3 loss tokens (one process)
+>>> loss = packed_cross_entropy(logits_TV, labels_T, denominator=denominator, grad_average_size=1)
+>>> round(loss.item(), 6) == round(math.log(3), 6)
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal, get_args
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+LossReduction = Literal["token_mean", "sequence_mean"]
+LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
+IGNORE_INDEX = -100
+
+
+def loss_weights(
+    labels_T: torch.Tensor,
+    cu_seqlens_padded: torch.Tensor,
+    *,
+    reduction: LossReduction = "token_mean",
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """Per-token loss weights of a GLOBAL (not yet CP-sharded) THD batch; shard them like tokens.
+
+    Args:
+        labels_T: (T,) integer labels, already next-token shifted; ``ignore_index`` = no loss.
+        cu_seqlens_padded: (N+1,) integer, ``[0] == 0``, non-decreasing, ``[-1] == T``: the
+            sequences' storage slots (``thd["cu_seqlens_padded"]``; with no padding the plain
+            ``cu_seqlens``). Only used by ``"sequence_mean"``.
+        reduction: ``"token_mean"``: 1 for every loss token. ``"sequence_mean"``: ``1 / n_s`` for
+            each loss token of sequence ``s`` with ``n_s`` loss tokens.
+
+    Returns (T,) float64 on ``labels_T``'s device; 0 where the label is ``ignore_index``.
+    The sum is the number of loss tokens (token mean) or of sequences with loss tokens.
+
+    >>> labels = torch.tensor([5, 6, -100, 7, -100, -100, 8, 9])
+    >>> cu = torch.tensor([0, 4, 8], dtype=torch.int32)
+    >>> loss_weights(labels, cu, reduction="sequence_mean").tolist()
+    [0.3333333333333333, 0.3333333333333333, 0.0, 0.3333333333333333, 0.0, 0.0, 0.5, 0.5]
+    """
+    if reduction not in LOSS_REDUCTIONS:
+        raise ValueError(f"unknown reduction {reduction!r}; use one of {list(LOSS_REDUCTIONS)}")
+    _check_labels(labels_T)
+    valid_T = (labels_T != ignore_index).to(torch.float64)
+    if reduction == "token_mean":
+        return valid_T
+    lengths = _sequence_lengths(cu_seqlens_padded, len(labels_T)).to(labels_T.device)
+    seq_of_token_T = torch.repeat_interleave(torch.arange(len(lengths), device=labels_T.device), lengths)
+    loss_tokens_N = torch.zeros(len(lengths), dtype=torch.float64, device=labels_T.device)
+    loss_tokens_N.index_add_(0, seq_of_token_T, valid_T)
+    return valid_T / loss_tokens_N.clamp_min(1.0)[seq_of_token_T]
+
+
+def global_loss_denominator(
+    micro_batch_weights: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """The step's normaliser: this rank's weights over all its micro-batches, summed over ``group``.
+
+    ``micro_batch_weights``: one (T,) tensor per micro-batch of this optimizer step (this rank's
+    shards of ``loss_weights``). ``group``: the DP x CP group; None means the default group when
+    torch.distributed is initialised, else this process alone. One all-reduce, before the
+    micro-steps. Returns a float64 scalar tensor.
+    """
+    weights = list(micro_batch_weights)
+    if not weights:
+        raise ValueError("micro_batch_weights is empty: a step needs at least one micro-batch")
+    total = torch.zeros((), dtype=torch.float64, device=weights[0].device)
+    for w_T in weights:
+        total += w_T.to(torch.float64).sum()
+    return _all_reduce_sum(total, group)
+
+
+def count_loss_tokens(
+    micro_batch_labels: Iterable[torch.Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """The global number of loss tokens of a step: ``global_loss_denominator`` for the token mean.
+
+    ``micro_batch_labels``: this rank's (T,) labels of every micro-batch of the step.
+    Returns a float64 scalar tensor (exact up to 2**53 tokens).
+    """
+    return global_loss_denominator(((labels_T != ignore_index) for labels_T in micro_batch_labels), group=group)
+
+
+def cross_entropy_sum(
+    logits_TV: torch.Tensor,
+    labels_T: torch.Tensor,
+    weights_T: torch.Tensor | None = None,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """``sum_t weights[t] * CE(logits[t], labels[t])`` over this rank's tokens (a scalar).
+
+    ``logits_TV``: (T, V) floating; bf16 / fp16 are upcast to fp32 (as NeMo does) so the
+    log-softmax and the sum are accurate. ``labels_T``: (T,) integer. ``weights_T``: (T,) or None
+    (weight 1); tokens labelled ``ignore_index`` contribute 0 either way.
+    """
+    if logits_TV.dim() != 2:
+        raise ValueError(f"logits must be (T, V), got shape {tuple(logits_TV.shape)}")
+    _check_labels(labels_T)
+    if labels_T.shape != logits_TV.shape[:1]:
+        raise ValueError(f"labels {tuple(labels_T.shape)} do not match logits {tuple(logits_TV.shape)}")
+    if weights_T is not None and weights_T.shape != labels_T.shape:
+        raise ValueError(f"weights {tuple(weights_T.shape)} do not match labels {tuple(labels_T.shape)}")
+    if logits_TV.dtype in (torch.float16, torch.bfloat16):
+        logits_TV = logits_TV.float()
+    ce_T = F.cross_entropy(logits_TV, labels_T.long(), ignore_index=ignore_index, reduction="none")
+    if weights_T is None:
+        return ce_T.sum()
+    return (ce_T * weights_T.to(ce_T.dtype)).sum()
+
+
+def packed_cross_entropy(
+    logits_TV: torch.Tensor,
+    labels_T: torch.Tensor,
+    *,
+    denominator: torch.Tensor,
+    grad_average_size: int,
+    weights_T: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+) -> torch.Tensor:
+    """This micro-batch's loss to call ``backward()`` on: ``cross_entropy_sum / denominator * G``.
+
+    Args:
+        logits_TV, labels_T, weights_T: as in ``cross_entropy_sum`` (this rank's CP shard).
+        denominator: the step's ``count_loss_tokens`` / ``global_loss_denominator``.
+        grad_average_size: G, the number of ranks your gradient reduction AVERAGES over (module
+            docstring, step 3): 1 for one process or a SUM reduction, ``dp_size`` for DDP over DP
+            with CP gradients summed by you, ``dp_size * cp_size`` for FSDP over the DP x CP mesh.
+            Required, because the wrong value silently scales every gradient.
+
+    Summed over micro-steps and ranks, ``loss / G`` is the global mean loss.
+    """
+    if isinstance(grad_average_size, bool) or not isinstance(grad_average_size, int) or grad_average_size < 1:
+        raise ValueError(
+            f"grad_average_size must be an int >= 1 (the ranks your DDP/FSDP averages over), got {grad_average_size!r}"
+        )
+    total = cross_entropy_sum(logits_TV, labels_T, weights_T, ignore_index=ignore_index)
+    safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator)).to(total.dtype)
+    return total / safe * grad_average_size
+
+
+class StepLoss:
+    """One optimizer step's globally normalised loss (the module recipe as an object).
+
+    >>> import math
+    >>> mbs = [torch.tensor([1, 2, -100]), torch.tensor([0, 1, 1, 2])]   # one rank, 2 micro-batches
+    >>> step = StepLoss.begin(mbs, grad_average_size=1)                   # 6 loss tokens
+    >>> for labels_T in mbs:
+    ...     logits_TV = torch.zeros(len(labels_T), 3, dtype=torch.float64, requires_grad=True)
+    ...     step(logits_TV, labels_T).backward()
+    >>> round(step.value().item(), 6) == round(math.log(3), 6)
+    True
+    """
+
+    def __init__(
+        self,
+        denominator: torch.Tensor,
+        *,
+        grad_average_size: int,
+        group: dist.ProcessGroup | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        self.denominator = denominator
+        self.grad_average_size = grad_average_size
+        self.group = group
+        self.ignore_index = ignore_index
+        self._local_share = torch.zeros((), dtype=torch.float64, device=denominator.device)
+
+    @classmethod
+    def begin(
+        cls,
+        micro_batch_labels: Iterable[torch.Tensor],
+        *,
+        grad_average_size: int,
+        group: dist.ProcessGroup | None = None,
+        micro_batch_weights: Iterable[torch.Tensor] | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> StepLoss:
+        """Count the step's global denominator (one collective) from every micro-batch's labels,
+        or from ``micro_batch_weights`` (``loss_weights`` shards) for the per-sequence mean."""
+        if micro_batch_weights is None:
+            denominator = count_loss_tokens(micro_batch_labels, group=group, ignore_index=ignore_index)
+        else:
+            denominator = global_loss_denominator(micro_batch_weights, group=group)
+        return cls(denominator, grad_average_size=grad_average_size, group=group, ignore_index=ignore_index)
+
+    def __call__(
+        self, logits_TV: torch.Tensor, labels_T: torch.Tensor, weights_T: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The micro-batch's loss, ready for ``backward()`` (``packed_cross_entropy``)."""
+        loss = packed_cross_entropy(
+            logits_TV,
+            labels_T,
+            denominator=self.denominator,
+            grad_average_size=self.grad_average_size,
+            weights_T=weights_T,
+            ignore_index=self.ignore_index,
+        )
+        self._local_share += loss.detach().to(torch.float64) / self.grad_average_size
+        return loss
+
+    def value(self) -> torch.Tensor:
+        """The global loss of the step so far (float64 scalar); all-reduces over ``group``."""
+        return _all_reduce_sum(self._local_share.clone(), self.group)
+
+
+def _check_labels(labels_T: torch.Tensor) -> None:
+    if labels_T.dim() != 1:
+        raise ValueError(f"labels must be 1-D (T,), got shape {tuple(labels_T.shape)}")
+    if labels_T.dtype.is_floating_point or labels_T.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels_T.dtype}")
+
+
+def _sequence_lengths(cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    cu = torch.as_tensor(cu_seqlens_padded).detach().to("cpu", torch.int64)
+    if cu.dim() != 1 or len(cu) < 2:
+        raise ValueError(f"cu_seqlens_padded must be (N+1,) with N >= 1, got shape {tuple(cu.shape)}")
+    lengths = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != total_tokens:
+        raise ValueError(
+            f"cu_seqlens_padded must start at 0, never decrease and end at T={total_tokens}, got {cu.tolist()}"
+        )
+    return lengths
+
+
+def _all_reduce_sum(total: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    elif group is not None:
+        raise ValueError("a process group was given but torch.distributed is not initialised")
+    return total
