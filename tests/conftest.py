@@ -17,7 +17,8 @@ settings.register_profile(
 settings.load_profile("thdpack")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# ../shared/data beside the checkout (CI and the main checkout); THDPACK_SHARED_DATA overrides it
+SHARED_DATA = Path(os.environ.get("THDPACK_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
 @pytest.fixture

@@ -1,6 +1,7 @@
 """The ``thdpack`` command.
 
-thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
+    thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR
+    thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ import sys
 from collections.abc import Callable, Sequence
 
 from thdpack import __version__
+from thdpack.data.prepare import add_prepare_arguments, run_prepare
 from thdpack.report import add_stats_arguments, run_stats
 
-# name -> (help, add arguments, run)
-COMMANDS: dict[
-    str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-] = {
+Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+COMMANDS: dict[str, Command] = {  # name -> (help, add its arguments, run it)
+    "prepare": (
+        "tokenize a dataset into a token store, plan its packs, print the packing stats",
+        add_prepare_arguments,
+        run_prepare,
+    ),
     "stats": (
         "compare packing algorithms and pack sizes on a dataset's lengths",
         add_stats_arguments,

@@ -33,13 +33,11 @@ def load_lengths(path: str | Path) -> np.ndarray:
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():
-        manifest = path / "manifest.json"
-        offsets = path / "offsets.npy"
-        if not (manifest.exists() and offsets.exists()):
-            raise ValueError(
-                f"{path} is a folder but not a thdpack token store (no manifest.json / offsets.npy)"
-            )
-        return np.diff(np.load(offsets))
+        from thdpack.data.store import TokenStore
+
+        if not (path / "manifest.json").exists():
+            raise ValueError(f"{path} is a folder but not a thdpack token store (no manifest.json)")
+        return TokenStore(path).lengths
     if path.suffix == ".npy":
         return np.load(path, allow_pickle=False)
     if path.suffix in (".txt", ".csv", ""):
@@ -47,9 +45,7 @@ def load_lengths(path: str | Path) -> np.ndarray:
             return np.loadtxt(path, dtype=np.int64, ndmin=1)
         except ValueError as err:
             raise ValueError(f"{path}: expected one integer length per line ({err})") from err
-    raise ValueError(
-        f"{path}: unsupported lengths file {path.suffix!r}; use .npy, .txt or a token store folder"
-    )
+    raise ValueError(f"{path}: unsupported lengths file {path.suffix!r}; use .npy, .txt or a token store folder")
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,8 @@ def render(rows: list[Row]) -> str:
 
 
 def plot(lengths: np.ndarray, rows: list[Row], out_dir: Path) -> list[Path]:
-    """PNG plots: length histogram, pack fullness percentiles, efficiency vs pack size."""
+    """PNG plots: length histogram, pack fullness percentiles, and (for several pack sizes)
+    waste vs pack size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -117,15 +114,15 @@ def plot(lengths: np.ndarray, rows: list[Row], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
         pct = r.stats.fullness_percentiles
-        ax.plot(
-            list(pct), [100 * v for v in pct.values()], marker="o", label=f"{r.algorithm} @ {r.pack_size}"
-        )
+        ax.plot(list(pct), [100 * v for v in pct.values()], marker="o", label=f"{r.algorithm} @ {r.pack_size}")
     ax.set(xlabel="percentile of packs", ylabel="pack fullness (%)", title="Pack fullness")
     ax.legend(fontsize=7)
     written.append(out_dir / "fullness.png")
     fig.savefig(written[-1], dpi=120, bbox_inches="tight")
     plt.close(fig)
 
+    if len({r.pack_size for r in rows}) < 2:
+        return written
     fig, ax = plt.subplots(figsize=(7, 4))
     for algorithm in dict.fromkeys(r.algorithm for r in rows):
         mine = [r for r in rows if r.algorithm == algorithm]
@@ -148,9 +145,7 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
         "input", nargs="?", help="lengths .npy / .txt, or a token store folder (default: embedded example)"
     )
     parser.add_argument("--pack-size", type=int, nargs="+", default=[4096], help="one or more pack sizes")
-    parser.add_argument(
-        "--cp-size", type=int, default=1, help="context-parallel size (slots rounded to 2*cp)"
-    )
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (slots rounded to 2*cp)")
     parser.add_argument(
         "--algorithm", nargs="+", default=["all"], choices=["all", *ALGORITHMS], help="planners to compare"
     )
