@@ -1,0 +1,1 @@
+"""Exact THD attention."""
