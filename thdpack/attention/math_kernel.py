@@ -29,7 +29,9 @@ from thdpack.attention.metadata import Side
 _SCORE_BUDGET = 1 << 22
 
 
-def plan_blocks(q: Side, k: Side, num_heads: int, budget: int = _SCORE_BUDGET) -> list[tuple[int, int, int, int]]:
+def plan_blocks(
+    q: Side, k: Side, num_heads: int, budget: int = _SCORE_BUDGET
+) -> list[tuple[int, int, int, int]]:
     """Rectangles ``(q_start, q_stop, k_start, k_stop)`` covering every sequence's (rows x keys).
 
     Consecutive sequences are grouped while ``num_heads * rows * keys <= budget``; a sequence too

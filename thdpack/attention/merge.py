@@ -11,6 +11,8 @@ Legend: ``T`` tokens (rows), ``N`` heads, ``H`` head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -41,7 +43,8 @@ def merge_partials(
 
     >>> out = torch.tensor([[[1.0]], [[0.0]]])                  # 2 rows, 1 head, dim 1
     >>> lse = torch.tensor([[0.0, float("-inf")]])
-    >>> o, l = merge_partials(out, lse, torch.tensor([[[3.0]], [[0.0]]]), torch.tensor([[0.0, float("-inf")]]))
+    >>> part_out, part_lse = torch.tensor([[[3.0]], [[0.0]]]), torch.tensor([[0.0, float("-inf")]])
+    >>> o, l = merge_partials(out, lse, part_out, part_lse)
     >>> o.flatten().tolist(), l.flatten().tolist()              # equal weights; empty row stays empty
     ([2.0, 0.0], [0.6931..., -inf])
     """
@@ -59,3 +62,30 @@ def merge_partials(
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp64 stays fp64 (the exactness proofs); everything else accumulates in fp32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _NoLseGradient(torch.autograd.Function):
+    """Identity on an LSE whose producer drops its gradient: fail loudly instead of silently."""
+
+    @staticmethod
+    def forward(ctx: Any, lse_NT: torch.Tensor, producer: str) -> torch.Tensor:
+        ctx.producer = producer
+        return lse_NT.view_as(lse_NT)
+
+    @staticmethod
+    def backward(ctx: Any, dlse_NT: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if bool(dlse_NT.ne(0).any()):
+            raise RuntimeError(
+                f"a loss depends on the LSE returned by {ctx.producer}, whose kernel ignores the LSE's "
+                "gradient; use backend='math' (any device) or a cp_group ring, which differentiate it"
+            )
+        return dlse_NT, None
+
+
+def no_lse_gradient(lse_NT: torch.Tensor, producer: str) -> torch.Tensor:
+    """``lse_NT`` unchanged, but a nonzero gradient reaching it raises ``RuntimeError``.
+
+    flash-attn's ``flash_attn_varlen_func`` and torch's ``varlen_attn`` return an LSE whose
+    gradient their backward ignores; a loss using it would train on a wrong gradient.
+    """
+    return _NoLseGradient.apply(lse_NT, producer)

@@ -16,6 +16,7 @@ Legend: ``T`` tokens, ``N`` sequences (where stated) , ``c`` tokens per CP chunk
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 _T = TypeVar("_T")
+
 
 class Side:
     """Rows of one tile operand: sequence by sequence, each sequence's real tokens first.
@@ -211,11 +213,15 @@ def thd_meta(thd: Mapping[str, Any]) -> ThdMeta:
     optional ``cp_size`` / ``cp_rank`` (default 1 / 0; every slot a multiple of ``2*cp_size``).
     Raises ``ValueError`` / ``TypeError`` naming the offending entry and the fix.
 
-    >>> cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     >>> cu_padded = torch.tensor([0, 4, 8], dtype=torch.int32)
     >>> meta = thd_meta({"cu_seqlens": cu, "cu_seqlens_padded": cu_padded, "max_seqlen": 4})
     >>> meta.lengths, meta.lengths_padded, meta.local_tokens
-    ((3, 5), (4, 4), 8)
+    ((3, 4), (4, 4), 8)
+    >>> shard = thd_meta({"cu_seqlens": cu, "cu_seqlens_padded": cu_padded, "cp_size": 2, "cp_rank": 1})
+    >>> side = shard.local_side(torch.device("cpu"))    # rank 1 keeps chunks 1 and 2 of each slot
+    >>> side.counts, side.valid_counts, side.pos_T.tolist()
+    ((2, 2), (2, 2), [1, 2, 1, 2])
     """
     if "cu_seqlens" not in thd:
         raise ValueError(
@@ -259,10 +265,12 @@ def _host_lengths(name: str, cu: Any) -> list[int]:
     values = cu.tolist()
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
-    lengths = [b - a for a, b in zip(values[:-1], values[1:], strict=True)]
+    lengths = [b - a for a, b in itertools.pairwise(values)]
     for i, n in enumerate(lengths):
         if n < 0:
-            raise ValueError(f"{name} must be non-decreasing; it drops at entry {i + 1} ({values[i]} -> {values[i + 1]})")
+            raise ValueError(
+                f"{name} must be non-decreasing; it drops at entry {i + 1} ({values[i]} -> {values[i + 1]})"
+            )
     return lengths
 
 
@@ -274,7 +282,9 @@ def _build_meta(
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     lengths = _host_lengths("cu_seqlens", cu_seqlens)
-    slots = lengths if cu_seqlens_padded is cu_seqlens else _host_lengths("cu_seqlens_padded", cu_seqlens_padded)
+    slots = (
+        lengths if cu_seqlens_padded is cu_seqlens else _host_lengths("cu_seqlens_padded", cu_seqlens_padded)
+    )
     if len(lengths) != len(slots):
         raise ValueError(
             f"cu_seqlens has {len(lengths) + 1} entries and cu_seqlens_padded {len(slots) + 1}; "
@@ -311,3 +321,22 @@ def _build_meta(
         cp_rank=cp_rank,
         max_seqlen=max_seqlen,
     )
+
+
+def kernel_cu_seqlens(thd: Mapping[str, Any], key: str, backend: str, device: torch.device) -> torch.Tensor:
+    """``thd[key]`` (``cu_seqlens_padded`` falls back to ``cu_seqlens``) checked for a CUDA kernel.
+
+    FlashAttention / cuDNN kernels read cu_seqlens as int32 on the tensors' device; anything else
+    is a ``TypeError`` / ``ValueError`` here rather than a kernel error (or silent misreads) later.
+    """
+    cu = thd.get(key)
+    if cu is None:
+        cu = thd["cu_seqlens"]
+    if cu.dtype != torch.int32:
+        raise TypeError(
+            f"{key} has dtype {cu.dtype}, but the {backend!r} backend's kernels need int32; "
+            "thdpack.to_thd produces int32 (or convert with .to(torch.int32))"
+        )
+    if cu.device != device:
+        raise ValueError(f"{key} is on {cu.device} but q/k/v are on {device}; move the batch to {device}")
+    return cu

@@ -64,4 +64,3 @@ def reference_attention(
         lses += [torch.logsumexp(scores_NLL, -1), q_TNH.new_full((q_TNH.shape[1], slot - n), float("-inf"))]
         start += slot
     return torch.cat(outs), torch.cat(lses, dim=1)
-

@@ -35,7 +35,9 @@ def gather_order(meta: ThdMeta, device: torch.device) -> torch.Tensor:
     """
     cu = torch.zeros(len(meta.lengths_padded) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(meta.lengths_padded), 0)
-    stacked = torch.cat([partition_indices(cu, meta.total_tokens, meta.cp_size, r) for r in range(meta.cp_size)])
+    stacked = torch.cat(
+        [partition_indices(cu, meta.total_tokens, meta.cp_size, r) for r in range(meta.cp_size)]
+    )
     return torch.argsort(stacked.to(torch.int64)).to(device)
 
 
@@ -44,7 +46,11 @@ class GatherKV(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, k_TNH: torch.Tensor, v_TNH: torch.Tensor, order: torch.Tensor, group: dist.ProcessGroup | None
+        ctx: Any,
+        k_TNH: torch.Tensor,
+        v_TNH: torch.Tensor,
+        order: torch.Tensor,
+        group: dist.ProcessGroup | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.order, ctx.group = order, group
         return (
@@ -72,7 +78,10 @@ def allgather_attention(
     causal: bool = True,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather-KV attention of this rank's shard; same contract as :func:`thdpack.cp.ring.ring_attention`."""
+    """All-gather-KV attention of this rank's shard.
+
+    Same arguments and results as :func:`thdpack.cp.ring.ring_attention` (math tiles).
+    """
     device = q_TNH.device
     order = meta.cached(("gather order", device), lambda: gather_order(meta, device))
     k_glob, v_glob = GatherKV.apply(k_TNH, v_TNH, order, cp_group)
