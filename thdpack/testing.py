@@ -96,7 +96,7 @@ def assert_resumable(
     resumed = head + rest
     if len(resumed) != len(full):
         raise AssertionError(f"resumed run has {len(resumed)} items, uninterrupted run {len(full)}")
-    for i, (a, b) in enumerate(zip(full, resumed)):
+    for i, (a, b) in enumerate(zip(full, resumed, strict=True)):
         if not eq(a, b):
             raise AssertionError(f"item {i} differs after resuming at {stop_after}: {a!r} != {b!r}")
 
@@ -107,7 +107,7 @@ def _deep_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_deep_equal(x, y) for x, y in zip(a, b, strict=True))
     try:
         import numpy as np
 
@@ -116,4 +116,3 @@ def _deep_equal(a: Any, b: Any) -> bool:
     except ImportError:
         pass
     return bool(a == b)
-

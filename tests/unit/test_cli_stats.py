@@ -1,0 +1,35 @@
+"""`thdpack stats`: the embedded example, lengths files, and clean errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from thdpack.cli import main
+
+
+def test_embedded_example(capsys, tmp_path):
+    assert main(["stats", "--algorithm", "bfd", "sequential", "--json", str(tmp_path / "rows.json")]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 28 empty sequences (length 0)" in out
+    assert "| 4,096 | bfd |" in out and "| 4,096 | sequential |" in out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert [r["algorithm"] for r in rows] == ["bfd", "sequential"]
+    assert rows[0]["efficiency"] > 0.999 > rows[1]["efficiency"]
+
+
+def test_lengths_files(capsys, tmp_path):
+    np.save(tmp_path / "l.npy", np.array([100, 200, 300]))
+    (tmp_path / "l.txt").write_text("100\n200\n300\n")
+    for name in ("l.npy", "l.txt"):
+        assert main(["stats", str(tmp_path / name), "--pack-size", "512", "1024", "--cp-size", "2"]) == 0
+        assert "| 1,024 | window |" in capsys.readouterr().out
+
+
+def test_errors_are_messages_not_tracebacks(capsys, tmp_path):
+    assert main(["stats", str(tmp_path / "missing.npy")]) == 2
+    assert "thdpack stats: error:" in capsys.readouterr().err
+    np.save(tmp_path / "l.npy", np.array([100, 200]))
+    assert main(["stats", str(tmp_path / "l.npy"), "--pack-size", "1004", "--cp-size", "4"]) == 2
+    assert "pack_size=1004 is not a multiple of 2*cp_size=8" in capsys.readouterr().err

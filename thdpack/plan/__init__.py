@@ -1,0 +1,33 @@
+"""Packing plans: which sequences share a pack. Pure numpy; no torch import.
+
+``plan_packs`` is the entry point; ``plan_histogram`` + ``materialize`` are the length-class
+(histogram) engine underneath it, usable on their own for datasets known only by histogram.
+"""
+
+from __future__ import annotations
+
+from thdpack.plan.api import ALGORITHMS, DEFAULT_WINDOW, Algorithm, as_lengths, plan_packs, slot_multiple
+from thdpack.plan.assignment import materialize
+from thdpack.plan.bounds import l2_lower_bound
+from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram
+from thdpack.plan.overflow import OVERFLOWS, Overflow
+from thdpack.plan.packplan import PackPlan
+from thdpack.plan.stats import PackingStats
+
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_WINDOW",
+    "FITS",
+    "OVERFLOWS",
+    "Algorithm",
+    "HistogramPlan",
+    "Overflow",
+    "PackPlan",
+    "PackingStats",
+    "as_lengths",
+    "l2_lower_bound",
+    "materialize",
+    "plan_histogram",
+    "plan_packs",
+    "slot_multiple",
+]

@@ -1,0 +1,204 @@
+"""plan_packs: choose which sequences share each pack (numpy only, no torch import).
+
+>>> plan = plan_packs([5, 3, 6, 2, 4], pack_size=10)          # best-fit decreasing
+>>> [p.tolist() for p in plan]
+[[2, 4], [0, 1, 3]]
+>>> [p.tolist() for p in plan_packs([5, 3, 6, 2, 4], 10, algorithm="sequential")]
+[[0, 1], [2, 3], [4]]
+>>> plan = plan_packs([5, 3, 6, 2, 4], 16, cp_size=2)          # each sequence takes a multiple of 4 slots
+>>> [p.tolist() for p in plan], plan.stats.cp_padding_tokens
+([[0, 2], [1, 3, 4]], 8)
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Literal
+
+import numpy as np
+
+from thdpack.plan.assignment import materialize
+from thdpack.plan.bounds import l2_lower_bound
+from thdpack.plan.histogram import plan_histogram
+from thdpack.plan.ordered import next_fit, window_best_fit
+from thdpack.plan.overflow import OVERFLOWS, Entries, Overflow, apply_overflow
+from thdpack.plan.packplan import PackPlan
+from thdpack.plan.stats import PackingStats, weighted_percentiles
+
+Algorithm = Literal["bfd", "ffd", "sequential", "window"]
+ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
+DEFAULT_WINDOW = 1024
+
+
+def as_lengths(lengths: object) -> np.ndarray:
+    """Validate sequence lengths: a non-empty 1-D array of integers >= 1, as int64."""
+    array = np.asarray(lengths)
+    if array.dtype == np.bool_:
+        raise TypeError("lengths must be integers, got booleans")
+    if array.ndim != 1:
+        raise ValueError(f"lengths must be 1-D (one length per sequence), got shape {array.shape}")
+    if array.size == 0:
+        raise ValueError("lengths is empty: there is nothing to pack")
+    if array.dtype.kind == "f":
+        bad = ~np.isfinite(array) | (array != np.round(array))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"sequence {i} has non-integer length {float(array[i])}; lengths count tokens")
+    elif array.dtype.kind not in "iu":
+        raise TypeError(f"lengths must be integers, got dtype {array.dtype}")
+    array = array.astype(np.int64, copy=False)
+    low = array < 1
+    if low.any():
+        i = int(np.argmax(low))
+        raise ValueError(
+            f"sequence {i} has length {int(array[i])}; every sequence needs at least 1 token "
+            "(filter out empty sequences before planning, and count them)"
+        )
+    return array
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def slot_multiple(cp_size: int) -> int:
+    """Every sequence's slot is a multiple of this: 2*cp_size under context parallelism, else 1."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def plan_packs(
+    lengths: object,
+    pack_size: int,
+    *,
+    algorithm: Algorithm = "bfd",
+    cp_size: int = 1,
+    overflow: Overflow = "error",
+    seed: int | None = None,
+    window: int = DEFAULT_WINDOW,
+) -> PackPlan:
+    """Plan packs of ``pack_size`` tokens for sequences of the given lengths.
+
+    Args:
+        lengths: 1-D integers >= 1, one per sequence (list, numpy or CPU torch).
+        pack_size: tokens per pack; a multiple of ``2*cp_size`` when ``cp_size > 1``.
+        algorithm: ``"bfd"`` (best-fit decreasing, the default: within 0.01% of the optimum on
+            real length mixes), ``"ffd"`` (first-fit decreasing), ``"sequential"`` (order-
+            preserving next fit: NeMo AutoModel's / torchtune's packs exactly), ``"window"``
+            (keeps dataset order up to a bounded window and packs almost as tightly as bfd).
+        cp_size: context-parallel size; each sequence occupies its length rounded up to a
+            multiple of ``2*cp_size`` (Transformer Engine's THD sharding needs that).
+        overflow: sequences longer than ``pack_size``: ``"error"`` (raise, naming the first),
+            ``"drop"``, ``"truncate"`` (keep the first pack_size tokens), ``"split"`` (cut into
+            pack_size pieces). What each removes or cuts is counted in ``plan.stats``.
+        seed: None is deterministic; an integer reshuffles which equal-length sequences pair
+            up (and bfd's ties between equally full packs) reproducibly.
+        window: lookahead of the ``"window"`` algorithm (ignored by the others).
+
+    Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
+    largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
+    """
+    lengths = as_lengths(lengths)
+    pack_size = _check_int("pack_size", pack_size, 1)
+    cp_size = _check_int("cp_size", cp_size, 1)
+    window = _check_int("window", window, 1)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"unknown overflow policy {overflow!r}; valid: {', '.join(OVERFLOWS)}")
+    if seed is not None:
+        seed = _check_int("seed", seed, 0)
+    multiple = slot_multiple(cp_size)
+    if pack_size % multiple:
+        lower = pack_size // multiple * multiple
+        raise ValueError(
+            f"pack_size={pack_size} is not a multiple of 2*cp_size={multiple}; context parallelism "
+            f"splits every sequence into {multiple} equal chunks: use pack_size={lower + multiple}"
+            + (f" or {lower}" if lower else "")
+        )
+
+    entries = apply_overflow(lengths, pack_size, overflow)
+    if len(entries.length) == 0:
+        raise ValueError(
+            f"overflow='drop' dropped all {len(lengths)} sequences (each is longer than "
+            f"pack_size={pack_size}); nothing is left to pack: use a larger pack_size or overflow='split'"
+        )
+    units = entries.length if multiple == 1 else -(-entries.length // multiple)  # slots, in `multiple`s
+    capacity = pack_size // multiple
+    counts = np.bincount(units, minlength=capacity + 1)
+    rng = None if seed is None else np.random.default_rng(seed)
+
+    pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
+    if algorithm == "sequential":
+        offsets = next_fit(units, capacity)
+        ids = np.arange(len(units), dtype=np.int64)
+    elif algorithm == "window":
+        ids, offsets = window_best_fit(units, capacity, window)
+    else:
+        hp = plan_histogram(counts, capacity, fit=algorithm, rng=rng)
+        ids, offsets = materialize(hp, units, rng=rng)
+        if multiple == 1 and not entries.cut:
+            pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
+
+    stats = _stats(
+        len(lengths), entries, units, counts, ids, offsets, pack_loads, algorithm, pack_size, cp_size
+    )
+    cut = entries.cut
+    return PackPlan(
+        ids if entries.sequence is None else entries.sequence[ids],
+        offsets,
+        sequence_lengths=lengths,
+        pack_size=pack_size,
+        cp_size=cp_size,
+        algorithm=algorithm,
+        seed=seed,
+        stats=stats,
+        entry_starts=entries.start[ids] if cut else None,
+        entry_lengths=entries.length[ids] if cut else None,
+    )
+
+
+def _stats(
+    num_inputs: int,
+    entries: Entries,
+    units: np.ndarray,
+    counts: np.ndarray,
+    ids: np.ndarray,
+    offsets: np.ndarray,
+    pack_loads: tuple[np.ndarray, np.ndarray] | None,
+    algorithm: str,
+    pack_size: int,
+    cp_size: int,
+) -> PackingStats:
+    multiple = slot_multiple(cp_size)
+    num_packs = len(offsets) - 1
+    real_tokens = int(entries.length.sum())
+    if pack_loads is None:
+        per_pack = np.add.reduceat(entries.length[ids], offsets[:-1]) if len(ids) else np.zeros(0)
+        fullness = weighted_percentiles(per_pack / pack_size)
+    else:
+        loads, weights = pack_loads
+        fullness = weighted_percentiles(loads / pack_size, weights)
+    num_entries = len(entries.length)
+    return PackingStats(
+        algorithm=algorithm,
+        pack_size=pack_size,
+        cp_size=cp_size,
+        num_packs=num_packs,
+        num_sequences=num_inputs - entries.dropped_sequences,
+        num_entries=num_entries,
+        real_tokens=real_tokens,
+        cp_padding_tokens=int(units.sum()) * multiple - real_tokens,
+        capacity_tokens=num_packs * pack_size,
+        lower_bound_packs=l2_lower_bound(counts, pack_size // multiple),
+        dropped_sequences=entries.dropped_sequences,
+        dropped_tokens=entries.dropped_tokens,
+        truncated_sequences=entries.truncated_sequences,
+        truncated_tokens=entries.truncated_tokens,
+        split_sequences=entries.split_sequences,
+        max_sequences_per_pack=int(np.diff(offsets).max()) if num_packs else 0,
+        fullness_percentiles=fullness,
+    )

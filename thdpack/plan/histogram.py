@@ -1,0 +1,291 @@
+"""Decreasing-order bin packing on a length histogram: packs as templates x counts.
+
+Item-level best-fit / first-fit decreasing spends a loop iteration per sequence. Sequences of
+equal (slot) size are interchangeable, so the same packing can be computed per size class:
+all ``c`` items of size ``s`` go, in one step each, to whole *groups* of identical open packs.
+The cost then depends on the number of distinct sizes and groups (thousands), not on the
+number of sequences (millions or billions).
+
+Why a group step equals ``c`` item steps: for decreasing sizes, once BFD puts an item of size
+``s`` into a pack with room ``r`` (the smallest room >= s), the new room ``r - s`` is again the
+smallest room >= s if it still fits one, so BFD fills that pack with ``floor(r / s)`` copies
+before moving on; FFD does the same with the first pack that fits. A group of ``m`` identical
+packs therefore takes ``min(c, m * floor(r / s))`` items, split at most into three groups.
+
+A pack's content is a path in a tree of *nodes*: node ``t`` adds ``node_reps[t]`` items of size
+``node_size[t]`` to the content of ``node_parent[t]`` (node 0 is the empty pack).
+
+>>> hp = plan_histogram(np.bincount([5, 5, 4, 3, 3, 1], minlength=11), capacity=10, fit="bfd")
+>>> hp.num_packs
+3
+>>> sorted(hp.pack_contents(g) for g in range(len(hp.group_node)))
+[[(1, 1)], [(4, 1), (3, 2)], [(5, 2)]]
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+Fit = Literal["bfd", "ffd"]
+FITS: tuple[str, ...] = ("bfd", "ffd")
+
+
+@dataclass(frozen=True)
+class HistogramPlan:
+    """Packs as templates x counts. Sizes are in slot units (tokens / ``unit``)."""
+
+    capacity: int
+    """Pack capacity in slot units."""
+    node_parent: np.ndarray
+    """(M,) int64: parent node; -1 for node 0, the empty pack."""
+    node_size: np.ndarray
+    """(M,) int64: size (slot units) of the items a node adds."""
+    node_reps: np.ndarray
+    """(M,) int64: how many items of ``node_size`` a node adds."""
+    group_node: np.ndarray
+    """(G,) int64: the content node shared by every pack of a group."""
+    group_count: np.ndarray
+    """(G,) int64: packs in the group."""
+
+    @property
+    def num_packs(self) -> int:
+        return int(self.group_count.sum())
+
+    def pack_contents(self, group: int) -> list[tuple[int, int]]:
+        """[(size, reps), ...] of one pack of ``group``, in placement order."""
+        out = []
+        node = int(self.group_node[group])
+        while node > 0:
+            out.append((int(self.node_size[node]), int(self.node_reps[node])))
+            node = int(self.node_parent[node])
+        return out[::-1]
+
+    def node_items(self) -> np.ndarray:
+        """(M,) int64: items in a pack whose content ends at each node."""
+        return path_sums(self.node_parent, self.node_reps)
+
+    def node_load(self) -> np.ndarray:
+        """(M,) int64: slot units used by a pack whose content ends at each node."""
+        return path_sums(self.node_parent, self.node_reps * self.node_size)
+
+
+def path_sums(parent: np.ndarray, value: np.ndarray) -> np.ndarray:
+    """(M,) sum of ``value`` over each node's path to the root (node 0, value 0), by pointer doubling.
+
+    >>> path_sums(np.array([-1, 0, 1, 1, 0]), np.array([0, 2, 3, 4, 5])).tolist()
+    [0, 2, 5, 6, 5]
+    """
+    up = parent.copy()
+    up[0] = 0  # the root points to itself and adds nothing
+    total = value.copy()
+    total[0] = 0
+    while np.any(up):
+        total = total + total[up]
+        up = up[up]
+    return total
+
+
+def _node_arrays(nodes: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parent, size, reps) int64 arrays from the planning loop's list of node tuples."""
+    table = np.asarray(nodes, dtype=np.int64).reshape(-1, 3)
+    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+
+
+def plan_histogram(
+    counts: np.ndarray, capacity: int, *, fit: Fit = "bfd", rng: np.random.Generator | None = None
+) -> HistogramPlan:
+    """Pack ``counts[s]`` items of size ``s`` (slot units) into packs of ``capacity``.
+
+    Args:
+        counts: (capacity+1,) non-negative integers; ``counts[0]`` must be 0.
+        capacity: pack capacity in slot units (>= 1).
+        fit: ``"bfd"`` (best fit: the fullest pack that still fits) or ``"ffd"`` (first fit:
+            the oldest pack that fits). Sizes are visited in decreasing order.
+        rng: when given, BFD breaks ties between equally full packs of different content at
+            random (reproducibly), which reshuffles pairings.
+
+    Returns a ``HistogramPlan`` with the same number of packs as item-level BFD / FFD.
+    """
+    counts = np.asarray(counts)
+    if counts.ndim != 1 or len(counts) != capacity + 1:
+        raise ValueError(f"counts must have shape ({capacity + 1},), got {counts.shape}")
+    if counts[0] != 0:
+        raise ValueError("counts[0] must be 0: every item occupies at least one slot")
+    if fit == "bfd":
+        return _best_fit(counts, capacity, rng)
+    if fit == "ffd":
+        return _first_fit(counts, capacity)
+    raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(FITS)}")
+
+
+def _best_fit(counts: np.ndarray, capacity: int, rng: np.random.Generator | None) -> HistogramPlan:
+    nodes: list[tuple[int, int, int]] = [(-1, 0, 0)]  # (parent, size, reps); node 0 = empty pack
+    rooms: list[int] = []  # sorted rooms that have at least one group
+    buckets: dict[int, list[list[int]]] = {}  # room -> [[node, packs], ...]
+
+    def grow(room: int, parent: int, size: int, reps: int, packs: int) -> None:
+        """``packs`` packs with content ``parent`` + ``reps`` x ``size`` now have ``room`` left."""
+        nodes.append((parent, size, reps))
+        bucket = buckets.get(room)
+        if bucket is None:
+            buckets[room] = bucket = []
+            bisect.insort(rooms, room)
+        bucket.append([len(nodes) - 1, packs])
+
+    sizes = np.flatnonzero(counts)[::-1]
+    # Items over half a pack never share a pack and no room fits them: one pack each, in bulk.
+    big = sizes[sizes > capacity // 2].tolist()
+    for size in big:  # decreasing sizes give increasing rooms: `rooms` stays sorted
+        nodes.append((0, size, 1))
+        rooms.append(capacity - size)
+        buckets[capacity - size] = [[len(nodes) - 1, int(counts[size])]]
+    for size in sizes[len(big) :].tolist():
+        left = int(counts[size])
+        while left:
+            i = bisect.bisect_left(rooms, size)
+            if i == len(rooms):  # nothing fits: open packs holding as many copies as fit
+                per_pack = capacity // size
+                full, rest = divmod(left, per_pack)
+                if full:
+                    grow(capacity - per_pack * size, 0, size, per_pack, full)
+                if rest:
+                    grow(capacity - rest * size, 0, size, rest, 1)
+                break
+            room = rooms[i]
+            per_pack = room // size
+            bucket = buckets[room]
+            while bucket and left:
+                j = len(bucket) - 1 if rng is None or len(bucket) == 1 else int(rng.integers(len(bucket)))
+                node, packs = bucket[j]
+                if left >= packs * per_pack:
+                    bucket[j] = bucket[-1]
+                    bucket.pop()
+                    left -= packs * per_pack
+                    grow(room - per_pack * size, node, size, per_pack, packs)
+                    continue
+                full, rest = divmod(left, per_pack)
+                left = 0
+                untouched = packs - full - (1 if rest else 0)
+                if untouched:
+                    bucket[j][1] = untouched
+                else:
+                    bucket[j] = bucket[-1]
+                    bucket.pop()
+                if full:
+                    grow(room - per_pack * size, node, size, per_pack, full)
+                if rest:
+                    grow(room - rest * size, node, size, rest, 1)
+            if not bucket:
+                del buckets[room]
+                del rooms[bisect.bisect_left(rooms, room)]
+
+    group_node = [g[0] for room in rooms for g in buckets[room]]
+    group_count = [g[1] for room in rooms for g in buckets[room]]
+    # creation order of the content nodes: packs holding the largest items come first
+    order = np.argsort(np.asarray(group_node, dtype=np.int64), kind="stable")
+    parent, size_arr, reps = _node_arrays(nodes)
+    return HistogramPlan(
+        capacity=capacity,
+        node_parent=parent,
+        node_size=size_arr,
+        node_reps=reps,
+        group_node=np.asarray(group_node, dtype=np.int64)[order],
+        group_count=np.asarray(group_count, dtype=np.int64)[order],
+    )
+
+
+class _Runs:
+    """Runs of consecutive packs (by opening order) with equal content: FFD's state.
+
+    Stored in numpy arrays so "the first run that fits" is one vectorised scan.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.first = np.zeros(64, dtype=np.int64)  # index of the run's first pack
+        self.packs = np.zeros(64, dtype=np.int64)
+        self.room = np.full(64, -1, dtype=np.int64)
+        self.node = np.zeros(64, dtype=np.int64)
+
+    def append(self, first: int, packs: int, room: int, node: int) -> None:
+        if self.n == len(self.first):
+            for name in ("first", "packs", "room", "node"):
+                arr = getattr(self, name)
+                grown = np.full(2 * len(arr), -1 if name == "room" else 0, dtype=np.int64)
+                grown[: len(arr)] = arr
+                setattr(self, name, grown)
+        k = self.n
+        self.first[k], self.packs[k], self.room[k], self.node[k] = first, packs, room, node
+        self.n += 1
+
+
+def _first_fit(counts: np.ndarray, capacity: int) -> HistogramPlan:
+    nodes: list[tuple[int, int, int]] = [(-1, 0, 0)]  # (parent, size, reps); node 0 = empty pack
+
+    def node(parent: int, size: int, reps: int) -> int:
+        nodes.append((parent, size, reps))
+        return len(nodes) - 1
+
+    runs = _Runs()
+    opened = 0  # packs opened so far; also the next pack's index
+    never = np.iinfo(np.int64).max
+    for size in np.flatnonzero(counts)[::-1].tolist():
+        left = int(counts[size])
+        while left:
+            n = runs.n
+            fits = runs.room[:n] >= size
+            if not fits.any():
+                per_pack = capacity // size
+                full, rest = divmod(left, per_pack)
+                if full:
+                    runs.append(opened, full, capacity - per_pack * size, node(0, size, per_pack))
+                    opened += full
+                if rest:
+                    runs.append(opened, 1, capacity - rest * size, node(0, size, rest))
+                    opened += 1
+                break
+            k = int(np.argmin(np.where(fits, runs.first[:n], never)))
+            room, packs, content, first = (
+                int(runs.room[k]),
+                int(runs.packs[k]),
+                int(runs.node[k]),
+                int(runs.first[k]),
+            )
+            per_pack = room // size
+            if left >= packs * per_pack:
+                left -= packs * per_pack
+                runs.room[k] = room - per_pack * size
+                runs.node[k] = node(content, size, per_pack)
+                continue
+            full, rest = divmod(left, per_pack)
+            left = 0
+            # the run splits into [full packs][one partial pack][untouched packs], in pack order
+            tail_first, tail_packs = first + full, packs - full
+            if full:
+                runs.packs[k] = full
+                runs.room[k] = room - per_pack * size
+                runs.node[k] = node(content, size, per_pack)
+            if rest:
+                partial = node(content, size, rest)
+                if full:
+                    runs.append(tail_first, 1, room - rest * size, partial)
+                else:
+                    runs.packs[k], runs.room[k], runs.node[k] = 1, room - rest * size, partial
+                tail_first, tail_packs = tail_first + 1, tail_packs - 1
+            if tail_packs:
+                runs.append(tail_first, tail_packs, room, content)
+    n = runs.n
+    order = np.argsort(runs.first[:n], kind="stable")  # FFD's natural order: by opening time
+    parent, size_arr, reps = _node_arrays(nodes)
+    return HistogramPlan(
+        capacity=capacity,
+        node_parent=parent,
+        node_size=size_arr,
+        node_reps=reps,
+        group_node=runs.node[:n][order].copy(),
+        group_count=runs.packs[:n][order].copy(),
+    )

@@ -1,0 +1,140 @@
+"""PackingStats: what a plan costs and what every policy removed, as numbers and a table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+FULLNESS_PERCENTILES: tuple[int, ...] = (0, 1, 5, 25, 50, 75, 95, 100)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackingStats:
+    """Counts of a packing plan. Tokens are real tokens unless the name says otherwise."""
+
+    algorithm: str
+    """Planner that made the plan."""
+    pack_size: int
+    """Tokens per pack."""
+    cp_size: int
+    """Context-parallel size the slots were rounded for (each sequence a multiple of 2*cp_size)."""
+    num_packs: int
+    """Packs in the plan."""
+    num_sequences: int
+    """Input sequences that were placed (whole, truncated or split)."""
+    num_entries: int
+    """Placed pieces: equals num_sequences unless overflow='split' cut sequences."""
+    real_tokens: int
+    """Tokens of the placed pieces (after truncation)."""
+    cp_padding_tokens: int
+    """Padding added so every piece is a multiple of 2*cp_size."""
+    capacity_tokens: int
+    """num_packs * pack_size."""
+    lower_bound_packs: int
+    """Martello–Toth L2 lower bound on the packs any planner needs for these slots."""
+    dropped_sequences: int = 0
+    """Sequences removed by overflow='drop'."""
+    dropped_tokens: int = 0
+    """Tokens of the dropped sequences."""
+    truncated_sequences: int = 0
+    """Sequences cut to pack_size by overflow='truncate'."""
+    truncated_tokens: int = 0
+    """Tokens cut off by overflow='truncate'."""
+    split_sequences: int = 0
+    """Sequences cut into several pieces by overflow='split' (no token is lost)."""
+    max_sequences_per_pack: int = 0
+    """Most pieces in one pack (the longest cu_seqlens a batch row needs, minus one)."""
+    fullness_percentiles: dict[int, float] = field(default_factory=dict)
+    """Percentile -> real tokens / pack_size of the packs at that percentile."""
+
+    @property
+    def efficiency(self) -> float:
+        """real_tokens / capacity_tokens."""
+        return self.real_tokens / self.capacity_tokens if self.capacity_tokens else 0.0
+
+    @property
+    def tail_padding_tokens(self) -> int:
+        """Padding at the end of packs (capacity minus real tokens minus CP padding)."""
+        return self.capacity_tokens - self.real_tokens - self.cp_padding_tokens
+
+    @property
+    def packs_over_lower_bound(self) -> float:
+        """num_packs / lower_bound_packs (1.0 is provably optimal)."""
+        return self.num_packs / self.lower_bound_packs if self.lower_bound_packs else 1.0
+
+    def to_dict(self) -> dict:
+        """Plain JSON-ready dict, derived numbers included."""
+        out = asdict(self)
+        out["fullness_percentiles"] = {str(k): v for k, v in self.fullness_percentiles.items()}
+        out.update(
+            efficiency=self.efficiency,
+            tail_padding_tokens=self.tail_padding_tokens,
+            packs_over_lower_bound=self.packs_over_lower_bound,
+        )
+        return out
+
+    def __str__(self) -> str:
+        rows = [
+            ("algorithm", self.algorithm),
+            ("pack_size / cp_size", f"{self.pack_size:,} / {self.cp_size}"),
+            ("packs", f"{self.num_packs:,}"),
+            (
+                "lower bound (L2)",
+                f"{self.lower_bound_packs:,}  (packs / bound = {self.packs_over_lower_bound:.5f})",
+            ),
+            (
+                "sequences placed",
+                f"{self.num_sequences:,}"
+                + (f"  ({self.num_entries:,} pieces)" if self.num_entries != self.num_sequences else ""),
+            ),
+            ("real tokens", f"{self.real_tokens:,}"),
+            ("efficiency", f"{100 * self.efficiency:.3f}%"),
+            ("cp padding tokens", f"{self.cp_padding_tokens:,}"),
+            ("tail padding tokens", f"{self.tail_padding_tokens:,}"),
+            ("max sequences / pack", f"{self.max_sequences_per_pack:,}"),
+        ]
+        if self.dropped_sequences:
+            rows.append(
+                (
+                    "dropped (overflow)",
+                    f"{self.dropped_sequences:,} sequences, {self.dropped_tokens:,} tokens",
+                )
+            )
+        if self.truncated_sequences:
+            rows.append(
+                (
+                    "truncated (overflow)",
+                    f"{self.truncated_sequences:,} sequences, {self.truncated_tokens:,} tokens cut",
+                )
+            )
+        if self.split_sequences:
+            rows.append(("split (overflow)", f"{self.split_sequences:,} sequences, no token lost"))
+        if self.fullness_percentiles:
+            cells = "  ".join(f"p{p}={100 * v:.1f}%" for p, v in self.fullness_percentiles.items())
+            rows.append(("pack fullness", cells))
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def weighted_percentiles(values: np.ndarray, weights: np.ndarray | None = None) -> dict[int, float]:
+    """Percentiles (FULLNESS_PERCENTILES) of ``values`` repeated ``weights`` times: the smallest
+    value whose cumulative weight reaches the percentile (p0 = min, p100 = max).
+
+    >>> weighted_percentiles(np.array([0.5, 1.0]), np.array([1, 3]))[25]
+    0.5
+    >>> weighted_percentiles(np.array([0.5, 1.0]), np.array([1, 3]))[50]
+    1.0
+    """
+    values = np.asarray(values, dtype=np.float64)
+    weights = np.ones(len(values), dtype=np.int64) if weights is None else np.asarray(weights)
+    if len(values) == 0:
+        return {}
+    order = np.argsort(values, kind="stable")
+    cum = np.cumsum(weights[order])
+    total = cum[-1]
+    out = {}
+    for p in FULLNESS_PERCENTILES:
+        k = int(np.searchsorted(cum, max(1, -(-p * total // 100)), side="left"))
+        out[p] = float(values[order[min(k, len(order) - 1)]])
+    return out

@@ -1,0 +1,194 @@
+"""``thdpack stats``: compare planners and pack sizes on a dataset's lengths; table, JSON, plots.
+
+thdpack stats                                   # the embedded example (CPython stdlib, GPT-2 tokens)
+thdpack stats lengths.npy --pack-size 8192 --cp-size 2 --plot-dir out/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from thdpack._optional import has_module
+from thdpack.plan import ALGORITHMS, OVERFLOWS, PackingStats, plan_packs
+
+EXAMPLE = "python311_stdlib.gpt2.lengths.npy"
+EXAMPLE_NOTE = "embedded example: the 1,790 .py files of CPython 3.11's standard library, in GPT-2 tokens"
+
+
+def example_lengths_path() -> Path:
+    """The embedded example's lengths file (shipped inside the package)."""
+    return Path(str(resources.files("thdpack") / "assets" / "examples" / EXAMPLE))
+
+
+def load_lengths(path: str | Path) -> np.ndarray:
+    """Sequence lengths from ``.npy``, a text file (one integer per line), or a thdpack token store."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    if path.is_dir():
+        manifest = path / "manifest.json"
+        offsets = path / "offsets.npy"
+        if not (manifest.exists() and offsets.exists()):
+            raise ValueError(
+                f"{path} is a folder but not a thdpack token store (no manifest.json / offsets.npy)"
+            )
+        return np.diff(np.load(offsets))
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    if path.suffix in (".txt", ".csv", ""):
+        try:
+            return np.loadtxt(path, dtype=np.int64, ndmin=1)
+        except ValueError as err:
+            raise ValueError(f"{path}: expected one integer length per line ({err})") from err
+    raise ValueError(
+        f"{path}: unsupported lengths file {path.suffix!r}; use .npy, .txt or a token store folder"
+    )
+
+
+@dataclass(frozen=True)
+class Row:
+    """One planner run."""
+
+    algorithm: str
+    pack_size: int
+    seconds: float
+    stats: PackingStats
+
+
+def compare(
+    lengths: np.ndarray, pack_sizes: list[int], algorithms: list[str], *, cp_size: int, overflow: str
+) -> list[Row]:
+    """Plan every (pack size, algorithm) pair; time each plan (best of 3 for short runs)."""
+    rows = []
+    for pack_size in pack_sizes:
+        for algorithm in algorithms:
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                plan = plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, overflow=overflow)
+                best = min(best, time.perf_counter() - start)
+                if best > 0.5:
+                    break
+            rows.append(Row(algorithm, pack_size, best, plan.stats))
+    return rows
+
+
+def render(rows: list[Row]) -> str:
+    """Markdown table of the runs."""
+    head = (
+        "| pack size | algorithm | packs | L2 bound | packs/L2 | efficiency | cp pad | tail pad | "
+        "max seqs/pack | time (ms) |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for r in rows:
+        s = r.stats
+        lines.append(
+            f"| {r.pack_size:,} | {r.algorithm} | {s.num_packs:,} | {s.lower_bound_packs:,} | "
+            f"{s.packs_over_lower_bound:.5f} | {100 * s.efficiency:.3f}% | {s.cp_padding_tokens:,} | "
+            f"{s.tail_padding_tokens:,} | {s.max_sequences_per_pack} | {1e3 * r.seconds:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(lengths: np.ndarray, rows: list[Row], out_dir: Path) -> list[Path]:
+    """PNG plots: length histogram, pack fullness percentiles, efficiency vs pack size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(lengths, bins=np.logspace(0, np.log10(max(2, lengths.max())), 60))
+    ax.set(xscale="log", xlabel="sequence length (tokens)", ylabel="sequences", title="Length histogram")
+    written.append(out_dir / "lengths.png")
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        pct = r.stats.fullness_percentiles
+        ax.plot(
+            list(pct), [100 * v for v in pct.values()], marker="o", label=f"{r.algorithm} @ {r.pack_size}"
+        )
+    ax.set(xlabel="percentile of packs", ylabel="pack fullness (%)", title="Pack fullness")
+    ax.legend(fontsize=7)
+    written.append(out_dir / "fullness.png")
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for algorithm in dict.fromkeys(r.algorithm for r in rows):
+        mine = [r for r in rows if r.algorithm == algorithm]
+        ax.plot(
+            [r.pack_size for r in mine],
+            [100 * (1 - r.stats.efficiency) for r in mine],
+            marker="o",
+            label=algorithm,
+        )
+    ax.set(xscale="log", xlabel="pack size (tokens)", ylabel="wasted tokens (%)", title="Waste vs pack size")
+    ax.legend()
+    written.append(out_dir / "waste_vs_pack_size.png")
+    fig.savefig(written[-1], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return written
+
+
+def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "input", nargs="?", help="lengths .npy / .txt, or a token store folder (default: embedded example)"
+    )
+    parser.add_argument("--pack-size", type=int, nargs="+", default=[4096], help="one or more pack sizes")
+    parser.add_argument(
+        "--cp-size", type=int, default=1, help="context-parallel size (slots rounded to 2*cp)"
+    )
+    parser.add_argument(
+        "--algorithm", nargs="+", default=["all"], choices=["all", *ALGORITHMS], help="planners to compare"
+    )
+    parser.add_argument(
+        "--overflow", default="split", choices=OVERFLOWS, help="sequences longer than a pack (default: split)"
+    )
+    parser.add_argument("--json", type=Path, help="write the rows as JSON here")
+    parser.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    source = Path(args.input) if args.input else example_lengths_path()
+    lengths = np.asarray(load_lengths(source)).astype(np.int64, copy=False)
+    print(f"input: {source if args.input else EXAMPLE_NOTE}")
+    empty = int((lengths == 0).sum())
+    if empty:
+        print(f"skipped {empty:,} empty sequences (length 0): they hold no token to train on")
+        lengths = lengths[lengths != 0]
+    print(
+        f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens, lengths min {lengths.min():,} / "
+        f"median {int(np.median(lengths)):,} / max {lengths.max():,}\n"
+    )
+    algorithms = list(ALGORITHMS) if "all" in args.algorithm else args.algorithm
+    rows = compare(lengths, args.pack_size, algorithms, cp_size=args.cp_size, overflow=args.overflow)
+    print(render(rows))
+    best = min(rows, key=lambda r: (r.stats.num_packs / r.stats.lower_bound_packs, r.seconds))
+    print(f"\nbest: {best.algorithm} @ pack_size {best.pack_size:,}\n{best.stats}")
+    if args.json:
+        payload = [
+            {"algorithm": r.algorithm, "pack_size": r.pack_size, "seconds": r.seconds, **r.stats.to_dict()}
+            for r in rows
+        ]
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json}")
+    if args.plot_dir:
+        if not has_module("matplotlib"):
+            print("no plots: matplotlib is not installed (pip install 'thdpack[train]')")
+        else:
+            for path in plot(lengths, rows, args.plot_dir):
+                print(f"wrote {path}")
+    return 0
