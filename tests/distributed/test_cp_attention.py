@@ -59,9 +59,7 @@ _RIGHT_SECTIONS = ring_module.tile_sections
 
 def _front_door(shard, group, causal, comm="p2p"):
     def attend(q, k, v):
-        return thd_attention(
-            q, k, v, shard, causal=causal, cp_group=group, return_lse=True, cp_comm_type=comm
-        )
+        return thd_attention(q, k, v, shard, causal=causal, cp_group=group, return_lse=True, cp_comm_type=comm)
 
     return attend
 
@@ -71,9 +69,7 @@ def _one_rank_ring(shard, group, causal):
     meta = thd_meta(shard)
 
     def attend(q, k, v):
-        return ring_module.ring_attention(
-            q, k, v, meta, cp_group=group, causal=causal, scale=q.shape[-1] ** -0.5
-        )
+        return ring_module.ring_attention(q, k, v, meta, cp_group=group, causal=causal, scale=q.shape[-1] ** -0.5)
 
     return attend
 

@@ -23,9 +23,7 @@ def test_front_door_matches_reference_with_lse_and_custom_scale(causal):
     case = random_case(thd, 4, 2, 8, torch.float64, seed=11)
     q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
     out, lse = thd_attention(q, k, v, thd, causal=causal, softmax_scale=0.2, return_lse=True)
-    want_out, want_lse = reference_attention(
-        case["q"], case["k"], case["v"], thd, causal=causal, softmax_scale=0.2
-    )
+    want_out, want_lse = reference_attention(case["q"], case["k"], case["v"], thd, causal=causal, softmax_scale=0.2)
     valid = case["valid"]
     assert out.shape == (len(valid), 4, 8) and lse.shape == (4, len(valid))
     assert torch.allclose(out[valid], want_out[valid], atol=1e-12)

@@ -36,9 +36,7 @@ def test_math_backend_matches_reference(dtype, causal, nq, nkv, multiple):
     thd = make_thd([5, 1, 17, 8, 2], multiple=multiple, tail=8 if multiple > 1 else 0)
     case = random_case(thd, nq, nkv, 8, dtype, seed=nq * 10 + nkv)
     got = _math_results(case, thd, causal)
-    errors = max_errors(
-        got, reference_results(case, thd, causal), torch.arange(len(case["valid"])), case["valid"]
-    )
+    errors = max_errors(got, reference_results(case, thd, causal), torch.arange(len(case["valid"])), case["valid"])
     assert max(errors.values()) <= TOL[dtype], errors
     assert got["out"].dtype == dtype and got["lse"].dtype == dtype  # fp32 LSE for fp32, fp64 for fp64
 

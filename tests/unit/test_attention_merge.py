@@ -59,9 +59,7 @@ def test_flash_sentinel_is_normalized_before_merging():
 def test_merge_accumulates_in_the_accumulator_dtype():
     out = torch.zeros(2, 1, 3, dtype=torch.float32)
     lse = torch.full((1, 2), NEG_INF)
-    merged, merged_lse = merge_partials(
-        out, lse, torch.ones(2, 1, 3, dtype=torch.bfloat16), torch.zeros(1, 2)
-    )
+    merged, merged_lse = merge_partials(out, lse, torch.ones(2, 1, 3, dtype=torch.bfloat16), torch.zeros(1, 2))
     assert merged.dtype == torch.float32 and merged_lse.dtype == torch.float32
     assert merged.eq(1).all()
 

@@ -82,9 +82,7 @@ def test_the_environment_variable_forces_a_backend(installed, monkeypatch):
     assert choose_backend("auto", _situation()) == ("sdpa", "forced by THDPACK_ATTENTION_BACKEND")
     assert choose_backend("math", _situation())[0] == "math"  # an explicit argument wins
     monkeypatch.setenv(select.ENV_VAR, "fastest")
-    with pytest.raises(
-        ValueError, match="unknown THDPACK_ATTENTION_BACKEND value 'fastest'; valid: 'auto', 'te'"
-    ):
+    with pytest.raises(ValueError, match="unknown THDPACK_ATTENTION_BACKEND value 'fastest'; valid: 'auto', 'te'"):
         choose_backend("auto", _situation())
 
 
@@ -126,9 +124,7 @@ def test_a_forced_backend_that_cannot_run_says_why(installed, backend, situation
 def test_cuda_kernels_refuse_cpu_tensors(installed):
     installed(flash=True, varlen=True)
     for backend in ("flash", "varlen"):
-        with pytest.raises(
-            ValueError, match=f"backend '{backend}': FlashAttention kernels need CUDA tensors"
-        ):
+        with pytest.raises(ValueError, match=f"backend '{backend}': FlashAttention kernels need CUDA tensors"):
             choose_backend(backend, _situation(CPU, torch.float16))
 
 

@@ -52,9 +52,7 @@ def test_ring_matches_reference(cp_size, mix):
     for causal, (nq, nkv), tail in ((True, (4, 2), 0), (False, (4, 4), 2 * cp_size)):
         thd = make_thd(lengths, cp_size, tail=tail)
         case = random_case(thd, nq, nkv, 8, torch.float64, seed=cp_size)
-        worst = _worst(
-            simulate_ring(case, thd, cp_size, causal), reference_results(case, thd, causal), case["valid"]
-        )
+        worst = _worst(simulate_ring(case, thd, cp_size, causal), reference_results(case, thd, causal), case["valid"])
         assert max(worst.values()) <= 1e-10, (mix, causal, worst)
 
 
@@ -68,9 +66,7 @@ def test_ring_matches_reference(cp_size, mix):
 def test_ring_matches_reference_for_any_lengths(lengths, cp_size, causal, seed):
     thd = make_thd(lengths, cp_size)
     case = random_case(thd, 2, 1, 4, torch.float64, seed)
-    worst = _worst(
-        simulate_ring(case, thd, cp_size, causal), reference_results(case, thd, causal), case["valid"]
-    )
+    worst = _worst(simulate_ring(case, thd, cp_size, causal), reference_results(case, thd, causal), case["valid"])
     assert max(worst.values()) <= 1e-10, worst
 
 
@@ -78,9 +74,7 @@ def test_ring_fp32_within_1e5():
     thd = make_thd([40, 3, 17, 64], 4)
     case = random_case(thd, 4, 2, 16, torch.float32, seed=9)
     for causal in (True, False):
-        worst = _worst(
-            simulate_ring(case, thd, 4, causal), reference_results(case, thd, causal), case["valid"]
-        )
+        worst = _worst(simulate_ring(case, thd, 4, causal), reference_results(case, thd, causal), case["valid"])
         assert max(worst.values()) <= 1e-5, worst
 
 

@@ -49,6 +49,4 @@ class AttentionConfig:
         if self.cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"unknown cp_comm_type {self.cp_comm_type!r}; valid: {_listing(CP_COMM_TYPES)}")
         if self.softmax_scale is not None and not self.softmax_scale > 0:
-            raise ValueError(
-                f"softmax_scale must be > 0 (or None for head_dim ** -0.5), got {self.softmax_scale}"
-            )
+            raise ValueError(f"softmax_scale must be > 0 (or None for head_dim ** -0.5), got {self.softmax_scale}")

@@ -100,9 +100,7 @@ def tile_backward(
     gradient of the LSE; callers use the math kernel when one arrives.
     """
     keep, cu_k, max_k = _keys(k, causal)
-    k_in, v_in = (
-        (k_TNH, v_TNH) if keep is None else (k_TNH.index_select(0, keep), v_TNH.index_select(0, keep))
-    )
+    k_in, v_in = (k_TNH, v_TNH) if keep is None else (k_TNH.index_select(0, keep), v_TNH.index_select(0, keep))
     if max_k == 0 or q_TNH.shape[0] == 0:
         return torch.zeros_like(q_TNH), torch.zeros_like(k_TNH), torch.zeros_like(v_TNH)
     rng_state = torch.zeros(2, dtype=getattr(torch, "uint64", torch.int64), device=q_TNH.device)

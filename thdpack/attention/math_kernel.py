@@ -29,9 +29,7 @@ from thdpack.attention.metadata import Side
 _SCORE_BUDGET = 1 << 22
 
 
-def plan_blocks(
-    q: Side, k: Side, num_heads: int, budget: int = _SCORE_BUDGET
-) -> list[tuple[int, int, int, int]]:
+def plan_blocks(q: Side, k: Side, num_heads: int, budget: int = _SCORE_BUDGET) -> list[tuple[int, int, int, int]]:
     """Rectangles ``(q_start, q_stop, k_start, k_stop)`` covering every sequence's (rows x keys).
 
     Consecutive sequences are grouped while ``num_heads * rows * keys <= budget``; a sequence too
@@ -109,9 +107,7 @@ def tile_forward(
     return out_TNH, lse_NT
 
 
-def softmax_delta(
-    dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None
-) -> torch.Tensor:
+def softmax_delta(dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None) -> torch.Tensor:
     """(Nq, T) ``rowsum(dout * out) - dlse`` in ``out``'s dtype; a missing gradient counts as 0.
 
     ``out_TNH`` is the FINAL output (all keys merged), in the accumulation dtype.

@@ -106,9 +106,7 @@ class Side:
         out = []
         for back in (False, True):
             index = (starts[seg] + within + (half_t[seg] if back else 0)).to(self.device)
-            valid = tuple(
-                max(v - h, 0) if back else min(v, h) for v, h in zip(self.valid_counts, half, strict=True)
-            )
+            valid = tuple(max(v - h, 0) if back else min(v, h) for v, h in zip(self.valid_counts, half, strict=True))
             out.append((index, Side(half, valid, self.pos_T.index_select(0, index))))
         return out[0], out[1]
 
@@ -224,9 +222,7 @@ def thd_meta(thd: Mapping[str, Any]) -> ThdMeta:
     ((2, 2), (2, 2), [1, 2, 1, 2])
     """
     if "cu_seqlens" not in thd:
-        raise ValueError(
-            "thd has no 'cu_seqlens'; pass the mapping returned by thdpack.to_thd or thdpack.cp.shard"
-        )
+        raise ValueError("thd has no 'cu_seqlens'; pass the mapping returned by thdpack.to_thd or thdpack.cp.shard")
     cu_seqlens = thd["cu_seqlens"]
     cu_seqlens_padded = thd.get("cu_seqlens_padded")
     if cu_seqlens_padded is None:
@@ -274,17 +270,13 @@ def _host_lengths(name: str, cu: Any) -> list[int]:
     return lengths
 
 
-def _build_meta(
-    cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, cp_rank: int, max_seqlen: Any
-) -> ThdMeta:
+def _build_meta(cu_seqlens: Any, cu_seqlens_padded: Any, cp_size: int, cp_rank: int, max_seqlen: Any) -> ThdMeta:
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
     lengths = _host_lengths("cu_seqlens", cu_seqlens)
-    slots = (
-        lengths if cu_seqlens_padded is cu_seqlens else _host_lengths("cu_seqlens_padded", cu_seqlens_padded)
-    )
+    slots = lengths if cu_seqlens_padded is cu_seqlens else _host_lengths("cu_seqlens_padded", cu_seqlens_padded)
     if len(lengths) != len(slots):
         raise ValueError(
             f"cu_seqlens has {len(lengths) + 1} entries and cu_seqlens_padded {len(slots) + 1}; "

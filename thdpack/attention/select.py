@@ -69,9 +69,7 @@ def problem(backend: Backend, s: Situation) -> Exception | None:
                 "pip install 'thdpack[te]' on a CUDA machine, or use backend='varlen', 'flash' or 'math'"
             )
         if not s.cuda_half:
-            return ValueError(
-                f"backend 'te' needs CUDA float16/bfloat16 tensors, got {s.device.type} {s.dtype}"
-            )
+            return ValueError(f"backend 'te' needs CUDA float16/bfloat16 tensors, got {s.device.type} {s.dtype}")
         if s.need_lse:
             return ValueError(
                 "backend 'te' does not return the LSE (DotProductAttention has no such output); "

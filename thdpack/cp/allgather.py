@@ -35,9 +35,7 @@ def gather_order(meta: ThdMeta, device: torch.device) -> torch.Tensor:
     """
     cu = torch.zeros(len(meta.lengths_padded) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(meta.lengths_padded), 0)
-    stacked = torch.cat(
-        [partition_indices(cu, meta.total_tokens, meta.cp_size, r) for r in range(meta.cp_size)]
-    )
+    stacked = torch.cat([partition_indices(cu, meta.total_tokens, meta.cp_size, r) for r in range(meta.cp_size)])
     return torch.argsort(stacked.to(torch.int64)).to(device)
 
 
@@ -85,6 +83,4 @@ def allgather_attention(
     device = q_TNH.device
     order = meta.cached(("gather order", device), lambda: gather_order(meta, device))
     k_glob, v_glob = GatherKV.apply(k_TNH, v_TNH, order, cp_group)
-    return TiledAttention.apply(
-        q_TNH, k_glob, v_glob, meta.local_side(device), meta.global_side(device), causal, scale
-    )
+    return TiledAttention.apply(q_TNH, k_glob, v_glob, meta.local_side(device), meta.global_side(device), causal, scale)

@@ -194,9 +194,7 @@ class RingAttention(torch.autograd.Function):
         scale: float,
         kernel: TileKernel,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out_TNH, lse_NT = ring_forward(
-            ring, q_TNH, k_TNH, v_TNH, meta, causal=causal, scale=scale, kernel=kernel
-        )
+        out_TNH, lse_NT = ring_forward(ring, q_TNH, k_TNH, v_TNH, meta, causal=causal, scale=scale, kernel=kernel)
         ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
         ctx.meta, ctx.ring, ctx.causal, ctx.scale, ctx.kernel = meta, ring, causal, scale, kernel
         ctx.set_materialize_grads(False)

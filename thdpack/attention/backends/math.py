@@ -32,9 +32,7 @@ class TiledAttention(torch.autograd.Function):
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out_TNH, lse_NT = math_kernel.tile_forward(
-            q_TNH, k_TNH, v_TNH, q_side, k_side, causal=causal, scale=scale
-        )
+        out_TNH, lse_NT = math_kernel.tile_forward(q_TNH, k_TNH, v_TNH, q_side, k_side, causal=causal, scale=scale)
         ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
         ctx.sides, ctx.causal, ctx.scale = (q_side, k_side), causal, scale
         ctx.set_materialize_grads(False)
