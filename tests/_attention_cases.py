@@ -6,10 +6,7 @@ from spawned ranks (spawn copies the parent's sys.path).
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
@@ -102,68 +99,18 @@ def max_errors(got: dict, want: dict, index: torch.Tensor, valid: torch.Tensor) 
     return errs
 
 
-class ThreadRing:
-    """In-process ring stub: ranks are threads, messages go through per-rank FIFO mailboxes."""
-
-    def __init__(self, rank: int, size: int, mailboxes: list[queue.Queue]) -> None:
-        self.rank, self.size, self._mailboxes = rank, size, mailboxes
-
-    def send_recv(self, tensors: Sequence[torch.Tensor]) -> Any:
-        self._mailboxes[(self.rank + 1) % self.size].put([t.clone() for t in tensors])
-        mailbox = self._mailboxes[self.rank]
-
-        class _Pending:
-            def wait(self) -> list[torch.Tensor]:
-                return mailbox.get(timeout=60)
-
-        return _Pending()
+def autograd_results(case: dict, attend: Callable, *, with_dlse: bool = True) -> dict:
+    """``attend(q, k, v) -> (out, lse)`` on the case's global tensors, with autograd's dq / dk / dv
+    of ``sum(out * dout) + sum(lse * dlse)`` (LSE term optional)."""
+    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out, lse = attend(q, k, v)
+    loss = (out * case["dout"].to(out.dtype)).sum()
+    if with_dlse:
+        loss = loss + (lse.masked_fill(~case["valid"], 0.0) * case["dlse"].to(lse.dtype)).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    return {"out": out.detach(), "lse": lse.detach(), "dq": dq, "dk": dk, "dv": dv}
 
 
-def run_ring_threads(size: int, fn: Callable[[ThreadRing], Any]) -> list[Any]:
-    """``[fn(ring_of_rank_r) for r]``, the ranks running concurrently as threads."""
-    mailboxes: list[queue.Queue] = [queue.Queue() for _ in range(size)]
-    results: list[Any] = [None] * size
-    errors: list[BaseException] = []
-
-    def work(rank: int) -> None:
-        try:
-            results[rank] = fn(ThreadRing(rank, size, mailboxes))
-        except BaseException as err:
-            errors.append(err)
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
-def simulate_ring(
-    case: dict, thd: dict, cp_size: int, causal: bool, *, kernel: str = "math", device: str = "cpu"
-) -> list[tuple[torch.Tensor, dict]]:
-    """Run :mod:`thdpack.cp.ring`'s forward and backward on ``cp_size`` thread ranks.
-
-    Returns ``[(global index of the rank's tokens, {out, lse, dq, dk, dv}) for each rank]``.
-    """
-    from thdpack.attention import math_kernel
-    from thdpack.attention.metadata import thd_meta
-    from thdpack.cp.ring import ring_backward, ring_forward
-
-    scale = case["q"].shape[-1] ** -0.5
-
-    def rank_fn(ring: ThreadRing) -> tuple[torch.Tensor, dict]:
-        shard, index = shard_of(thd, cp_size, ring.rank)
-        meta = thd_meta(shard)
-        q, k, v, dout = (case[n][index].to(device) for n in ("q", "k", "v", "dout"))
-        dlse = case["dlse"][:, index].to(device)
-        out, lse = ring_forward(ring, q, k, v, meta, causal=causal, scale=scale, kernel=kernel)
-        delta = math_kernel.softmax_delta(dout, out, None if kernel == "flash" else dlse)
-        dq, dk, dv = ring_backward(
-            ring, dout, q, k, v, out, lse, delta, meta, causal=causal, scale=scale, kernel=kernel
-        )
-        return index, {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-
-    return run_ring_threads(cp_size, rank_fn)
+def global_errors(got: dict, want: dict, valid: torch.Tensor) -> dict[str, float]:
+    """:func:`max_errors` over all (real) rows of a global batch."""
+    return max_errors(got, want, torch.arange(len(valid)), valid)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import make_thd, max_errors, random_case, reference_results
+from _attention_cases import autograd_results, global_errors, make_thd, random_case, reference_results
 from hypothesis import given
 from hypothesis import strategies as st
 
 from thdpack.attention import math_kernel
-from thdpack.attention.backends.math import TiledAttention, attend
+from thdpack.attention.backends.math import TiledAttention
+from thdpack.attention.backends.math import attend as attend_math
 from thdpack.attention.merge import merge_partials
 from thdpack.attention.metadata import Side, thd_meta
 
@@ -18,14 +19,12 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def _math_results(case, thd, causal, *, with_dlse=True):
-    meta = thd_meta(thd)
-    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
-    out, lse = attend(q, k, v, meta.local_side(CPU), causal=causal, scale=q.shape[-1] ** -0.5)
-    loss = (out * case["dout"]).sum()
-    if with_dlse:
-        loss = loss + (lse.masked_fill(~case["valid"], 0.0) * case["dlse"]).sum()
-    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
-    return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    side = thd_meta(thd).local_side(CPU)
+
+    def attend(q, k, v):
+        return attend_math(q, k, v, side, causal=causal, scale=q.shape[-1] ** -0.5)
+
+    return autograd_results(case, attend, with_dlse=with_dlse)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -36,7 +35,7 @@ def test_math_backend_matches_reference(dtype, causal, nq, nkv, multiple):
     thd = make_thd([5, 1, 17, 8, 2], multiple=multiple, tail=8 if multiple > 1 else 0)
     case = random_case(thd, nq, nkv, 8, dtype, seed=nq * 10 + nkv)
     got = _math_results(case, thd, causal)
-    errors = max_errors(got, reference_results(case, thd, causal), torch.arange(len(case["valid"])), case["valid"])
+    errors = global_errors(got, reference_results(case, thd, causal), case["valid"])
     assert max(errors.values()) <= TOL[dtype], errors
     assert got["out"].dtype == dtype and got["lse"].dtype == dtype  # fp32 LSE for fp32, fp64 for fp64
 
@@ -50,12 +49,7 @@ def test_math_backend_matches_reference(dtype, causal, nq, nkv, multiple):
 def test_math_backend_matches_reference_for_any_lengths(lengths, multiple, causal, seed):
     thd = make_thd(lengths, multiple=multiple)
     case = random_case(thd, 4, 2, 4, torch.float64, seed)
-    errors = max_errors(
-        _math_results(case, thd, causal),
-        reference_results(case, thd, causal),
-        torch.arange(len(case["valid"])),
-        case["valid"],
-    )
+    errors = global_errors(_math_results(case, thd, causal), reference_results(case, thd, causal), case["valid"])
     assert max(errors.values()) <= 1e-10, errors
 
 
@@ -164,10 +158,10 @@ def test_views_and_shared_storage_are_accepted():
     side = thd_meta(thd).local_side(CPU)
     qkv = torch.randn(16, 3, 4, 8, dtype=torch.float64, requires_grad=True)  # packed (T, 3, N, H)
     q, k, v = qkv.unbind(1)
-    out, _ = attend(q, k, v, side, causal=True, scale=0.3)
+    out, _ = attend_math(q, k, v, side, causal=True, scale=0.3)
     out.sum().backward()
     contiguous = [t.detach().contiguous() for t in (q, k, v)]
-    want, _ = attend(*contiguous, side, causal=True, scale=0.3)
+    want, _ = attend_math(*contiguous, side, causal=True, scale=0.3)
     assert torch.equal(out, want)
     assert qkv.grad is not None and qkv.grad.abs().sum() > 0
 
@@ -183,7 +177,7 @@ def test_bf16_inputs_accumulate_in_fp32():
     thd = make_thd([9, 4, 30], multiple=4)
     case = random_case(thd, 4, 2, 8, torch.bfloat16, seed=2)
     side = thd_meta(thd).local_side(CPU)
-    out, lse = attend(case["q"], case["k"], case["v"], side, causal=True, scale=8**-0.5)
+    out, lse = attend_math(case["q"], case["k"], case["v"], side, causal=True, scale=8**-0.5)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     want = reference_results(case, thd, True)
     valid = case["valid"]

@@ -1,37 +1,26 @@
 """The ring algorithm in one process (ranks as threads): exact against the oracle, for any layout.
 
-The real multi-process runs are in tests/distributed/test_cp_attention.py; these cover many more
-length mixes cheaply, the tile schedule, gradcheck through the ring and the mutation checks.
+The multi-process runs are in tests/distributed/test_cp_attention.py; these cover many more length
+mixes cheaply, the tile schedule, gradcheck through the ring and a mutation check.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import (
-    LENGTH_MIXES,
-    make_thd,
-    max_errors,
-    random_case,
-    reference_results,
-    run_ring_threads,
-    shard_of,
-    simulate_ring,
-)
+from _attention_cases import LENGTH_MIXES, autograd_results, global_errors, make_thd, random_case, reference_results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack.attention import math_kernel
-from thdpack.attention.metadata import thd_meta
 from thdpack.cp import ring
+from thdpack.cp.simulate import simulated_ring_attention
 
 
-def _worst(results, want, valid):
-    worst: dict[str, float] = {}
-    for index, got in results:
-        for name, err in max_errors(got, want, index, valid).items():
-            worst[name] = max(worst.get(name, 0.0), err)
-    return worst
+def _ring(thd, cp_size, causal):
+    def attend(q, k, v):
+        return simulated_ring_attention(q, k, v, thd, cp_size=cp_size, causal=causal)
+
+    return attend
 
 
 def test_tile_schedule_is_transformer_engines():
@@ -52,8 +41,9 @@ def test_ring_matches_reference(cp_size, mix):
     for causal, (nq, nkv), tail in ((True, (4, 2), 0), (False, (4, 4), 2 * cp_size)):
         thd = make_thd(lengths, cp_size, tail=tail)
         case = random_case(thd, nq, nkv, 8, torch.float64, seed=cp_size)
-        worst = _worst(simulate_ring(case, thd, cp_size, causal), reference_results(case, thd, causal), case["valid"])
-        assert max(worst.values()) <= 1e-10, (mix, causal, worst)
+        got = autograd_results(case, _ring(thd, cp_size, causal))
+        errors = global_errors(got, reference_results(case, thd, causal), case["valid"])
+        assert max(errors.values()) <= 1e-10, (mix, causal, errors)
 
 
 @settings(max_examples=25)
@@ -66,26 +56,29 @@ def test_ring_matches_reference(cp_size, mix):
 def test_ring_matches_reference_for_any_lengths(lengths, cp_size, causal, seed):
     thd = make_thd(lengths, cp_size)
     case = random_case(thd, 2, 1, 4, torch.float64, seed)
-    worst = _worst(simulate_ring(case, thd, cp_size, causal), reference_results(case, thd, causal), case["valid"])
-    assert max(worst.values()) <= 1e-10, worst
+    got = autograd_results(case, _ring(thd, cp_size, causal))
+    errors = global_errors(got, reference_results(case, thd, causal), case["valid"])
+    assert max(errors.values()) <= 1e-10, errors
 
 
 def test_ring_fp32_within_1e5():
     thd = make_thd([40, 3, 17, 64], 4)
     case = random_case(thd, 4, 2, 16, torch.float32, seed=9)
     for causal in (True, False):
-        worst = _worst(simulate_ring(case, thd, 4, causal), reference_results(case, thd, causal), case["valid"])
-        assert max(worst.values()) <= 1e-5, worst
+        got = autograd_results(case, _ring(thd, 4, causal))
+        errors = global_errors(got, reference_results(case, thd, causal), case["valid"])
+        assert max(errors.values()) <= 1e-5, errors
+        assert got["out"].dtype == torch.float32 and got["lse"].dtype == torch.float32
 
 
 def test_padded_keys_get_no_gradient():
     thd = make_thd([1, 5], 2, tail=4)
     case = random_case(thd, 2, 2, 4, torch.float64, seed=4)
-    for _, got in simulate_ring(case, thd, 2, causal=False):
-        assert got["dk"].abs().sum() > 0
-    for index, got in simulate_ring(case, thd, 2, causal=True):
-        padding = ~case["valid"][index]
+    padding = ~case["valid"]
+    for causal in (True, False):
+        got = autograd_results(case, _ring(thd, 2, causal))
         assert got["dk"][padding].eq(0).all() and got["dv"][padding].eq(0).all()
+        assert got["dk"][~padding].abs().sum() > 0
 
 
 _RIGHT_SECTIONS = ring.tile_sections
@@ -101,60 +94,8 @@ def test_a_wrong_tile_schedule_is_detected(monkeypatch):
     case = random_case(thd, 2, 2, 8, torch.float64, seed=1)
     want = reference_results(case, thd, True)
     monkeypatch.setattr(ring, "tile_sections", _wrong_upper_sections)
-    worst = _worst(simulate_ring(case, thd, 2, True), want, case["valid"])
-    assert worst["out"] > 1e-2, worst  # the check discriminates
-
-
-def test_a_shifted_partition_is_detected():
-    thd = make_thd([16, 9, 24], 2)
-    case = random_case(thd, 2, 2, 8, torch.float64, seed=1)
-    want = reference_results(case, thd, True)
-    results = simulate_ring(case, thd, 2, True)
-    # what a rank would compare against had its shard been built for the other rank
-    shifted = [(shard_of(thd, 2, 1 - r)[1], got) for r, (_, got) in enumerate(results)]
-    assert max(_worst(shifted, want, case["valid"]).values()) > 1e-2
-
-
-class _SimulatedRing(torch.autograd.Function):
-    """All ranks of a thread ring as one differentiable function of the GLOBAL q, k, v."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, thd, cp_size, causal):
-        shards = [shard_of(thd, cp_size, r) for r in range(cp_size)]
-        metas = [thd_meta(s) for s, _ in shards]
-        scale = q.shape[-1] ** -0.5
-
-        def fwd_rank(rk):
-            idx = shards[rk.rank][1]
-            return ring.ring_forward(
-                rk, q[idx], k[idx], v[idx], metas[rk.rank], causal=causal, scale=scale, kernel="math"
-            )
-
-        parts = run_ring_threads(cp_size, fwd_rank)
-        out, lse = torch.zeros_like(q), torch.zeros(q.shape[1], q.shape[0], dtype=q.dtype)
-        for (_, idx), (o, l) in zip(shards, parts, strict=True):
-            out[idx], lse[:, idx] = o, l
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.shards, ctx.metas, ctx.cp_size, ctx.causal, ctx.scale = shards, metas, cp_size, causal, scale
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-
-        def bwd_rank(rk):
-            idx = ctx.shards[rk.rank][1]
-            delta = math_kernel.softmax_delta(dout[idx], out[idx], dlse[:, idx])
-            return ring.ring_backward(
-                rk, dout[idx], q[idx], k[idx], v[idx], out[idx], lse[:, idx], delta, ctx.metas[rk.rank],
-                causal=ctx.causal, scale=ctx.scale, kernel="math",
-            )  # fmt: skip
-
-        grads = [torch.zeros_like(t) for t in (q, k, v)]
-        for (_, idx), parts in zip(ctx.shards, run_ring_threads(ctx.cp_size, bwd_rank), strict=True):
-            for total, part in zip(grads, parts, strict=True):
-                total[idx] = part
-        return *grads, None, None, None
+    errors = global_errors(autograd_results(case, _ring(thd, 2, True)), want, case["valid"])
+    assert errors["out"] > 1e-2, errors  # the check discriminates
 
 
 @pytest.mark.parametrize("cp_size", [2, 3])
@@ -166,8 +107,11 @@ def test_gradcheck_through_a_simulated_ring(cp_size):
     k = torch.randn(total, 1, 3, dtype=torch.float64, generator=g, requires_grad=True)
     v = torch.randn(total, 1, 3, dtype=torch.float64, generator=g, requires_grad=True)
     for causal in (True, False):
+        assert torch.autograd.gradcheck(_ring(thd, cp_size, causal), (q, k, v), fast_mode=True)
 
-        def fn(q, k, v, causal=causal):
-            return _SimulatedRing.apply(q, k, v, thd, cp_size, causal)
 
-        assert torch.autograd.gradcheck(fn, (q, k, v), fast_mode=True)
+def test_the_global_tensors_are_required():
+    thd = make_thd([8], 2)
+    x = torch.randn(4, 1, 2)
+    with pytest.raises(ValueError, match="q has 4 tokens but the batch metadata describes 8"):
+        simulated_ring_attention(x, x, x, thd, cp_size=2)
