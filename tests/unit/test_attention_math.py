@@ -127,6 +127,17 @@ def test_blocks_cover_each_sequence_once_within_the_budget(q_counts, heads, budg
     assert covered.le(1).all()
 
 
+@given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), budget=st.integers(1, 3000))
+def test_causal_self_blocks_cover_every_visible_pair(counts, budget):
+    side = Side(tuple(counts), tuple(counts), torch.zeros(sum(counts), dtype=torch.int64))
+    covered = torch.zeros(sum(counts), sum(counts), dtype=torch.int64)
+    for qa, qb, ka, kb in math_kernel.plan_blocks(side, side, 2, budget, causal_self=True):
+        covered[qa:qb, ka:kb] += 1
+    rows = torch.arange(sum(counts))
+    visible = (side.seg_T[:, None] == side.seg_T[None, :]) & (rows[:, None] >= rows[None, :])
+    assert covered[visible].eq(1).all() and covered.le(1).all()
+
+
 def test_small_blocks_give_the_same_result(monkeypatch):
     thd = make_thd([70, 3, 40], multiple=4)
     case = random_case(thd, 2, 2, 4, torch.float64, seed=5)

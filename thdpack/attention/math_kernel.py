@@ -25,27 +25,45 @@ import torch
 from thdpack.attention.merge import accumulation_dtype
 from thdpack.attention.metadata import Side
 
-# score-matrix elements per block (Nq * rows * keys): 4M -> 32 MiB per fp64 temporary
+# score-matrix elements (Nq * rows * keys) per block: 4M -> 32 MiB per fp64 temporary
 _SCORE_BUDGET = 1 << 22
+# short sequences share a block up to this size (fewer kernel launches); beyond it the work
+# wasted on cross-sequence pairs outweighs the saved overhead
+_GROUP_BUDGET = 1 << 16
 
 
-def plan_blocks(q: Side, k: Side, num_heads: int, budget: int = _SCORE_BUDGET) -> list[tuple[int, int, int, int]]:
+def plan_blocks(
+    q: Side,
+    k: Side,
+    num_heads: int,
+    budget: int = _SCORE_BUDGET,
+    group_budget: int = _GROUP_BUDGET,
+    *,
+    causal_self: bool = False,
+) -> list[tuple[int, int, int, int]]:
     """Rectangles ``(q_start, q_stop, k_start, k_stop)`` covering every sequence's (rows x keys).
 
-    Consecutive sequences are grouped while ``num_heads * rows * keys <= budget``; a sequence too
-    big on its own is split into query-row blocks. Sequences with no rows or no keys produce no
-    rectangle (their rows stay empty: out 0, LSE -inf).
+    Consecutive sequences share a rectangle while ``num_heads * rows * keys`` stays within
+    ``min(group_budget, budget)``; a sequence over ``budget`` on its own is split into query-row
+    blocks. Sequences with no rows or no keys get no rectangle (their rows stay empty: out 0,
+    LSE -inf). ``causal_self``: ``q`` and ``k`` are the same side under a causal mask, whose rows
+    are in increasing position within each sequence (true of every Side thdpack builds), so a row
+    block of one sequence needs no key after its last row: the keys are cut there.
     """
+    group_budget = min(group_budget, budget)
     blocks: list[tuple[int, int, int, int]] = []
     q0 = k0 = 0
     i, n = 0, len(q.counts)
     while i < n:
         rows, keys, j = q.counts[i], k.counts[i], i + 1
-        while j < n and num_heads * (rows + q.counts[j]) * (keys + k.counts[j]) <= budget:
+        while j < n and num_heads * (rows + q.counts[j]) * (keys + k.counts[j]) <= group_budget:
             rows, keys, j = rows + q.counts[j], keys + k.counts[j], j + 1
         if rows and keys:
             step = max(1, budget // (num_heads * keys))
-            blocks.extend((q0 + a, q0 + min(a + step, rows), k0, k0 + keys) for a in range(0, rows, step))
+            for a in range(0, rows, step):
+                b = min(a + step, rows)
+                cut = b if causal_self and j == i + 1 else keys
+                blocks.append((q0 + a, q0 + b, k0, k0 + cut))
         q0, k0, i = q0 + rows, k0 + keys, j
     return blocks
 
@@ -63,9 +81,9 @@ def _scores(
 ) -> torch.Tensor:
     """(Nkv, G, Tq, Tk) scaled scores in ``acc``; invisible pairs are -inf."""
     nkv = k_TNH.shape[1]
-    q_TKGH = q_TNH.to(acc).unflatten(1, (nkv, -1))
-    s_KGQT = torch.einsum("qkgh,tkh->kgqt", q_TKGH, k_TNH.to(acc)) * scale
-    return s_KGQT.masked_fill(~mask_TT, float("-inf"))
+    q_TKGH = (q_TNH.to(acc) * scale).unflatten(1, (nkv, -1))
+    s_KGQT = torch.einsum("qkgh,tkh->kgqt", q_TKGH, k_TNH.to(acc))
+    return s_KGQT.masked_fill_(~mask_TT, float("-inf"))
 
 
 def tile_forward(
@@ -96,11 +114,11 @@ def tile_forward(
     tq, nq = q_TNH.shape[:2]
     out_TNH = q_TNH.new_zeros((tq, nq, v_TNH.shape[-1]), dtype=acc)
     lse_NT = q_TNH.new_full((nq, tq), float("-inf"), dtype=acc)
-    for qa, qb, ka, kb in plan_blocks(q, k, nq):
+    for qa, qb, ka, kb in plan_blocks(q, k, nq, causal_self=causal and q is k):
         s_KGQT = _scores(q_TNH[qa:qb], k_TNH[ka:kb], _visible(q, k, qa, qb, ka, kb, causal), scale, acc)
         lse_KGQ = torch.logsumexp(s_KGQT, dim=-1)
         # rows with no visible key have lse -inf; measuring against 0 keeps P = exp(-inf) = 0
-        p_KGQT = torch.exp(s_KGQT - lse_KGQ.masked_fill(torch.isneginf(lse_KGQ), 0.0).unsqueeze(-1))
+        p_KGQT = s_KGQT.sub_(lse_KGQ.masked_fill(torch.isneginf(lse_KGQ), 0.0).unsqueeze(-1)).exp_()
         o_QKGH = torch.einsum("kgqt,tkh->qkgh", p_KGQT, v_TNH[ka:kb].to(acc))
         out_TNH[qa:qb] = o_QKGH.flatten(1, 2)
         lse_NT[:, qa:qb] = lse_KGQ.flatten(0, 1)
@@ -154,15 +172,16 @@ def tile_backward(
     dv_TNH = torch.zeros(v_TNH.shape, dtype=acc, device=v_TNH.device)
     lse_KGQ = lse_NT.to(acc).masked_fill(torch.isneginf(lse_NT), 0.0).unflatten(0, (nkv, -1))
     delta_KGQ = delta_NT.to(acc).unflatten(0, (nkv, -1))
-    for qa, qb, ka, kb in plan_blocks(q, k, q_TNH.shape[1]):
+    for qa, qb, ka, kb in plan_blocks(q, k, q_TNH.shape[1], causal_self=causal and q is k):
         s_KGQT = _scores(q_TNH[qa:qb], k_TNH[ka:kb], _visible(q, k, qa, qb, ka, kb, causal), scale, acc)
-        p_KGQT = torch.exp(s_KGQT - lse_KGQ[..., qa:qb, None])
+        p_KGQT = s_KGQT.sub_(lse_KGQ[..., qa:qb, None]).exp_()
         do_QKGH = dout_TNH[qa:qb].to(acc).unflatten(1, (nkv, -1))
         q_QKGH = q_TNH[qa:qb].to(acc).unflatten(1, (nkv, -1))
         k_TKH, v_TKH = k_TNH[ka:kb].to(acc), v_TNH[ka:kb].to(acc)
-        dp_KGQT = torch.einsum("qkgh,tkh->kgqt", do_QKGH, v_TKH)
-        ds_KGQT = p_KGQT * (dp_KGQT - delta_KGQ[..., qa:qb, None])
-        dq_TNH[qa:qb] = (torch.einsum("kgqt,tkh->qkgh", ds_KGQT, k_TKH) * scale).flatten(1, 2)
-        dk_TNH[ka:kb] += torch.einsum("kgqt,qkgh->tkh", ds_KGQT, q_QKGH) * scale
         dv_TNH[ka:kb] += torch.einsum("kgqt,qkgh->tkh", p_KGQT, do_QKGH)
+        dp_KGQT = torch.einsum("qkgh,tkh->kgqt", do_QKGH, v_TKH)
+        # dS = P * (dP - delta), with the softmax scale folded in once for both dQ and dK
+        ds_KGQT = dp_KGQT.sub_(delta_KGQ[..., qa:qb, None]).mul_(p_KGQT).mul_(scale)
+        dq_TNH[qa:qb] = torch.einsum("kgqt,tkh->qkgh", ds_KGQT, k_TKH).flatten(1, 2)
+        dk_TNH[ka:kb] += torch.einsum("kgqt,qkgh->tkh", ds_KGQT, q_QKGH)
     return dq_TNH, dk_TNH, dv_TNH
