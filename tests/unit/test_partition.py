@@ -1,17 +1,31 @@
-"""partition_indices: TE's golden vectors (nemo_te_spec.md section 2.2) and input validation."""
+"""partition_indices, shard, unshard: TE's golden vectors (nemo_te_spec.md 2.2), NeMo's sharding
+vectors S1-S4 (1.6), invariants on random packs, and input validation."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from thd_cases import C1_SECOND, P5, P6, S3, pack_batches
 
-from thdpack.cp import partition_indices
+from thdpack._optional import has_transformer_engine
+from thdpack.cp import partition_indices, shard, unshard
+from thdpack.masks import token_layout
+from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
 
 # (cu_seqlens_padded, total, cp_size, per-rank indices): rows 1-8 and 10-14 of the spec's table
 GOLDEN = [
     ([0, 8, 16], 16, 2, [[0, 1, 6, 7, 8, 9, 14, 15], [2, 3, 4, 5, 10, 11, 12, 13]]),
     ([0, 8], 8, 2, [[0, 1, 6, 7], [2, 3, 4, 5]]),
-    ([0, 4, 12, 24], 24, 2, [[0, 3, 4, 5, 10, 11, 12, 13, 14, 21, 22, 23], [1, 2, 6, 7, 8, 9, 15, 16, 17, 18, 19, 20]]),
+    (
+        [0, 4, 12, 24],
+        24,
+        2,
+        [[0, 3, 4, 5, 10, 11, 12, 13, 14, 21, 22, 23], [1, 2, 6, 7, 8, 9, 15, 16, 17, 18, 19, 20]],
+    ),
     (
         [0, 8, 24, 40],
         40,
@@ -23,7 +37,12 @@ GOLDEN = [
             [3, 4, 14, 15, 16, 17, 30, 31, 32, 33],
         ],
     ),
-    ([0, 16, 24], 24, 4, [[0, 1, 14, 15, 16, 23], [2, 3, 12, 13, 17, 22], [4, 5, 10, 11, 18, 21], [6, 7, 8, 9, 19, 20]]),
+    (
+        [0, 16, 24],
+        24,
+        4,
+        [[0, 1, 14, 15, 16, 23], [2, 3, 12, 13, 17, 22], [4, 5, 10, 11, 18, 21], [6, 7, 8, 9, 19, 20]],
+    ),
     ([0, 8, 16], 16, 4, [[0, 7, 8, 15], [1, 6, 9, 14], [2, 5, 10, 13], [3, 4, 11, 12]]),
     ([0, 12], 12, 3, [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]),
     ([0, 4, 8, 16], 16, 2, [[0, 3, 4, 7, 8, 9, 14, 15], [1, 2, 5, 6, 10, 11, 12, 13]]),
@@ -33,7 +52,10 @@ GOLDEN = [
         [0, 4, 16, 20, 24, 32],
         32,
         2,
-        [[0, 3, 4, 5, 6, 13, 14, 15, 16, 19, 20, 23, 24, 25, 30, 31], [1, 2, 7, 8, 9, 10, 11, 12, 17, 18, 21, 22, 26, 27, 28, 29]],
+        [
+            [0, 3, 4, 5, 6, 13, 14, 15, 16, 19, 20, 23, 24, 25, 30, 31],
+            [1, 2, 7, 8, 9, 10, 11, 12, 17, 18, 21, 22, 26, 27, 28, 29],
+        ],
     ),
     ([0, 4, 8, 20], 20, 2, [[0, 3, 4, 7, 8, 9, 10, 17, 18, 19], [1, 2, 5, 6, 11, 12, 13, 14, 15, 16]]),
     ([0, 8, 16], 16, 1, [list(range(16))]),
@@ -41,10 +63,11 @@ GOLDEN = [
 
 
 @pytest.mark.parametrize(("cu", "total", "cp_size", "expected"), GOLDEN)
-def test_matches_transformer_engine(cu, total, cp_size, expected):
+@pytest.mark.parametrize("impl", ["auto", "torch"])
+def test_matches_transformer_engine(cu, total, cp_size, expected, impl):
     cu_t = torch.tensor(cu, dtype=torch.int32)
     for rank, want in enumerate(expected):
-        got = partition_indices(cu_t, total, cp_size, rank)
+        got = partition_indices(cu_t, total, cp_size, rank, impl=impl)
         assert got.dtype == torch.int32
         assert got.tolist() == want
 
@@ -73,3 +96,230 @@ def test_rejects_bad_metadata(args, message):
     cu, total, cp, rank = args
     with pytest.raises(ValueError, match=message):
         partition_indices(torch.tensor(cu), total, cp, rank)
+
+
+def _reference_partition(cu, cp_size, rank):
+    """TE's closed form, one sequence at a time: chunk r, then chunk 2W-1-r."""
+    out = []
+    for start, end in pairwise(cu):
+        c = (end - start) // (2 * cp_size)
+        out += range(start + rank * c, start + (rank + 1) * c)
+        out += range(start + (2 * cp_size - 1 - rank) * c, start + (2 * cp_size - rank) * c)
+    return out
+
+
+@st.composite
+def _cu_seqlens_padded(draw):
+    cp_size = draw(st.integers(1, 4))
+    chunks = draw(st.lists(st.integers(0, 6), min_size=1, max_size=12))  # zero-length sequences too
+    cu = [0]
+    for c in chunks:
+        cu.append(cu[-1] + 2 * cp_size * c)
+    return cu, cp_size
+
+
+@given(_cu_seqlens_padded())
+def test_matches_the_closed_form_and_partitions_every_token(case):
+    cu, cp_size = case
+    total = cu[-1]
+    if total == 0:
+        return
+    seen = []
+    for rank in range(cp_size):
+        want = _reference_partition(cu, cp_size, rank)
+        for impl in ("auto", "numpy", "torch"):  # auto = numpy on CPU
+            got = partition_indices(torch.tensor(cu, dtype=torch.int32), total, cp_size, rank, impl=impl)
+            assert got.dtype == torch.int32 and got.tolist() == want, impl
+        seen += want
+    assert sorted(seen) == list(range(total))  # disjoint, and their union is every token
+
+
+def test_rejects_unknown_impl():
+    with pytest.raises(
+        ValueError, match=r"impl must be one of \('auto', 'te', 'torch', 'numpy'\), got 'cuda'"
+    ):
+        partition_indices(torch.tensor([0, 8]), 8, 2, 0, impl="cuda")
+
+
+def test_te_impl_needs_a_cuda_tensor():
+    with pytest.raises(ValueError, match="impl='te' runs TE's CUDA kernel, but cu_seqlens_padded is on cpu"):
+        partition_indices(torch.tensor([0, 8]), 8, 2, 0, impl="te")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_twin_on_cuda_matches_cpu():
+    cu = torch.tensor([0, 4, 16, 20, 24, 32], dtype=torch.int32)
+    for rank in range(2):
+        got = partition_indices(cu.cuda(), 32, 2, rank, impl="torch")
+        assert got.is_cuda and got.cpu().tolist() == partition_indices(cu, 32, 2, rank).tolist()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_transformer_engine()), reason="needs CUDA and Transformer Engine"
+)
+def test_transformer_engine_kernel_matches_the_twin():
+    for cu, total, cp_size, expected in GOLDEN:
+        cu_cuda = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        for rank, want in enumerate(expected):
+            assert partition_indices(cu_cuda, total, cp_size, rank, impl="te").cpu().tolist() == want
+            assert partition_indices(cu_cuda, total, cp_size, rank).cpu().tolist() == want  # auto picks TE
+
+
+# ---- shard: NeMo's end-to-end sharding vectors (nemo_te_spec.md 1.6) ----
+
+F, T_ = False, True
+
+
+def test_shard_s1_two_cp2_packs():
+    thd = thd_collate([P5, C1_SECOND])
+    rank0, rank1 = (shard(thd, 2, r) for r in range(2))
+    assert rank0["input_ids"].tolist() == [1, 0, 4, 5, 6, 0, 0, 0, 1, 0, 4, 0, 6, 0, 0, 0]
+    assert rank0["labels"].tolist() == [
+        1,
+        -100,
+        4,
+        5,
+        6,
+        -100,
+        -100,
+        -100,
+        1,
+        -100,
+        4,
+        -100,
+        6,
+        -100,
+        -100,
+        -100,
+    ]
+    assert rank0["position_ids"].tolist() == [0, 3, 0, 1, 2, 9, 10, 11, 0, 3, 0, 3, 0, 1, 6, 7]
+    assert rank0["padding_mask"].tolist() == [F, T_, F, F, F, T_, T_, T_, F, T_, F, T_, F, T_, T_, T_]
+    assert rank1["input_ids"].tolist() == [2, 3, 7, 8, 0, 0, 0, 0, 2, 3, 5, 0, 0, 0, 0, 0]
+    assert rank1["labels"].tolist() == [2, 3, 7, 8, *[-100] * 4, 2, 3, 5, *[-100] * 5]
+    assert rank1["position_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 1, 2, 2, 3, 4, 5]
+    assert rank1["padding_mask"].tolist() == [F, F, F, F, T_, T_, T_, T_, F, F, F, T_, T_, T_, T_, T_]
+    for rank, part in enumerate((rank0, rank1)):
+        # the GLOBAL metadata, as TE expects (NeMo instead passes cu_seqlens = the padded boundaries)
+        assert part["cu_seqlens"].tolist() == [0, 3, 8, 11, 13, 14]
+        assert part["cu_seqlens_padded"].tolist() == [0, 4, 16, 20, 24, 32]
+        assert part["max_seqlen"] == 12
+        assert (part["cp_size"], part["cp_rank"]) == (2, rank)
+
+
+def test_shard_s2_p6_pack():
+    rank0, rank1 = (shard(thd_collate([P6]), 2, r) for r in range(2))
+    assert rank0["input_ids"].tolist() == [1, 0, 4, 0, 6, 0, 0, 0, 0, 0]
+    assert rank0["position_ids"].tolist() == [0, 3, 0, 3, 0, 1, 2, 9, 10, 11]
+    assert rank0["labels"].tolist() == [1, -100, 4, -100, 6, *[-100] * 5]
+    assert rank1["input_ids"].tolist() == [2, 3, 5, 0, 0, 0, 0, 0, 0, 0]
+    assert rank1["position_ids"].tolist() == [1, 2, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert rank1["labels"].tolist() == [2, 3, 5, *[-100] * 7]
+    assert rank0["max_seqlen"] == rank1["max_seqlen"] == 12
+
+
+def test_shard_s3_cp4():
+    thd = thd_collate([S3])
+    assert thd["cu_seqlens_padded"].tolist() == [0, 8, 16] and thd["max_seqlen"] == 8
+    want = [
+        ([11, 0, 21, 0], [0, 7, 0, 7], [12, -100, 22, -100], [F, T_, F, T_]),
+        ([12, 0, 22, 0], [1, 6, 1, 6], [13, -100, 23, -100], [F, T_, F, T_]),
+        ([13, 0, 23, 0], [2, 5, 2, 5], [14, -100, -100, -100], [F, T_, F, T_]),
+        ([14, 15, 0, 0], [3, 4, 3, 4], [15, -100, -100, -100], [F, F, T_, T_]),
+    ]
+    for rank, (input_ids, positions, labels, padding) in enumerate(want):
+        part = shard(thd, 4, rank)
+        assert part["input_ids"].tolist() == input_ids
+        assert part["position_ids"].tolist() == positions
+        assert part["labels"].tolist() == labels
+        assert part["padding_mask"].tolist() == padding
+
+
+def test_shard_s4_micro_batches():
+    chunks = split_micro_batches(collate([P5, C1_SECOND]), 2)
+    rank0 = [shard(to_thd(c), 2, 0)["input_ids"].tolist() for c in chunks]
+    rank1 = [shard(to_thd(c), 2, 1)["input_ids"].tolist() for c in chunks]
+    assert rank0 == [[1, 0, 4, 5, 6, 0, 0, 0], [1, 0, 4, 0, 6, 0, 0, 0]]
+    assert rank1 == [[2, 3, 7, 8, 0, 0, 0, 0], [2, 3, 5, 0, 0, 0, 0, 0]]
+
+
+def test_shard_cp_size_1_keeps_every_token():
+    thd = thd_collate([P5])
+    part = shard(thd, 1, 0)
+    assert part["input_ids"] is thd["input_ids"] and (part["cp_size"], part["cp_rank"]) == (1, 0)
+    assert unshard([part], 1).keys() == thd.keys()
+
+
+def test_shard_reindexes_extra_per_token_tensors():
+    thd = thd_collate([dict(P5, inputs_embeds=torch.arange(32.0).view(16, 2))])
+    part = shard(thd, 2, 1)
+    index = partition_indices(thd["cu_seqlens_padded"], 16, 2, 1).long()
+    assert torch.equal(part["inputs_embeds"], thd["inputs_embeds"][index])
+
+
+# ---- invariants on random packs ----
+
+
+@given(pack_batches())
+def test_shard_invariants(case):
+    packs, cp_size = case
+    thd = thd_collate(packs)
+    T = thd["input_ids"].shape[0]
+    shards = [shard(thd, cp_size, r) for r in range(cp_size)]
+    if cp_size > 1:  # (cp_size 1 keeps the batch as is: its slots need not be even, as TE's kernel wants)
+        owned = torch.cat(
+            [partition_indices(thd["cu_seqlens_padded"], T, cp_size, r) for r in range(cp_size)]
+        )
+        assert sorted(owned.tolist()) == list(range(T))  # disjoint, union = every token
+    for part in shards:
+        assert part["input_ids"].shape == (T // cp_size,)
+        # labels stay aligned with their tokens; padding still comes from the layout
+        real = ~part["padding_mask"]
+        assert torch.equal(part["labels"][real], 7 * part["input_ids"][real] + 1)
+        assert torch.equal(part["padding_mask"], part["is_padding"])
+        # positions are the global position inside each sequence (what RoPE needs)
+        assert torch.equal(part["position_ids"], token_layout(part).pos)
+        assert part["cu_seqlens"] is thd["cu_seqlens"] and part["max_seqlen"] == thd["max_seqlen"]
+    whole = unshard(shards, cp_size)
+    assert whole.keys() == thd.keys()
+    for key, value in thd.items():
+        assert torch.equal(whole[key], value) if isinstance(value, torch.Tensor) else whole[key] == value
+
+
+# ---- bad input ----
+
+
+def test_shard_rejects_a_shard():
+    part = shard(thd_collate([P5]), 2, 0)
+    with pytest.raises(ValueError, match="already CP rank 0's shard of cp_size=2; shard the global batch"):
+        shard(part, 2, 1)
+
+
+def test_shard_rejects_per_token_tensors_of_another_length():
+    thd = dict(thd_collate([P5]), loss_mask=torch.ones(15))
+    with pytest.raises(
+        ValueError, match=r"loss_mask has shape \(15,\); every per-token tensor .* needs T=16 rows"
+    ):
+        shard(thd, 2, 0)
+
+
+def test_shard_rejects_lengths_cp_cannot_split():
+    with pytest.raises(ValueError, match=r"sequence 0 has padded length 4, not a multiple of 2\*cp_size=8"):
+        shard(thd_collate([P5]), 4, 0)
+
+
+def test_unshard_rejects_bad_shard_lists():
+    thd = thd_collate([P5, C1_SECOND])
+    shards = [shard(thd, 2, r) for r in range(2)]
+    with pytest.raises(ValueError, match="unshard got 1 shards for cp_size=2"):
+        unshard(shards[:1], 2)
+    with pytest.raises(
+        ValueError, match=r"shards\[0\] has cp_size=2, cp_rank=1; expected cp_size=2, cp_rank=0"
+    ):
+        unshard(shards[::-1], 2)
+    other = shard(thd_collate([C1_SECOND, P5]), 2, 1)
+    with pytest.raises(ValueError, match=r"shards\[1\] has a different cu_seqlens than shards\[0\]"):
+        unshard([shards[0], other], 2)
+    with pytest.raises(ValueError, match=r"shards\[1\] has keys"):
+        unshard([shards[0], dict(shards[1], extra="x")], 2)

@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from thdpack.cp.partition import partition_indices
+from thdpack.cp.partition import gather, partition_indices, shard, unshard
 
-__all__ = ["partition_indices"]
+__all__ = ["gather", "partition_indices", "shard", "unshard"]

@@ -1,52 +1,74 @@
-"""Transformer Engine's THD context-parallel partition, as an exact pure-torch twin.
+"""Transformer Engine's THD context-parallel partition, and sharding THD batches with it.
 
 Every sequence (padded length a multiple of ``2*cp_size``) is cut into ``2*cp_size`` equal
 chunks; rank ``r`` keeps chunk ``r`` and chunk ``2*cp_size-1-r`` of each sequence, sequence by
 sequence, head chunk first. For causal attention this gives every rank the same work.
 
-Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``N`` sequences.
+``partition_indices`` runs TE's own CUDA kernel when Transformer Engine is installed and the
+metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, numpy on CPU).
+``shard`` applies the partition to a THD batch (``thdpack.to_thd``); ``unshard`` and
+``gather`` invert it.
+
+Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``N`` sequences, ``W = cp_size``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
 import torch
+import torch.distributed as dist
+
+from thdpack._optional import has_transformer_engine, require
+from thdpack.thd_format import THD_METADATA_KEYS, THDBatch
+
+PartitionImpl = Literal["auto", "te", "torch", "numpy"]
+_IMPLS = ("auto", "te", "torch", "numpy")
 
 
-def _check_cu_seqlens_padded(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int) -> torch.Tensor:
-    """Validate on the host once; return the lengths (N,) int64 on the input's device."""
+def _check_cu_seqlens_padded(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int) -> np.ndarray:
+    """Validate on the host, once (one device-to-host copy); return the host copy as int64 numpy."""
     if not isinstance(cu_seqlens_padded, torch.Tensor):
         raise TypeError(f"cu_seqlens_padded must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
     if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 2:
         raise ValueError(
-            f"cu_seqlens_padded must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens_padded.shape)}"
+            "cu_seqlens_padded must be 1-D with at least 2 entries, "
+            f"got shape {tuple(cu_seqlens_padded.shape)}"
         )
     if cu_seqlens_padded.dtype.is_floating_point or cu_seqlens_padded.dtype == torch.bool:
         raise TypeError(f"cu_seqlens_padded must be an integer tensor, got {cu_seqlens_padded.dtype}")
-    cu_host = cu_seqlens_padded.detach().to("cpu", torch.int64)
-    lengths = cu_host[1:] - cu_host[:-1]
-    if int(cu_host[0]) != 0:
-        raise ValueError(f"cu_seqlens_padded[0] must be 0, got {int(cu_host[0])}")
-    if bool((lengths < 0).any()):
-        i = int(torch.nonzero(lengths < 0)[0])
+    cu_host = cu_seqlens_padded.detach().cpu().numpy().astype(np.int64, copy=False)
+    lengths = np.diff(cu_host)
+    if cu_host[0] != 0:
+        raise ValueError(f"cu_seqlens_padded[0] must be 0, got {cu_host[0]}")
+    if (lengths < 0).any():
+        i = int(np.argmax(lengths < 0))
         raise ValueError(f"cu_seqlens_padded must be non-decreasing; it drops at entry {i + 1}")
     step = 2 * cp_size
     bad = lengths % step != 0
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad)[0])
+    if bad.any():
+        i = int(np.argmax(bad))
         raise ValueError(
-            f"sequence {i} has padded length {int(lengths[i])}, not a multiple of 2*cp_size={step}; "
+            f"sequence {i} has padded length {lengths[i]}, not a multiple of 2*cp_size={step}; "
             f"pad every sequence to a multiple of {step} (plan_packs(..., cp_size={cp_size}) does)"
         )
-    if int(cu_host[-1]) != total_tokens:
+    if cu_host[-1] != total_tokens:
         raise ValueError(
-            f"total_tokens={total_tokens} but cu_seqlens_padded[-1]={int(cu_host[-1])}; they must be equal "
+            f"total_tokens={total_tokens} but cu_seqlens_padded[-1]={cu_host[-1]}; they must be equal "
             "(Transformer Engine silently duplicates or drops tokens otherwise)"
         )
-    return lengths.to(cu_seqlens_padded.device)
+    return cu_host
 
 
 def partition_indices(
-    cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int
+    cu_seqlens_padded: torch.Tensor,
+    total_tokens: int,
+    cp_size: int,
+    cp_rank: int,
+    *,
+    impl: PartitionImpl = "auto",
 ) -> torch.Tensor:
     """Global token indices kept by ``cp_rank``: TE's ``thd_get_partitioned_indices``.
 
@@ -56,11 +78,17 @@ def partition_indices(
         total_tokens: ``T``, the global number of tokens.
         cp_size: context-parallel world size (>= 1).
         cp_rank: this rank, ``0 <= cp_rank < cp_size``.
+        impl: ``"auto"`` runs TE's kernel when Transformer Engine is installed and
+            ``cu_seqlens_padded`` is on CUDA, the torch twin on other accelerators, and the
+            numpy twin on CPU (numpy's ``repeat`` is several times faster than torch's
+            ``repeat_interleave`` there); ``"te"`` / ``"torch"`` / ``"numpy"`` force one
+            (``"te"`` needs TE and a CUDA tensor). All three give identical results.
 
     Returns:
         (T / cp_size,) int32 on ``cu_seqlens_padded``'s device: same values, same order as TE.
 
-    Raises ``ValueError`` where TE's release build would silently return wrong indices.
+    Raises ``ValueError`` where TE's release build would silently return wrong indices (the
+    checks run before any implementation; they copy ``cu_seqlens_padded`` to the host once).
 
     >>> cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     >>> partition_indices(cu, 16, 2, 0).tolist()   # chunks 0 and 3 of each sequence
@@ -68,19 +96,223 @@ def partition_indices(
     >>> partition_indices(cu, 16, 2, 1).tolist()   # chunks 1 and 2
     [2, 3, 4, 5, 10, 11, 12, 13]
     """
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank}")
-    lengths = _check_cu_seqlens_padded(cu_seqlens_padded, int(total_tokens), cp_size)
-    device = cu_seqlens_padded.device
-    chunk = lengths // (2 * cp_size)  # (N,) tokens per chunk of each sequence
-    starts = cu_seqlens_padded[:-1].to(torch.int64)
-    local_len = 2 * chunk  # each rank keeps two chunks per sequence
-    seq_of_token = torch.repeat_interleave(torch.arange(len(lengths), device=device), local_len)
-    local_start = torch.cumsum(local_len, 0) - local_len
-    j = torch.arange(int(total_tokens) // cp_size, device=device) - local_start[seq_of_token]
-    chunk_t = chunk[seq_of_token]
-    # head chunk r for j < c, tail chunk 2W-1-r after it (TE's offset 2W-2-r absorbs the j >= c shift)
-    chunk_id = torch.where(j < chunk_t, cp_rank, 2 * cp_size - 2 - cp_rank)
-    return (starts[seq_of_token] + j + chunk_t * chunk_id).to(torch.int32)
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1 (an int), got {cp_size!r}")
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+    total_tokens = int(total_tokens)
+    cu_host = _check_cu_seqlens_padded(cu_seqlens_padded, total_tokens, cp_size)
+    if impl == "auto":
+        if cu_seqlens_padded.device.type == "cpu":
+            impl = "numpy"
+        else:
+            impl = "te" if cu_seqlens_padded.is_cuda and has_transformer_engine() else "torch"
+    if impl == "te":
+        if not cu_seqlens_padded.is_cuda:
+            raise ValueError(
+                f"impl='te' runs TE's CUDA kernel, but cu_seqlens_padded is on {cu_seqlens_padded.device}; "
+                "move it to a GPU or use impl='auto'"
+            )
+        tex = require("transformer_engine_torch", "partition_indices(impl='te')")
+        return tex.thd_get_partitioned_indices(
+            cu_seqlens_padded.to(torch.int32), total_tokens, cp_size, cp_rank
+        )
+    if impl == "numpy":
+        index = _partition_indices_numpy(cu_host, total_tokens, cp_size, cp_rank)
+        return torch.from_numpy(index).to(cu_seqlens_padded.device)
+    return _partition_indices_torch(cu_seqlens_padded, total_tokens, cp_size, cp_rank)
+
+
+def _partition_indices_numpy(cu_N1: np.ndarray, total_tokens: int, cp_size: int, cp_rank: int) -> np.ndarray:
+    """The numpy twin of ``_partition_indices_torch`` (same formula), for validated host input."""
+    starts_N = cu_N1[:-1]
+    chunk_N = np.diff(cu_N1) // (2 * cp_size)
+    local_starts_N = 2 * (np.cumsum(chunk_N) - chunk_N)
+    base_N = starts_N - local_starts_N
+    offset_N2 = np.stack((base_N + cp_rank * chunk_N, base_N + (2 * cp_size - 2 - cp_rank) * chunk_N), 1)
+    local_T = total_tokens // cp_size
+    index_T = np.repeat(offset_N2.reshape(-1).astype(np.int32), np.repeat(chunk_N, 2))
+    index_T += np.arange(local_T, dtype=np.int32)
+    return index_T
+
+
+def _partition_indices_torch(
+    cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """The torch twin of TE's kernel, for validated input; no host sync on any device.
+
+    Rank ``r``'s local tokens come in ``2N`` runs (head chunk, tail chunk of each sequence), and
+    inside a run the global index is the local index plus a per-run constant, so the whole
+    answer is ``arange(T_local) + repeat_interleave(offset_2N, run_length_2N)``.
+    """
+    cu_N1 = cu_seqlens_padded.to(torch.int64)
+    starts_N = cu_N1[:-1]
+    chunk_N = (cu_N1[1:] - starts_N) // (2 * cp_size)  # tokens per chunk of each sequence
+    local_starts_N = 2 * (torch.cumsum(chunk_N, 0) - chunk_N)  # where each sequence starts locally
+    base_N = starts_N - local_starts_N
+    # head run: chunk r; tail run: chunk 2W-1-r, which starts c tokens later in local order
+    offset_N2 = torch.stack((base_N + cp_rank * chunk_N, base_N + (2 * cp_size - 2 - cp_rank) * chunk_N), 1)
+    local_T = total_tokens // cp_size
+    offset_T = torch.repeat_interleave(
+        offset_N2.reshape(-1), chunk_N.repeat_interleave(2), output_size=local_T
+    )
+    return (torch.arange(local_T, device=cu_N1.device) + offset_T).to(torch.int32)
+
+
+def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
+    """The THD batch that CP rank ``cp_rank`` of ``cp_size`` computes on (TE's input convention).
+
+    Args:
+        thd: a global THD batch (``thdpack.to_thd``): every padded slot a multiple of
+            ``2*cp_size`` (pack with ``cp_size``), ``cu_seqlens_padded[-1] == T``.
+        cp_size: context-parallel world size (>= 1).
+        cp_rank: this rank, ``0 <= cp_rank < cp_size``.
+
+    Returns:
+        A new dict: every per-token tensor (``input_ids``, ``labels``, ``position_ids``,
+        ``padding_mask`` and any other (T, ...) tensor) re-indexed with
+        ``partition_indices`` to (T / cp_size, ...); the GLOBAL ``cu_seqlens``,
+        ``cu_seqlens_padded`` and ``max_seqlen`` kept, as TE expects (it divides them itself);
+        ``cp_size`` and ``cp_rank`` added. Positions stay the global position within each
+        sequence, so RoPE needs no correction. Non-tensor values pass through.
+
+    The P6 pack of nemo_te_spec.md (S2): sequences of 3, 2, 1 tokens in slots of 4, 4, 12.
+
+    >>> from thdpack.thd import to_thd
+    >>> pack = {"input_ids": torch.tensor([[1, 2, 3, 0, 4, 5, 0, 0, 6] + [0] * 11]),
+    ...         "labels": torch.tensor([[1, 2, 3, -100, 4, 5, -100, -100, 6] + [-100] * 11]),
+    ...         "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3] + list(range(12))]),
+    ...         "seq_lens": torch.tensor([[3, 2, 1]]), "seq_lens_padded": torch.tensor([[4, 4, 12]])}
+    >>> rank0, rank1 = (shard(to_thd(pack), 2, r) for r in (0, 1))
+    >>> rank0["input_ids"].tolist(), rank0["position_ids"].tolist()
+    ([1, 0, 4, 0, 6, 0, 0, 0, 0, 0], [0, 3, 0, 3, 0, 1, 2, 9, 10, 11])
+    >>> rank1["input_ids"].tolist(), rank1["position_ids"].tolist()
+    ([2, 3, 5, 0, 0, 0, 0, 0, 0, 0], [1, 2, 1, 2, 3, 4, 5, 6, 7, 8])
+    >>> rank1["cu_seqlens"].tolist(), rank1["cu_seqlens_padded"].tolist(), rank1["max_seqlen"]
+    ([0, 3, 5, 6], [0, 4, 8, 20], 12)
+    """
+    if thd.get("cp_size", 1) != 1:
+        raise ValueError(
+            f"this THD batch is already CP rank {thd.get('cp_rank')}'s shard of cp_size={thd['cp_size']}; "
+            "shard the global batch (unshard / gather restores it)"
+        )
+    T = _num_tokens(thd, "the THD batch")
+    if cp_size == 1 and cp_rank == 0:
+        # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
+        return {**thd, "cp_size": 1, "cp_rank": 0}
+    index_T = partition_indices(thd["cu_seqlens_padded"], T, cp_size, cp_rank)
+    out: THDBatch = {}
+    for key, value in thd.items():
+        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
+            out[key] = value
+        else:
+            out[key] = value.index_select(0, index_T.to(value.device))
+    out["cp_size"], out["cp_rank"] = cp_size, cp_rank
+    return out
+
+
+def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
+    """Reassemble the global THD batch from every rank's ``shard``, in rank order.
+
+    Args:
+        shards: ``cp_size`` shards of one global batch, ``shards[r]["cp_rank"] == r``.
+        cp_size: context-parallel world size.
+
+    Returns:
+        The global batch: per-token tensors (T, ...) back in storage order, the shared metadata,
+        no ``cp_size`` / ``cp_rank``. ``unshard([shard(thd, W, r) for r in range(W)], W)`` equals
+        ``thd``.
+
+    >>> cu = torch.tensor([0, 8], dtype=torch.int32)
+    >>> thd = {"input_ids": torch.arange(8), "cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": 8}
+    >>> shards = [shard(thd, 2, r) for r in (0, 1)]
+    >>> [s["input_ids"].tolist() for s in shards]
+    [[0, 1, 6, 7], [2, 3, 4, 5]]
+    >>> unshard(shards, 2)["input_ids"].tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    if len(shards) != cp_size:
+        raise ValueError(f"unshard got {len(shards)} shards for cp_size={cp_size}; pass one shard per rank")
+    first = shards[0]
+    for r, part in enumerate(shards):
+        if part.get("cp_size") != cp_size or part.get("cp_rank") != r:
+            raise ValueError(
+                f"shards[{r}] has cp_size={part.get('cp_size')}, cp_rank={part.get('cp_rank')}; expected "
+                f"cp_size={cp_size}, cp_rank={r}: pass shard(thd, {cp_size}, r) for r = 0..{cp_size - 1}, "
+                "in order"
+            )
+        if part.keys() != first.keys():
+            raise ValueError(
+                f"shards[{r}] has keys {sorted(part.keys())} but shards[0] has {sorted(first.keys())}"
+            )
+        for key in ("cu_seqlens", "cu_seqlens_padded"):
+            if not torch.equal(part[key], first[key]):
+                raise ValueError(
+                    f"shards[{r}] has a different {key} than shards[0]; shards must be of one batch"
+                )
+    if cp_size == 1:
+        return {key: value for key, value in first.items() if key not in ("cp_size", "cp_rank")}
+    cu_padded = first["cu_seqlens_padded"]
+    T = int(cu_padded[-1])
+    # position in the rank-major concatenation -> global token index, then its inverse
+    gathered_to_global_T = torch.cat([partition_indices(cu_padded, T, cp_size, r) for r in range(cp_size)])
+    global_to_gathered_T = torch.empty(T, dtype=torch.int64, device=cu_padded.device)
+    global_to_gathered_T[gathered_to_global_T.to(torch.int64)] = torch.arange(T, device=cu_padded.device)
+    out: THDBatch = {}
+    for key, value in first.items():
+        if key in ("cp_size", "cp_rank"):
+            continue
+        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
+            out[key] = value
+        else:
+            gathered = torch.cat([part[key] for part in shards])
+            if gathered.dim() == 0 or gathered.shape[0] != T:
+                raise ValueError(
+                    f"{key}: the shards hold {gathered.shape[0] if gathered.dim() else 0} tokens in all, "
+                    f"but cu_seqlens_padded[-1] = {T}"
+                )
+            out[key] = gathered.index_select(0, global_to_gathered_T.to(gathered.device))
+    return out
+
+
+def gather(local_thd: Mapping[str, Any], group: dist.ProcessGroup) -> THDBatch:
+    """All-gather every rank's shard over the CP ``group``; return the global batch on every rank.
+
+    Collective: every rank of ``group`` calls it with its own ``shard(thd, cp_size, rank)`` of
+    the same global batch (``cp_size`` = the group's size, ``cp_rank`` = the rank in it). One
+    ``all_gather`` per per-token tensor; works on gloo (CPU) and NCCL.
+    """
+    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    if local_thd.get("cp_size") != cp_size or local_thd.get("cp_rank") != cp_rank:
+        raise ValueError(
+            f"local_thd is shard cp_rank={local_thd.get('cp_rank')} of cp_size={local_thd.get('cp_size')}, "
+            f"but this process is rank {cp_rank} of a group of {cp_size}; shard with the group's size "
+            "and rank"
+        )
+    shards: list[dict[str, Any]] = [dict(local_thd, cp_rank=r) for r in range(cp_size)]
+    for key, value in local_thd.items():
+        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
+            continue
+        parts = [torch.empty_like(value) for _ in range(cp_size)]
+        dist.all_gather(parts, value.contiguous(), group=group)
+        for r in range(cp_size):
+            shards[r][key] = parts[r]
+    return unshard(shards, cp_size)
+
+
+def _num_tokens(thd: Mapping[str, Any], what: str) -> int:
+    """T, the first dim shared by every per-token tensor of ``thd``."""
+    if "cu_seqlens_padded" not in thd or "input_ids" not in thd:
+        raise ValueError(f"{what} lacks cu_seqlens_padded or input_ids; build it with thdpack.to_thd")
+    T = thd["input_ids"].shape[0]
+    for key, value in thd.items():
+        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
+            continue
+        if value.dim() == 0 or value.shape[0] != T:
+            raise ValueError(
+                f"{key} has shape {tuple(value.shape)}; every per-token tensor of {what} needs T={T} rows "
+                "(like input_ids)"
+            )
+    return T

@@ -1,0 +1,1 @@
+"""Drop-in replacements for other frameworks' packing functions (``thdpack.compat.nemo``)."""

@@ -1,0 +1,300 @@
+"""NeMo AutoModel drop-ins for BSHD -> THD conversion and Transformer Engine CP sharding:
+``process_input_for_thd``, ``split_batch_into_thd_chunks``, ``make_cp_batch_for_te`` (current
+generation: ``cu_seqlens`` from real lengths, trailing-pad absorption, ``padding_mask`` from
+the layout), with TE's partition computed by ``thdpack.cp.partition_indices``.
+
+Legend: ``B`` rows, ``S`` row length, ``T = B*S`` tokens, ``N`` sequences, ``C`` chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from thdpack import layout
+from thdpack.compat._nemo_packing import SEQ_LENS_SENTINEL
+from thdpack.cp import partition_indices
+
+TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")
+
+
+class CPMesh(Protocol):
+    """What ``make_cp_batch_for_te`` needs of a context-parallel ``DeviceMesh``."""
+
+    def size(self) -> int: ...
+
+    def get_group(self) -> Any: ...
+
+
+def _cu(lengths: np.ndarray) -> np.ndarray:
+    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+
+
+def _valid(lengths: torch.Tensor, sentinel: int) -> np.ndarray:
+    """Row-major flattened lengths without the sentinel filler."""
+    flat = lengths.detach().cpu().reshape(-1).numpy().astype(np.int64)
+    return flat[flat != sentinel]
+
+
+def _check_rows(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor | None, width: int, sentinel: int) -> None:
+    """Each row lists as many padded as real lengths, and covers its ``width`` tokens exactly
+    (only the very last row may end in unlisted padding, which the layout marks as padding)."""
+    if seq_lens.dim() != 2:
+        raise ValueError(f"seq_lens must be (B, N), got shape {tuple(seq_lens.shape)}")
+    slots = seq_lens if seq_lens_padded is None else seq_lens_padded
+    if slots.shape[0] != seq_lens.shape[0] or (slots != sentinel).sum(1).tolist() != (
+        (seq_lens != sentinel).sum(1).tolist()
+    ):
+        raise ValueError("seq_lens and seq_lens_padded must list the same number of sequences in every row")
+    totals = torch.where(slots == sentinel, 0, slots).sum(1).tolist()
+    for b, total in enumerate(totals):
+        if total > width or (total < width and b < len(totals) - 1):
+            raise ValueError(
+                f"row {b}'s sequences take {total} tokens but rows hold {width}; every row's "
+                "seq_lens_padded must sum to the row length (only the last row may end in unlisted padding)"
+            )
+
+
+def process_input_for_thd(
+    batch: Mapping[str, Any], seq_lens_padding_value: int = SEQ_LENS_SENTINEL, padding_token_id: int = 0
+) -> dict[str, Any]:
+    """NeMo's ``process_input_for_thd`` (current generation): a collated BSHD batch -> THD.
+
+    Args:
+        batch: ``input_ids`` (B, S) (or (B, S, H) embeddings), ``labels`` (B, S),
+            ``position_ids`` (B, S), (R, B, S) for mRoPE, or None, ``seq_lens`` and
+            ``seq_lens_padded`` (B, N) with ``seq_lens_padding_value`` as filler.
+        seq_lens_padding_value: the filler, -1000.
+        padding_token_id: accepted for signature compatibility and unused: ``padding_mask``
+            comes from the layout, never from token values (a pad id that is also content, such
+            as an EOS used as pad, would otherwise be masked).
+
+    Returns a dict, keys in NeMo's order: ``input_ids`` (T,) / (T, H), ``position_ids`` (T,) /
+    (R, 1, T), ``cu_seqlens`` (N+1,) int32 from real lengths, ``labels`` (T,),
+    ``padding_mask`` (T,) bool (True = padding), ``cu_seqlens_padded`` (N+1,) int32 only when it
+    differs from ``cu_seqlens``, ``max_seqlen`` 0-dim int32 = max slot of ``cu_seqlens``, then
+    every other key of ``batch`` except ``seq_lens`` / ``seq_lens_padded``. When the only
+    padding is at the very end, the last boundary absorbs it (``cu_seqlens[-1] = T``) and no
+    ``cu_seqlens_padded`` is emitted. Raises ``ValueError`` for a missing ``seq_lens`` (NeMo
+    falls back to token values) and for lengths that do not match the rows.
+
+    >>> batch = {"input_ids": torch.tensor([[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11]]),
+    ...          "labels": torch.tensor([[2, 3, 99, 4, 5, 6], [7, 8, 9, 10, 11, 12]]),
+    ...          "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1], [0, 1, 2, 3, 4, 5]]),
+    ...          "seq_lens": torch.tensor([[3, 2], [6, -1000]]),
+    ...          "seq_lens_padded": torch.tensor([[4, 2], [6, -1000]])}
+    >>> out = process_input_for_thd(batch)
+    >>> out["cu_seqlens"].tolist(), out["cu_seqlens_padded"].tolist(), int(out["max_seqlen"])
+    ([0, 3, 5, 11], [0, 4, 6, 12], 6)
+    >>> out["padding_mask"].nonzero().flatten().tolist()
+    [3]
+    """
+    input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
+    seq_lens, seq_lens_padded = batch.get("seq_lens"), batch.get("seq_lens_padded")
+    if seq_lens is None:
+        raise ValueError(
+            "batch['seq_lens'] is missing or None: thdpack derives cu_seqlens and padding_mask from the pack "
+            "layout, never from token values; collate with packed_sequence_thd_collater"
+        )
+    rows, width = input_ids.shape[0], input_ids.shape[1]
+    total = rows * width
+    _check_rows(seq_lens, seq_lens_padded, width, seq_lens_padding_value)
+    real = _valid(seq_lens, seq_lens_padding_value)
+    padded = None if seq_lens_padded is None else _valid(seq_lens_padded, seq_lens_padding_value)
+    cu = _cu(real)
+    cu_padded = None if padded is None else _cu(padded)
+    if cu_padded is not None and len(cu) > 1 and np.array_equal(cu[:-1], cu_padded[:-1]) and cu[-1] < total:
+        cu[-1] = total  # only the last sequence has padding: let it absorb the pad (TE's cheaper path)
+        cu_padded = cu.copy()
+    device = seq_lens.device
+    if position_ids is not None:
+        position_ids = (
+            position_ids.reshape(position_ids.shape[0], 1, -1) if position_ids.dim() == 3 else position_ids.reshape(-1)
+        )
+    out: dict[str, Any] = {
+        "input_ids": input_ids.reshape(total, -1).squeeze(-1),
+        "position_ids": position_ids,
+        "cu_seqlens": torch.from_numpy(cu).to(device),
+        "labels": labels.reshape(total, -1).squeeze(-1),
+        "padding_mask": torch.from_numpy(layout.padding_mask(real, padded, total)).to(input_ids.device),
+    }
+    if cu_padded is not None and not np.array_equal(cu_padded, cu):
+        out["cu_seqlens_padded"] = torch.from_numpy(cu_padded).to(device)
+    if len(cu) > 1:
+        out["max_seqlen"] = torch.tensor(int(np.diff(cu).max()), dtype=torch.int32, device=device)
+    for key, value in batch.items():
+        if key not in out and key not in ("seq_lens", "seq_lens_padded"):
+            out[key] = value
+    return out
+
+
+def _stack_padded(rows: list[torch.Tensor], value: int) -> torch.Tensor:
+    width = max(len(r) for r in rows)
+    out = torch.full((len(rows), width), value, dtype=rows[0].dtype, device=rows[0].device)
+    for c, row in enumerate(rows):
+        out[c, : len(row)] = row
+    return out
+
+
+def split_batch_into_thd_chunks(
+    batch: Mapping[str, Any],
+    num_chunks: int,
+    seq_lens_padding_value: int = SEQ_LENS_SENTINEL,
+    padding_token_id: int = 0,
+) -> dict[str, Any]:
+    """NeMo's ``split_batch_into_thd_chunks``: ``process_input_for_thd`` on C groups of rows.
+
+    ``num_chunks <= 1`` is ``process_input_for_thd(batch)``. Otherwise rows ``[c*B/C, (c+1)*B/C)``
+    form chunk ``c``; ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` are stacked to
+    (C, T/C), ``cu_seqlens`` to (C, K) int32 right-padded with the filler,
+    ``cu_seqlens_padded`` likewise when any chunk has one (others contribute ``cu_seqlens``),
+    ``max_seqlen`` to (C,) int32; non-tensor keys are kept. ``B % num_chunks != 0`` raises
+    ``ValueError`` (NeMo silently drops the remainder rows), as does mRoPE position_ids.
+
+    >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "labels": torch.arange(8).reshape(2, 4),
+    ...          "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]]),
+    ...          "seq_lens": torch.tensor([[3, -1000], [2, 2]]),
+    ...          "seq_lens_padded": torch.tensor([[4, -1000], [2, 2]])}
+    >>> out = split_batch_into_thd_chunks(batch, 2)
+    >>> out["cu_seqlens"].tolist(), out["max_seqlen"].tolist()
+    ([[0, 4, -1000], [0, 2, 4]], [4, 2])
+    """
+    if num_chunks <= 1:
+        return process_input_for_thd(batch, seq_lens_padding_value, padding_token_id)
+    rows = batch["input_ids"].shape[0]
+    if rows % num_chunks:
+        raise ValueError(
+            f"batch has {rows} rows, not divisible by num_chunks={num_chunks}; NeMo would silently drop "
+            f"{rows % num_chunks} rows: use a batch size that is a multiple of num_chunks"
+        )
+    position_ids = batch.get("position_ids")
+    if position_ids is not None and position_ids.dim() == 3:
+        raise ValueError("split_batch_into_thd_chunks does not support 3-D (mRoPE) position_ids; use num_chunks=1")
+    per = rows // num_chunks
+    chunks = []
+    for c in range(num_chunks):
+        rows_c = slice(c * per, (c + 1) * per)
+        part = {k: v[rows_c] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        try:
+            chunks.append(process_input_for_thd(part, seq_lens_padding_value, padding_token_id))
+        except ValueError as err:
+            raise ValueError(f"chunk {c} (rows {rows_c.start}-{rows_c.stop - 1}): {err}") from err
+    out: dict[str, Any] = {
+        "input_ids": torch.stack([c["input_ids"] for c in chunks]),
+        "labels": torch.stack([c["labels"] for c in chunks]),
+        "position_ids": None if position_ids is None else torch.stack([c["position_ids"] for c in chunks]),
+        "cu_seqlens": _stack_padded([c["cu_seqlens"] for c in chunks], seq_lens_padding_value),
+        "padding_mask": torch.stack([c["padding_mask"] for c in chunks]),
+    }
+    if any("cu_seqlens_padded" in c for c in chunks):
+        out["cu_seqlens_padded"] = _stack_padded(
+            [c.get("cu_seqlens_padded", c["cu_seqlens"]) for c in chunks], seq_lens_padding_value
+        )
+    if all("max_seqlen" in c for c in chunks):
+        out["max_seqlen"] = torch.stack([c["max_seqlen"] for c in chunks])
+    for key, value in chunks[0].items():
+        if key not in out and not isinstance(value, torch.Tensor):
+            out[key] = value
+    return out
+
+
+def _shard_for_te(
+    batch: Mapping[str, Any], cp_size: int, cp_rank: int, qkv_format: str, sentinel: int
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """One THD chunk -> this rank's tokens (TE's partition), padded cu_seqlens as ``cu_seqlens``."""
+    cu_padded = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
+    kept = cu_padded[cu_padded != sentinel]
+    total = batch["input_ids"].shape[0]
+    if "padding_mask" not in batch:  # a THD batch made elsewhere: derive the mask from its layout
+        real = torch.diff(batch["cu_seqlens"][batch["cu_seqlens"] != sentinel]).cpu().numpy()
+        batch = {
+            **batch,
+            "padding_mask": torch.from_numpy(layout.padding_mask(real, torch.diff(kept).cpu().numpy(), total)),
+        }
+    index = partition_indices(kept, total, cp_size, cp_rank).to(torch.int64)
+    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "cu_seqlens_padded")}
+    for key in TOKEN_KEYS:
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            dim = value.dim() - 1 if key == "position_ids" and value.dim() == 3 else 0
+            out[key] = value.index_select(dim, index.to(value.device)).contiguous()
+    for key in ("input_ids", "labels", "position_ids"):
+        value = out.get(key)
+        if isinstance(value, torch.Tensor) and not value.is_floating_point():  # embeddings keep their dtype
+            out[key] = value.to(torch.int64)
+    out["padding_mask"] = out["padding_mask"].bool()
+    out.update(
+        cu_seqlens=cu_padded.to(torch.int32).contiguous(),
+        max_seqlen=torch.diff(kept).max().to(torch.int32),
+        qkv_format=qkv_format,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+    )
+    return out, index
+
+
+def make_cp_batch_for_te(
+    cp_mesh: CPMesh | None,
+    batch: Mapping[str, Any],
+    qkv_format: str = "thd",
+    padding_token_id: int = 0,
+    num_chunks: int = 1,
+    seq_lens_padding_value: int = SEQ_LENS_SENTINEL,
+    return_local_indices: bool = False,
+) -> dict[str, Any] | tuple[dict[str, Any], torch.Tensor | None]:
+    """NeMo's ``make_cp_batch_for_te``: BSHD batch -> THD -> this CP rank's shard for TE.
+
+    ``cp_mesh`` is a ``DeviceMesh`` (or anything with ``size()`` and ``get_group()``); the rank
+    is ``torch.distributed.get_rank(group=cp_mesh.get_group())``. With ``cp_mesh`` None or of
+    size 1 the THD batch (``split_batch_into_thd_chunks``) is returned unsharded. Otherwise
+    every token tensor is re-indexed with ``partition_indices`` (Transformer Engine's
+    ``thd_get_partitioned_indices``: rank r keeps chunks r and 2*cp-1-r of every sequence), and
+    as NeMo does, ``cu_seqlens`` becomes the *padded* boundaries (global, int32), ``max_seqlen``
+    the largest padded sequence (global), ``cu_seqlens_padded`` is dropped, and ``qkv_format``,
+    ``cp_size``, ``cp_rank`` are added; ``input_ids`` (if integer), ``labels`` and
+    ``position_ids`` are int64. ``num_chunks > 1`` shards each chunk and stacks (``cu_seqlens``
+    keeps the -1000 filler). Padded lengths not divisible by ``2*cp_size`` raise ``ValueError``
+    (TE silently duplicates and drops tokens). ``return_local_indices`` also returns this rank's
+    global token indices (an ``arange`` without CP; None with chunks).
+    """
+    if qkv_format != "thd":
+        raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format}")
+    already_thd = "cu_seqlens" in batch and "seq_lens" not in batch
+    if already_thd and num_chunks > 1:
+        raise ValueError("num_chunks > 1 needs the collated BSHD batch (with seq_lens), not a THD batch")
+    thd = dict(batch) if already_thd else split_batch_into_thd_chunks(batch, num_chunks, seq_lens_padding_value)
+    cp_size = 1 if cp_mesh is None else int(cp_mesh.size())
+    if cp_size <= 1:
+        if not return_local_indices:
+            return thd
+        tokens = thd["input_ids"]
+        local = torch.arange(tokens.shape[0], device=tokens.device) if num_chunks <= 1 else None
+        return thd, local
+    cp_rank = dist.get_rank(group=cp_mesh.get_group())
+    if num_chunks <= 1:
+        out, index = _shard_for_te(thd, cp_size, cp_rank, qkv_format, seq_lens_padding_value)
+        return (out, index) if return_local_indices else out
+    shards = []
+    for c in range(num_chunks):
+        chunk = {
+            k: v[c] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == num_chunks else v
+            for k, v in thd.items()
+        }
+        shards.append(_shard_for_te(chunk, cp_size, cp_rank, qkv_format, seq_lens_padding_value)[0])
+    out = {
+        key: None if shards[0].get(key) is None else torch.stack([s[key] for s in shards])
+        for key in ("input_ids", "labels", "position_ids")
+    }
+    out.update(
+        cu_seqlens=torch.stack([s["cu_seqlens"] for s in shards]),
+        max_seqlen=torch.stack([s["max_seqlen"] for s in shards]),
+        padding_mask=torch.stack([s["padding_mask"] for s in shards]),
+        qkv_format=qkv_format,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+    )
+    return (out, None) if return_local_indices else out

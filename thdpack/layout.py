@@ -1,0 +1,189 @@
+"""The pack layout in one place: CP padding, seq_lens_padded, position ids, labels, padding.
+
+A pack of ``pack_size`` tokens holds sequences back to back. Under context parallelism
+(``cp_size > 1``) every sequence occupies its length rounded up to a multiple of
+``2*cp_size`` (Transformer Engine cuts each sequence into ``2*cp_size`` equal chunks); the
+rounding tokens ("CP padding") sit right after the sequence. Whatever is left at the end of
+the pack ("tail padding") is added to the last sequence's padded length, so
+``sum(seq_lens_padded) == pack_size``, as NeMo AutoModel's packs have it.
+
+    seq_lens [3, 5], pack_size 16, cp_size 2 (multiple 4):
+    tokens          a a a . b b b b b . . . . . . .
+    seq_lens_padded [4, 12]     (3 -> 4; 5 -> 8, + 4 tail)
+    position_ids    0 1 2 3 0 1 2 3 4 5 6 7 8 9 10 11
+
+Position ids restart at 0 for every sequence and run on through its CP padding and, for the
+last sequence, through the tail padding (NeMo does the same and clamps at ``pack_size - 1``;
+the clamp never fires here because the last entry is at most ``pack_size`` long). Padding
+carries the pad id and label ``IGNORE_INDEX``; positions of padding are never attended to by a
+real token under causal masking because padding comes after its sequence's real tokens.
+
+Everything is numpy on the host (packs are built in data-loader workers).
+Legend: ``T`` tokens of a pack or stream, ``N`` sequences.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+IGNORE_INDEX = -100
+"""Label of tokens that predict nothing (padding, masked prompt tokens, sequence ends)."""
+
+
+def cp_multiple(cp_size: int) -> int:
+    """Every sequence's padded length is a multiple of this: ``2*cp_size`` under CP, else 1.
+
+    >>> cp_multiple(1), cp_multiple(2), cp_multiple(4)
+    (1, 4, 8)
+    """
+    if cp_size < 1:
+        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def check_pack_size(pack_size: int, cp_size: int) -> None:
+    """Raise ``ValueError`` unless ``pack_size >= 1`` is a multiple of ``cp_multiple(cp_size)``."""
+    if pack_size < 1:
+        raise ValueError(f"pack_size must be >= 1, got {pack_size}")
+    multiple = cp_multiple(cp_size)
+    if pack_size % multiple:
+        lower = pack_size // multiple * multiple
+        raise ValueError(
+            f"pack_size={pack_size} is not a multiple of 2*cp_size={multiple}; context parallelism "
+            f"splits every sequence into {multiple} equal chunks: use pack_size={lower + multiple}"
+            + (f" or {lower}" if lower else "")
+        )
+
+
+def round_up_to_cp(lengths: np.ndarray | int, cp_size: int) -> np.ndarray:
+    """Lengths rounded up to a multiple of ``cp_multiple(cp_size)``, as int64.
+
+    >>> round_up_to_cp(np.array([1, 4, 5, 8]), 2).tolist()
+    [4, 4, 8, 8]
+    >>> round_up_to_cp(np.array([1, 4, 5]), 1).tolist()
+    [1, 4, 5]
+    """
+    multiple = cp_multiple(cp_size)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return -(-lengths // multiple) * multiple
+
+
+def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> np.ndarray:
+    """Padded lengths of one pack: CP-rounded, with the tail padding added to the last entry.
+
+    Args:
+        seq_lens: (N,) int, N >= 1, every entry >= 1: real lengths in placement order.
+        pack_size: tokens of the pack, a multiple of ``cp_multiple(cp_size)``.
+        cp_size: context-parallel size.
+
+    Returns:
+        (N,) int64 with ``sum == pack_size``; every entry a multiple of ``2*cp_size`` when
+        ``cp_size > 1`` (because ``pack_size`` is).
+
+    >>> pack_seq_lens_padded(np.array([3, 4, 2]), 10, 1).tolist()
+    [3, 4, 3]
+    >>> pack_seq_lens_padded(np.array([3, 5]), 16, 2).tolist()
+    [4, 12]
+    """
+    check_pack_size(pack_size, cp_size)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    if seq_lens.ndim != 1 or len(seq_lens) == 0:
+        raise ValueError(f"a pack needs at least one sequence, got seq_lens of shape {seq_lens.shape}")
+    if (seq_lens < 1).any():
+        i = int(np.argmax(seq_lens < 1))
+        raise ValueError(f"sequence {i} of the pack has length {int(seq_lens[i])}; lengths must be >= 1")
+    padded = round_up_to_cp(seq_lens, cp_size)
+    used = int(padded.sum())
+    if used > pack_size:
+        raise ValueError(
+            f"the pack's sequences take {used} slots (real lengths {seq_lens.tolist()}, rounded to "
+            f"multiples of {cp_multiple(cp_size)}), over pack_size={pack_size}"
+        )
+    padded[-1] += pack_size - used
+    return padded
+
+
+def position_ids(seq_lens_padded: np.ndarray) -> np.ndarray:
+    """Positions that restart at 0 at every sequence and run on through its padding.
+
+    Args:
+        seq_lens_padded: (N,) int >= 0.
+
+    Returns:
+        (T,) int64 with ``T = sum(seq_lens_padded)``.
+
+    >>> position_ids(np.array([4, 12])).tolist()
+    [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+    """
+    seq_lens_padded = np.asarray(seq_lens_padded, dtype=np.int64)
+    starts = np.cumsum(seq_lens_padded) - seq_lens_padded
+    total = int(seq_lens_padded.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(starts, seq_lens_padded)
+
+
+def next_token_labels(input_ids: np.ndarray, seq_lens: np.ndarray | None = None) -> np.ndarray:
+    """Next-token labels inside each sequence: ``labels[t] = input_ids[t+1]``, and the last token
+    of every sequence gets ``IGNORE_INDEX`` (it never predicts the next sequence's first token).
+
+    Args:
+        input_ids: (T,) int, sequences back to back.
+        seq_lens: (N,) int summing to T; None means one sequence.
+
+    Returns:
+        (T,) int64, a new array.
+
+    >>> next_token_labels(np.array([5, 6, 7, 8, 9]), np.array([3, 2])).tolist()
+    [6, 7, -100, 9, -100]
+    """
+    input_ids = np.asarray(input_ids, dtype=np.int64)
+    labels = np.empty_like(input_ids)
+    labels[:-1] = input_ids[1:]
+    ends = np.array([len(input_ids)]) if seq_lens is None else np.cumsum(seq_lens)
+    if len(ends) and ends[-1] != len(input_ids):
+        raise ValueError(f"seq_lens sum to {int(ends[-1])} but input_ids has {len(input_ids)} tokens")
+    labels[ends[ends > 0] - 1] = IGNORE_INDEX
+    return labels
+
+
+def apply_loss_mask(labels: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """A copy of ``labels`` with ``IGNORE_INDEX`` wherever ``loss_mask`` is 0 (e.g. prompt tokens).
+
+    >>> apply_loss_mask(np.array([7, 8, 9]), np.array([0, 1, 1])).tolist()
+    [-100, 8, 9]
+    """
+    return np.where(np.asarray(loss_mask) == 0, IGNORE_INDEX, np.asarray(labels, dtype=np.int64))
+
+
+def padding_mask(seq_lens: np.ndarray, seq_lens_padded: np.ndarray | None, total: int) -> np.ndarray:
+    """True where a token is padding, from the layout alone (never from token values).
+
+    Args:
+        seq_lens: (N,) real lengths.
+        seq_lens_padded: (N,) slot widths (>= seq_lens), or None when slots are the real lengths.
+        total: T, the stream length; tokens past ``sum(seq_lens_padded)`` are trailing padding.
+
+    Returns:
+        (T,) bool.
+
+    >>> padding_mask(np.array([3, 3]), np.array([4, 4]), 8).astype(int).tolist()
+    [0, 0, 0, 1, 0, 0, 0, 1]
+    >>> padding_mask(np.array([3]), None, 6).astype(int).tolist()
+    [0, 0, 0, 1, 1, 1]
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    slots = seq_lens if seq_lens_padded is None else np.asarray(seq_lens_padded, dtype=np.int64)
+    if slots.shape != seq_lens.shape:
+        raise ValueError(f"seq_lens has {len(seq_lens)} entries but seq_lens_padded has {len(slots)}")
+    short = slots < seq_lens
+    if short.any():
+        i = int(np.argmax(short))
+        raise ValueError(f"sequence {i} has seq_lens={int(seq_lens[i])} over its seq_lens_padded={int(slots[i])}")
+    used = int(slots.sum())
+    if used > total:
+        raise ValueError(f"seq_lens_padded sum to {used}, over the {total} tokens of the stream")
+    mask = np.ones(total, dtype=bool)
+    starts = np.cumsum(slots) - slots
+    real = np.arange(int(seq_lens.sum()), dtype=np.int64)
+    real += np.repeat(starts - (np.cumsum(seq_lens) - seq_lens), seq_lens)
+    mask[real] = False
+    return mask

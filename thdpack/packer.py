@@ -1,0 +1,210 @@
+"""Packs from tokenized samples: NeMo AutoModel's pack format, built one pack at a time.
+
+A sample is a mapping with ``input_ids`` (1-D integers) and optionally ``labels`` (already
+shifted, as NeMo expects: ``labels[t]`` is the target of ``input_ids[t]``) and ``loss_mask``
+(0 -> label ``-100``, e.g. SFT prompt tokens). Without ``labels``, next-token labels are
+derived inside the sequence and its last token predicts nothing. Samples are never modified.
+
+A pack is a dict of int64 tensors (``Pack``): ``input_ids``, ``labels``, ``position_ids`` of
+length ``pack_size``, ``seq_lens`` (real lengths) and ``seq_lens_padded`` (see ``layout``).
+
+Plan entries can be parts of a sequence (``overflow="truncate"`` / ``"split"``): the pack then
+takes ``input_ids[start:start+length]`` and the matching labels. A split piece's last label
+still predicts the next token of the same document (it is in the sample's labels), so no
+target is lost; each piece is its own sequence for attention, so its positions restart at 0.
+
+Legend: ``T`` tokens of a pack (``pack_size``), ``N`` sequences in the pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+import numpy as np
+import torch
+
+from thdpack import layout
+
+
+class Pack(TypedDict):
+    """One pack in NeMo AutoModel's format; every tensor int64."""
+
+    input_ids: torch.Tensor
+    """(T,) token ids; padding carries the pad id."""
+    labels: torch.Tensor
+    """(T,) targets; -100 on padding and wherever nothing is predicted."""
+    position_ids: torch.Tensor
+    """(T,) restart at 0 per sequence, run on through its padding."""
+    seq_lens: torch.Tensor
+    """(N,) real lengths, in placement order."""
+    seq_lens_padded: torch.Tensor
+    """(N,) CP-rounded lengths, tail padding added to the last; sums to T."""
+
+
+@dataclass(frozen=True)
+class SampleTokens:
+    """A validated sample: int64 ids and the labels the loss will see.
+
+    The arrays may share memory with the caller's sample; nothing in thdpack writes to them.
+    """
+
+    input_ids: np.ndarray
+    """(L,) int64, L >= 1."""
+    labels: np.ndarray
+    """(L,) int64; -100 where nothing is predicted."""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    def piece(self, start: int, length: int) -> SampleTokens:
+        """Tokens ``[start, start + length)`` with their labels."""
+        return SampleTokens(self.input_ids[start : start + length], self.labels[start : start + length])
+
+
+def _int_array(value: Any, index: int, key: str) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().numpy()
+    array = np.asarray(value)
+    if array.ndim != 1:
+        raise ValueError(f"sample {index}: {key} must be 1-D, got shape {array.shape}")
+    if array.size == 0:  # an empty list reads as float64; its length is what gets reported
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        shown = array[:5].tolist()
+        raise TypeError(f"sample {index}: {key} must hold integers, got dtype {array.dtype} (first values {shown})")
+    return array.astype(np.int64, copy=False)
+
+
+def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
+    """Validate ``sample`` and return its ids and labels (new arrays; ``sample`` is untouched).
+
+    Raises ``TypeError`` / ``ValueError`` naming ``index`` and the offending values: missing or
+    empty ``input_ids``, non-integer ids or labels, ``labels`` / ``loss_mask`` of another length.
+
+    >>> s = read_sample({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, 0)
+    >>> s.labels.tolist()         # derived next-token labels, prompt token masked
+    [-100, 7, -100]
+    """
+    if not isinstance(sample, Mapping):
+        raise TypeError(f"sample {index} must be a mapping with 'input_ids', got {type(sample).__name__}")
+    if "input_ids" not in sample:
+        raise ValueError(f"sample {index} has no 'input_ids' (keys: {sorted(sample)})")
+    input_ids = _int_array(sample["input_ids"], index, "input_ids")
+    if len(input_ids) == 0:
+        raise ValueError(f"sample {index} has empty input_ids; filter empty samples out before packing")
+    labels = sample.get("labels")
+    if labels is None:
+        labels = layout.next_token_labels(input_ids)
+    else:
+        labels = _int_array(labels, index, "labels")
+        if len(labels) != len(input_ids):
+            raise ValueError(
+                f"sample {index}: labels has {len(labels)} tokens but input_ids has {len(input_ids)}; "
+                "labels[t] must be the (already shifted) target of input_ids[t]"
+            )
+    loss_mask = sample.get("loss_mask")
+    if loss_mask is not None:
+        if isinstance(loss_mask, torch.Tensor):
+            loss_mask = loss_mask.detach().cpu().numpy()
+        loss_mask = np.asarray(loss_mask)
+        if loss_mask.dtype.kind not in "iub":
+            raise TypeError(f"sample {index}: loss_mask must hold 0/1 or booleans, got dtype {loss_mask.dtype}")
+        if loss_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"sample {index}: loss_mask has {loss_mask.size} entries but input_ids has "
+                f"{len(input_ids)}; give one 0/1 per token"
+            )
+        labels = layout.apply_loss_mask(labels, loss_mask)
+    return SampleTokens(input_ids, labels)
+
+
+def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: int = 1, pad_id: int = 0) -> Pack:
+    """Lay ``pieces`` out back to back in a pack of ``pack_size`` tokens.
+
+    Each piece starts at a multiple of ``2*cp_size`` (CP padding after each piece; tail padding
+    at the end). Padding gets ``pad_id`` and label -100. Raises ``ValueError`` when the pieces
+    do not fit.
+
+    >>> a = SampleTokens(np.array([1, 2, 3]), np.array([2, 3, -100]))
+    >>> b = SampleTokens(np.array([4, 5]), np.array([5, -100]))
+    >>> pack = assemble_pack([a, b], 8, cp_size=2, pad_id=0)
+    >>> pack["input_ids"].tolist(), pack["labels"].tolist()
+    ([1, 2, 3, 0, 4, 5, 0, 0], [2, 3, -100, -100, 5, -100, -100, -100])
+    >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
+    ([0, 1, 2, 3, 0, 1, 2, 3], [3, 2], [4, 4])
+    """
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
+    seq_lens = np.array([len(p) for p in pieces], dtype=np.int64)
+    seq_lens_padded = layout.pack_seq_lens_padded(seq_lens, pack_size, cp_size)
+    # destination of every real token: its piece's slot start plus its offset in the piece
+    slot_starts = np.cumsum(seq_lens_padded) - seq_lens_padded
+    real_starts = np.cumsum(seq_lens) - seq_lens
+    dest_T = np.arange(int(seq_lens.sum()), dtype=np.int64) + np.repeat(slot_starts - real_starts, seq_lens)
+    input_ids_T = np.full(pack_size, pad_id, dtype=np.int64)
+    labels_T = np.full(pack_size, layout.IGNORE_INDEX, dtype=np.int64)
+    input_ids_T[dest_T] = np.concatenate([p.input_ids for p in pieces])
+    labels_T[dest_T] = np.concatenate([p.labels for p in pieces])
+    return Pack(
+        input_ids=torch.from_numpy(input_ids_T),
+        labels=torch.from_numpy(labels_T),
+        position_ids=torch.from_numpy(layout.position_ids(seq_lens_padded)),
+        seq_lens=torch.from_numpy(seq_lens),
+        seq_lens_padded=torch.from_numpy(seq_lens_padded),
+    )
+
+
+def build_pack(
+    samples: Sequence[Mapping[str, Any]],
+    segments: tuple[Sequence[int], Sequence[int], Sequence[int]],
+    pack_size: int,
+    *,
+    cp_size: int = 1,
+    pad_id: int = 0,
+    sample_lengths: np.ndarray | None = None,
+) -> Pack:
+    """Build one pack from ``samples`` and a plan's ``segments`` ``(indices, starts, lengths)``.
+
+    Entry ``j`` takes tokens ``[starts[j], starts[j] + lengths[j])`` of ``samples[indices[j]]``
+    (``PackPlan.segments(i)`` gives exactly this). Raises ``ValueError`` naming the sample when
+    an entry reaches past the sample's end, or when ``sample_lengths`` (the lengths the plan was
+    made from, e.g. ``PackPlan.sequence_lengths``) disagree with the sample.
+
+    >>> samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8], "labels": [5, 6, 7, 8, 9]}]
+    >>> pack = build_pack(samples, ([1, 0], [0, 0], [5, 3]), 12, cp_size=2)
+    >>> pack["input_ids"].tolist()
+    [4, 5, 6, 7, 8, 0, 0, 0, 1, 2, 3, 0]
+    >>> pack["labels"].tolist()
+    [5, 6, 7, 8, 9, -100, -100, -100, 2, 3, -100, -100]
+    >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
+    ([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [5, 3], [8, 4])
+
+    A piece of a split sequence keeps the label of the token after it:
+
+    >>> pack = build_pack([{"input_ids": [1, 2, 3, 4, 5, 6]}], ([0], [0], [4]), 4)
+    >>> pack["input_ids"].tolist(), pack["labels"].tolist()
+    ([1, 2, 3, 4], [2, 3, 4, 5])
+    """
+    indices, starts, lengths = (np.asarray(a, dtype=np.int64) for a in segments)
+    if not len(indices) == len(starts) == len(lengths):
+        raise ValueError(
+            f"segments must have equal lengths, got {len(indices)} indices, {len(starts)} starts, "
+            f"{len(lengths)} lengths"
+        )
+    pieces = []
+    for index, start, length in zip(indices.tolist(), starts.tolist(), lengths.tolist(), strict=True):
+        tokens = read_sample(samples[index], index)
+        if sample_lengths is not None and len(tokens) != sample_lengths[index]:
+            raise ValueError(
+                f"sample {index} has {len(tokens)} tokens but the plan was made for length "
+                f"{int(sample_lengths[index])}; pass lengths that match the samples"
+            )
+        if start < 0 or length < 1 or start + length > len(tokens):
+            raise ValueError(
+                f"sample {index} has {len(tokens)} tokens but the plan takes tokens [{start}, "
+                f"{start + length}); the plan was made for other lengths (pass the samples' lengths)"
+            )
+        pieces.append(tokens if start == 0 and length == len(tokens) else tokens.piece(start, length))
+    return assemble_pack(pieces, pack_size, cp_size=cp_size, pad_id=pad_id)

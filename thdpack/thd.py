@@ -1,0 +1,319 @@
+"""THD batches: collate packs into a BSHD batch, flatten it to Transformer Engine's THD layout.
+
+Data flow: ``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> attention``.
+``thd_collate`` runs the first two steps in a DataLoader worker, so every piece of metadata
+(including the Python-int ``max_seqlen``) is computed on the host, once, and the forward pass
+never calls ``.item()``.
+
+Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences in one row,
+``T = B*L`` packed tokens, ``N`` sequences in the whole batch.
+
+The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd_format``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from thdpack.thd_format import (
+    INT_TOKEN_KEYS,
+    LENGTH_KEYS,
+    PACK_KEYS,
+    SEQ_LENS_SENTINEL,
+    THD_METADATA_KEYS,
+    THDBatch,
+    check_bshd,
+    flat_sequence_lengths,
+    validate_thd,
+)
+
+__all__ = [
+    "PACK_KEYS",
+    "SEQ_LENS_SENTINEL",
+    "THD_METADATA_KEYS",
+    "THDBatch",
+    "collate",
+    "sequence_lengths",
+    "split_micro_batches",
+    "thd_collate",
+    "thd_to_device",
+    "to_thd",
+    "validate_thd",
+]
+
+
+def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack packs into a BSHD batch (NeMo's ``packed_sequence_thd_collater`` format).
+
+    Args:
+        packs: ``B >= 1`` packs of one length ``L``, each with ``input_ids``, ``labels``,
+            ``position_ids`` ((L,) integers: tensors, numpy arrays or lists), ``seq_lens`` (real
+            lengths) and ``seq_lens_padded`` (slot widths, ``sum == L``, each ``>=`` its real
+            length). Any other key must be per-token (first dim ``L``) and is stacked too.
+
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids``: (B, L) int64; ``seq_lens``,
+        ``seq_lens_padded``: (B, S) int64, each row right-padded with ``SEQ_LENS_SENTINEL``
+        (-1000); extra keys: (B, L, ...) in their own dtype.
+
+    Raises ``ValueError`` naming the pack index and the offending value for an empty batch,
+    missing keys, packs of different lengths or inconsistent lengths.
+
+    >>> a = {"input_ids": [1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0, 0, 0, 0, 0],
+    ...      "labels": [1, 2, 3, -100, 4, 5, 6, 7, 8] + [-100] * 7,
+    ...      "position_ids": [0, 1, 2, 3] + list(range(12)),
+    ...      "seq_lens": [3, 5], "seq_lens_padded": [4, 12]}
+    >>> b = {"input_ids": [1, 2, 3, 0, 4, 5, 0, 0, 6] + [0] * 7,
+    ...      "labels": [1, 2, 3, -100, 4, 5, -100, -100, 6] + [-100] * 7,
+    ...      "position_ids": [0, 1, 2, 3, 0, 1, 2, 3] + list(range(8)),
+    ...      "seq_lens": [3, 2, 1], "seq_lens_padded": [4, 4, 8]}
+    >>> batch = collate([a, b])
+    >>> batch["input_ids"].shape
+    torch.Size([2, 16])
+    >>> batch["seq_lens"].tolist(), batch["seq_lens_padded"].tolist()
+    ([[3, 5, -1000], [3, 2, 1]], [[4, 12, -1000], [4, 4, 8]])
+    """
+    batch = _stack_packs(packs)
+    flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    return batch
+
+
+def to_thd(batch: Mapping[str, Any]) -> THDBatch:
+    """Flatten a collated BSHD batch into a THD batch (the table in ``thdpack.thd_format``).
+
+    Args:
+        batch: ``collate``'s output: (B, L) ``input_ids``, ``labels``, ``position_ids``;
+            (B, S) ``seq_lens`` and ``seq_lens_padded`` padded with -1000; other (B, L, ...)
+            tensors are flattened to (T, ...); non-tensor values (``qkv_format``) pass through.
+            A ``padding_mask`` already in ``batch`` (NeMo's token-value one) is replaced by the
+            layout's.
+
+    Returns:
+        The THD batch. ``cu_seqlens`` counts REAL tokens (TE's convention, so the kernel skips
+        padding); ``cu_seqlens_padded`` follows the storage. ``max_seqlen`` is the widest
+        PADDED slot, not the longest real sequence: a kernel given a ``max_seqlen`` below a slot
+        width may write out of bounds (cuDNN did, NeMo Automodel PR #2316), while a larger value
+        only costs a little launch-grid slack. Tensors are views of ``batch`` where possible.
+
+    ``padding_mask`` comes from the layout, never from token values, so a pad id that also
+    occurs as content (GLM's eos) stays a real token:
+
+    >>> batch = {"input_ids": torch.tensor([[7, 8, 0, 0, 9, 0, 0, 0]]),
+    ...          "labels": torch.tensor([[8, 0, -100, -100, 0, -100, -100, -100]]),
+    ...          "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
+    ...          "seq_lens": torch.tensor([[3, 2]]), "seq_lens_padded": torch.tensor([[4, 4]])}
+    >>> thd = to_thd(batch)
+    >>> thd["cu_seqlens"].tolist(), thd["cu_seqlens_padded"].tolist(), thd["max_seqlen"]
+    ([0, 3, 5], [0, 4, 8], 4)
+    >>> thd["padding_mask"].int().tolist()
+    [0, 0, 0, 1, 0, 0, 1, 1]
+    """
+    check_bshd(batch)
+    real_N, padded_N = flat_sequence_lengths(
+        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
+    )
+    return _flatten(batch, real_N, padded_N)
+
+
+def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
+    """``to_thd(collate(packs))`` with one validation pass: a DataLoader ``collate_fn``.
+
+    Use it as ``DataLoader(dataset, batch_size=B, collate_fn=thd_collate, pin_memory=True)``;
+    the worker then computes ``cu_seqlens`` and ``max_seqlen`` on the host, and
+    ``thd_to_device`` moves the batch without a host sync.
+    """
+    batch = _stack_packs(packs)
+    real_N, padded_N = flat_sequence_lengths(
+        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
+    )
+    return _flatten(batch, real_N, padded_N)
+
+
+def thd_to_device(
+    thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True
+) -> THDBatch:
+    """Move every tensor of a THD batch to ``device``; ``max_seqlen`` and other ints stay Python ints.
+
+    ``non_blocking`` copies overlap with compute when the batch is in pinned memory
+    (``DataLoader(pin_memory=True)``).
+    """
+    return {
+        key: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+        for key, value in thd.items()
+    }
+
+
+def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[str, Any]]:
+    """Cut a BSHD batch into ``num_chunks`` micro-batches of ``B // num_chunks`` consecutive rows.
+
+    Each micro-batch equals ``collate`` of its packs: ``seq_lens`` / ``seq_lens_padded`` keep
+    only as many columns as the micro-batch's fullest row. Unlike NeMo's
+    ``split_batch_into_thd_chunks``, which floors ``B // num_chunks`` and silently drops the
+    remainder rows, a ``B`` that ``num_chunks`` does not divide raises ``ValueError``.
+
+    >>> batch = {"input_ids": torch.arange(12).view(3, 4), "labels": torch.arange(12).view(3, 4),
+    ...          "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1], [0, 0, 1, 2]]),
+    ...          "seq_lens": torch.tensor([[4, -1000, -1000], [2, 2, -1000], [1, 1, 2]]),
+    ...          "seq_lens_padded": torch.tensor([[4, -1000, -1000], [2, 2, -1000], [1, 1, 2]])}
+    >>> [m["seq_lens"].tolist() for m in split_micro_batches(batch, 3)]
+    [[[4]], [[2, 2]], [[1, 1, 2]]]
+    >>> split_micro_batches(batch, 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: batch has B=3 rows, not divisible by num_chunks=2 ...
+    """
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+        raise ValueError(f"num_chunks must be an int >= 1, got {num_chunks!r}")
+    check_bshd(batch)
+    B = batch["input_ids"].shape[0]
+    if B % num_chunks != 0:
+        raise ValueError(
+            f"batch has B={B} rows, not divisible by num_chunks={num_chunks} (NeMo would silently drop "
+            f"{B % num_chunks} rows); use a batch size that is a multiple of num_chunks"
+        )
+    rows = B // num_chunks
+    chunks = []
+    for c in range(num_chunks):
+        chunk = {
+            key: value[c * rows : (c + 1) * rows] if isinstance(value, torch.Tensor) else value
+            for key, value in batch.items()
+        }
+        width = int((chunk["seq_lens_padded"] != SEQ_LENS_SENTINEL).sum(1).max())
+        for key in LENGTH_KEYS:
+            chunk[key] = chunk[key][:, :width]
+        chunks.append(chunk)
+    return chunks
+
+
+def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validated real and padded lengths of a collated BSHD batch, sentinels dropped.
+
+    Returns ``(seq_lens_N, seq_lens_padded_N)``: (N,) int64 each, row-major over the batch
+    (row 0's sequences first). Raises ``ValueError`` as ``collate`` does.
+
+    >>> sequence_lengths({"input_ids": torch.zeros(2, 4, dtype=torch.long),
+    ...                   "labels": torch.zeros(2, 4, dtype=torch.long),
+    ...                   "position_ids": torch.zeros(2, 4, dtype=torch.long),
+    ...                   "seq_lens": torch.tensor([[1, 2], [3, -1000]]),
+    ...                   "seq_lens_padded": torch.tensor([[2, 2], [4, -1000]])})
+    (tensor([1, 2, 3]), tensor([2, 2, 4]))
+    """
+    check_bshd(batch)
+    real_N, padded_N = flat_sequence_lengths(
+        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
+    )
+    return torch.from_numpy(real_N), torch.from_numpy(padded_N)
+
+
+def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+    """Stack the packs' per-token keys and pad their length lists; checks keys, lengths and dtypes."""
+    if isinstance(packs, Mapping) or not isinstance(packs, Sequence):
+        raise TypeError(f"collate takes a sequence of packs (dicts), got {type(packs).__name__}")
+    if len(packs) == 0:
+        raise ValueError("collate got an empty batch; pass at least one pack")
+    keys = list(packs[0].keys())
+    for i, pack in enumerate(packs):
+        missing = [k for k in PACK_KEYS if k not in pack]
+        if missing:
+            raise ValueError(f"pack {i} lacks {missing}; a pack needs {list(PACK_KEYS)}")
+        if pack.keys() != packs[0].keys():
+            raise ValueError(
+                f"pack {i} has keys {sorted(pack.keys())} but pack 0 has {sorted(keys)}; "
+                "every pack in a batch needs the same keys"
+            )
+    L = len(packs[0]["input_ids"])
+    if L == 0:
+        raise ValueError("pack 0 has 0 tokens; packs need pack_size >= 1")
+    batch: dict[str, torch.Tensor] = {}
+    for key in keys:
+        if key in LENGTH_KEYS:
+            continue
+        rows = [_as_tensor(pack[key], i, key) for i, pack in enumerate(packs)]
+        for i, row in enumerate(rows):
+            if row.dim() == 0 or row.shape[0] != L:
+                shape = tuple(row.shape)
+                raise ValueError(
+                    f"pack {i} has {key} of shape {shape} but pack 0 has {L} tokens; every pack in a batch "
+                    "needs the same pack_size, and collate stacks only per-token keys (first dim = pack_size)"
+                )
+        stacked = torch.stack(rows)
+        if key in INT_TOKEN_KEYS:
+            if stacked.dtype.is_floating_point or stacked.dtype.is_complex or stacked.dtype == torch.bool:
+                raise TypeError(f"{key} must hold integers, got {stacked.dtype}")
+            stacked = stacked.to(torch.int64)
+        batch[key] = stacked
+    lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in LENGTH_KEYS}
+    for i, (real, padded) in enumerate(zip(lengths["seq_lens"], lengths["seq_lens_padded"], strict=True)):
+        if real.ndim != 1 or padded.shape != real.shape:
+            raise ValueError(
+                f"pack {i} has seq_lens {real.tolist()} and seq_lens_padded {padded.tolist()}; both must be "
+                "1-D with one entry per sequence"
+            )
+    S = max(len(real) for real in lengths["seq_lens"])
+    for key in LENGTH_KEYS:
+        matrix_BS = np.full((len(packs), S), SEQ_LENS_SENTINEL, dtype=np.int64)
+        for i, row in enumerate(lengths[key]):
+            matrix_BS[i, : len(row)] = row
+        batch[key] = torch.from_numpy(matrix_BS)
+    return batch
+
+
+def _as_lengths(value: Any, pack_index: int, key: str) -> np.ndarray:
+    """A pack's seq_lens / seq_lens_padded as an int64 numpy array (metadata is tiny: numpy is cheapest)."""
+    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    if array.size and array.dtype.kind not in "iu":
+        raise TypeError(f"pack {pack_index} has {key} of dtype {array.dtype}; lengths must be integers")
+    return array.astype(np.int64, copy=False)
+
+
+def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(
+            f"pack {pack_index} has {key} of type {type(value).__name__}, not a tensor: {err}"
+        ) from err
+
+
+def _cumsum_from_zero(lengths_N: np.ndarray) -> torch.Tensor:
+    """(N+1,) int32 ``[0] + cumsum(lengths)``."""
+    cu = np.zeros(len(lengths_N) + 1, dtype=np.int32)
+    np.cumsum(lengths_N, out=cu[1:])
+    return torch.from_numpy(cu)
+
+
+def _layout_padding_mask(real_N: np.ndarray, padded_N: np.ndarray) -> torch.Tensor:
+    """(T,) bool, True past each slot's real length: runs of (real: False, padding: True), slot by slot."""
+    runs_2N = np.empty(2 * len(real_N), dtype=np.int64)
+    runs_2N[0::2] = real_N
+    runs_2N[1::2] = padded_N - real_N
+    is_padding_2N = np.zeros(2 * len(real_N), dtype=bool)
+    is_padding_2N[1::2] = True
+    return torch.from_numpy(np.repeat(is_padding_2N, runs_2N))
+
+
+def _flatten(batch: Mapping[str, Any], real_N: np.ndarray, padded_N: np.ndarray) -> THDBatch:
+    """The THD batch of a checked BSHD batch; metadata computed on the host, moved to the batch's device."""
+    B, L = batch["input_ids"].shape
+    T = B * L
+    device = batch["input_ids"].device
+    thd: THDBatch = {
+        "input_ids": batch["input_ids"].reshape(T),
+        "labels": batch["labels"].reshape(T),
+        "position_ids": batch["position_ids"].reshape(T),
+        "cu_seqlens": _cumsum_from_zero(real_N).to(device),
+        "cu_seqlens_padded": _cumsum_from_zero(padded_N).to(device),
+        "max_seqlen": int(padded_N.max()) if len(padded_N) else 0,
+        "padding_mask": _layout_padding_mask(real_N, padded_N).to(device),
+    }
+    for key, value in batch.items():
+        if key in thd or key in LENGTH_KEYS:
+            continue
+        thd[key] = value.reshape(T, *value.shape[2:]) if isinstance(value, torch.Tensor) else value
+    return thd
