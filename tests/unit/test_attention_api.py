@@ -8,13 +8,14 @@ import pytest
 import torch
 from _attention_cases import make_thd, random_case, reference_results
 
-from thdpack.attention import AttentionConfig, reference_attention, thd_attention
+from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
 from thdpack.attention.select import ENV_VAR
 
 
 @pytest.fixture(autouse=True)
 def _no_forced_backend(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_LOGGED", set())
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -31,6 +31,7 @@ def installed(monkeypatch):
             monkeypatch.setattr(select._optional, name, lambda value=value: value)
 
     monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_LOGGED", set())  # "once" counts from this test on
     return set_installed
 
 

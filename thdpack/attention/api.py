@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 
 from thdpack.attention.backends import flash as flash_backend
+from thdpack.attention.backends import flex as flex_backend
 from thdpack.attention.backends import math as math_backend
+from thdpack.attention.backends import sdpa as sdpa_backend
 from thdpack.attention.backends import te as te_backend
 from thdpack.attention.backends import varlen as varlen_backend
 from thdpack.attention.config import AttentionConfig, Backend, CpCommType
@@ -102,9 +104,7 @@ def thd_attention(
     >>> thd_attention(x, x, v, thd, backend="math").flatten().tolist()  # token 1 averages 0 and 1
     [0.0, 0.5, 2.0, 2.0]
     """
-    config = AttentionConfig(
-        backend=backend, causal=causal, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type
-    )
+    config = AttentionConfig(backend=backend, causal=causal, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type)
     _check_qkv(q, k, v)
     meta = thd_meta(thd)
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
@@ -120,9 +120,7 @@ def thd_attention(
     )
     chosen, reason = choose_backend(config.backend, situation)
     log_choice(chosen, reason, situation)
-    out, lse = _dispatch(
-        chosen, q, k, v, thd, meta, config, scale, cp_group if cp_size > 1 else None, return_lse
-    )
+    out, lse = _dispatch(chosen, q, k, v, thd, meta, config, scale, cp_group if cp_size > 1 else None, return_lse)
     return (out, lse) if return_lse else out
 
 
@@ -167,6 +165,10 @@ def _dispatch(
         return flash_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
     if backend == "varlen":
         return varlen_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
+    if backend == "flex":
+        return flex_backend.attend(q, k, v, thd, causal=causal, scale=scale, return_lse=return_lse)
+    if backend == "sdpa":
+        return sdpa_backend.attend(q, k, v, thd, causal=causal, scale=scale), None
     raise AssertionError(f"unhandled backend {backend!r}")
 
 
@@ -183,15 +185,11 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise ValueError(
-            f"q, k, v must have the same number of tokens, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
-        )
+        raise ValueError(f"q, k, v must have the same number of tokens, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must have the same number of heads, got {k.shape[1]} and {v.shape[1]}")
     if q.shape[1] % k.shape[1] != 0:
-        raise ValueError(
-            f"q has {q.shape[1]} heads, not a multiple of k/v's {k.shape[1]}; GQA needs Nq % Nkv == 0"
-        )
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of k/v's {k.shape[1]}; GQA needs Nq % Nkv == 0")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[2]} and {k.shape[2]}")
 
