@@ -17,7 +17,9 @@ from _attention_cases import LENGTH_MIXES, make_thd, max_errors, random_case, re
 from thdpack.attention import thd_attention
 from thdpack.attention.metadata import thd_meta
 from thdpack.cp import ring as ring_module
+from thdpack.cp import shard
 from thdpack.testing import run_distributed
+from thdpack.thd import thd_collate
 
 pytestmark = pytest.mark.distributed
 
@@ -106,6 +108,45 @@ def _mutants_of_group(cp_size, group):
     return [((cp_size, 2, MUTANTS[0]), index, wrong_tile), ((cp_size, 2, MUTANTS[1]), index, wrong_shard)]
 
 
+def _pipeline_batch(cp_size):
+    """Two packs of 48 tokens through thdpack.thd_collate: the global THD batch the trainer gets."""
+    m = 2 * cp_size
+    packs = []
+    for lengths in ([5, 17, 1], [30, 2]):
+        slots = [-(-n // m) * m for n in lengths]
+        slots[-1] += 48 - sum(slots)  # the pack's tail padding joins its last sequence
+        tokens = [t for n, slot in zip(lengths, slots, strict=True) for t in [7] * n + [0] * (slot - n)]
+        positions = [p for slot in slots for p in range(slot)]
+        labels = [t if t else -100 for t in tokens]
+        packs.append(
+            {
+                "input_ids": tokens,
+                "labels": labels,
+                "position_ids": positions,
+                "seq_lens": lengths,
+                "seq_lens_padded": slots,
+            }
+        )
+    thd = thd_collate(packs)
+    case = random_case(thd, 4, 2, 8, torch.float64, seed=cp_size)
+    assert torch.equal(case["valid"], ~thd["padding_mask"])
+    return thd, case
+
+
+def _pipeline_of_group(cp_size, group):
+    """thd_collate -> cp.shard (which re-indexes q/k/v like any per-token tensor) -> thd_attention."""
+    thd, case = _pipeline_batch(cp_size)
+    shard_batch = shard({**thd, "q": case["q"], "k": case["k"], "v": case["v"]}, cp_size, dist.get_rank(group))
+    _, index = shard_of(thd, cp_size, dist.get_rank(group))
+    assert torch.equal(shard_batch["q"], case["q"][index])
+    results = []
+    for comm in ("p2p", "all_gather"):
+        attend = _front_door(shard_batch, group, True, comm)
+        got = _run(shard_batch["q"], shard_batch["k"], shard_batch["v"], case, index, attend)
+        results.append(((cp_size, "pipeline", comm), index, got))
+    return results
+
+
 def _rank_main(rank, world_size):
     """Every (cp_size, case, method) this rank's groups run: [(key, global index, results)]."""
     torch.set_num_threads(1)
@@ -117,8 +158,10 @@ def _rank_main(rank, world_size):
     # the two pairs split the cases between them
     results += _cases_of_group(2, pairs[rank // 2], range(rank // 2, len(CASES), 2))
     results += _mutants_of_group(2, pairs[rank // 2])
+    results += _pipeline_of_group(2, pairs[rank // 2])
     results += _cases_of_group(4, dist.group.WORLD, range(len(CASES)))
     results += _mutants_of_group(4, dist.group.WORLD)
+    results += _pipeline_of_group(4, dist.group.WORLD)
     return results
 
 
@@ -173,3 +216,12 @@ def test_the_comparison_detects_a_broken_layout(cp_runs, cp_size, mutant):
     thd, causal, case = _case(cp_size, 2)
     worst = _worst(cp_runs[(cp_size, 2, mutant)], reference_results(case, thd, causal), case["valid"])
     assert max(worst.values()) > 1e-3, worst
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_the_thd_pipeline_feeds_cp_attention(cp_runs, cp_size):
+    thd, case = _pipeline_batch(cp_size)
+    want = reference_results(case, thd, True)
+    for comm in ("p2p", "all_gather"):
+        worst = _worst(cp_runs[(cp_size, "pipeline", comm)], want, case["valid"])
+        assert max(worst.values()) <= 1e-10, (comm, worst)
