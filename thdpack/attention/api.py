@@ -166,9 +166,9 @@ def _dispatch(
     if backend == "varlen":
         return varlen_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
     if backend == "flex":
-        return flex_backend.attend(q, k, v, thd, causal=causal, scale=scale, return_lse=return_lse)
+        return flex_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
     if backend == "sdpa":
-        return sdpa_backend.attend(q, k, v, thd, causal=causal, scale=scale), None
+        return sdpa_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale), None
     raise AssertionError(f"unhandled backend {backend!r}")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from thdpack.attention.merge import normalize_lse
+from thdpack.attention.metadata import ThdMeta
 from thdpack.masks import flex_block_mask
 
 
@@ -35,15 +36,17 @@ def attend(
     k_TNH: torch.Tensor,
     v_TNH: torch.Tensor,
     thd: Mapping[str, Any],
+    meta: ThdMeta,
     *,
     causal: bool,
     scale: float,
     return_lse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(out (T, Nq, Hv), lse (Nq, T) fp32 or None)`` of one device's tokens."""
+    """``(out (T, Nq, Hv), lse (Nq, T) fp32 or None)``; the BlockMask is built once per batch."""
     from torch.nn.attention import flex_attention as flex_module
 
-    block_mask = flex_block_mask(thd, causal=causal).to(q_TNH.device)
+    device = q_TNH.device
+    block_mask = meta.cached(("flex mask", causal, device), lambda: flex_block_mask(thd, causal=causal).to(device))
     kwargs: dict[str, Any] = {"block_mask": block_mask, "scale": scale, "enable_gqa": q_TNH.shape[1] != k_TNH.shape[1]}
     if return_lse:
         if "return_aux" in inspect.signature(flex_module.flex_attention).parameters:

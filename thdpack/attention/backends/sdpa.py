@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from thdpack.attention.metadata import ThdMeta
 from thdpack.masks import block_causal_mask
 
 
@@ -24,12 +25,14 @@ def attend(
     k_TNH: torch.Tensor,
     v_TNH: torch.Tensor,
     thd: Mapping[str, Any],
+    meta: ThdMeta,
     *,
     causal: bool,
     scale: float,
 ) -> torch.Tensor:
-    """(T, Nq, Hv) attention output of one device's tokens."""
-    mask_TT = block_causal_mask(thd, causal=causal).to(q_TNH.device)
+    """(T, Nq, Hv) attention output of one device's tokens (the mask is built once per batch)."""
+    device = q_TNH.device
+    mask_TT = meta.cached(("sdpa mask", causal, device), lambda: block_causal_mask(thd, causal=causal).to(device))
     out_1NTH = F.scaled_dot_product_attention(
         q_TNH.transpose(0, 1).unsqueeze(0),
         k_TNH.transpose(0, 1).unsqueeze(0),
