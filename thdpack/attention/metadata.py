@@ -55,16 +55,12 @@ class Side:
     @functools.cached_property
     def seg_T(self) -> torch.Tensor:
         """(T,) int64 sequence index of each row."""
-        counts = torch.tensor(self.counts, dtype=torch.int64)
-        return torch.repeat_interleave(torch.arange(len(self.counts)), counts).to(self.device)
+        return _rows_of(self.counts)[0].to(self.device)
 
     @functools.cached_property
     def valid_T(self) -> torch.Tensor:
         """(T,) bool, True for real tokens."""
-        counts = torch.tensor(self.counts, dtype=torch.int64)
-        starts = torch.cumsum(counts, 0) - counts
-        seg = torch.repeat_interleave(torch.arange(len(self.counts)), counts)
-        within = torch.arange(int(counts.sum())) - starts[seg]
+        seg, within = _rows_of(self.counts)
         return (within < torch.tensor(self.valid_counts, dtype=torch.int64)[seg]).to(self.device)
 
     @functools.cached_property
@@ -100,15 +96,21 @@ class Side:
         half = tuple(n // 2 for n in self.counts)
         counts = torch.tensor(self.counts, dtype=torch.int64)
         starts = torch.cumsum(counts, 0) - counts
+        seg, within = _rows_of(half)
         half_t = torch.tensor(half, dtype=torch.int64)
-        seg = torch.repeat_interleave(torch.arange(len(half)), half_t)
-        within = torch.arange(int(half_t.sum())) - (torch.cumsum(half_t, 0) - half_t)[seg]
         out = []
         for back in (False, True):
             index = (starts[seg] + within + (half_t[seg] if back else 0)).to(self.device)
             valid = tuple(max(v - h, 0) if back else min(v, h) for v, h in zip(self.valid_counts, half, strict=True))
             out.append((index, Side(half, valid, self.pos_T.index_select(0, index))))
         return out[0], out[1]
+
+
+def _rows_of(counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, index within the sequence) of every row, (T,) int64 each, on the host."""
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    seg = torch.repeat_interleave(torch.arange(len(counts)), counts_t)
+    return seg, torch.arange(seg.numel()) - (torch.cumsum(counts_t, 0) - counts_t)[seg]
 
 
 def _cumsum_int32(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -167,20 +169,17 @@ class ThdMeta:
         real = torch.tensor(self.lengths, dtype=torch.int64)
         if rank is None or self.cp_size == 1:
             counts, valid = slots, real
-            seg = torch.repeat_interleave(torch.arange(len(slots)), counts)
-            pos = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seg]
+            pos = _rows_of(self.lengths_padded)[1]
         else:
             chunk = slots // (2 * self.cp_size)
             counts = 2 * chunk
-            seg = torch.repeat_interleave(torch.arange(len(slots)), counts)
-            within = torch.arange(int(counts.sum())) - (torch.cumsum(counts, 0) - counts)[seg]
+            seg, within = _rows_of(tuple(counts.tolist()))
             c = chunk[seg]
             tail_chunk = 2 * self.cp_size - 1 - rank
             # head chunk `rank`, then tail chunk 2*cp_size-1-rank: TE's dual-chunk order
             pos = torch.where(within < c, rank * c + within, tail_chunk * c + within - c)
-            valid = (real - rank * chunk).clamp(0, None).minimum(chunk) + (real - tail_chunk * chunk).clamp(
-                0, None
-            ).minimum(chunk)
+            head_real = (real - rank * chunk).clamp(0, None).minimum(chunk)
+            valid = head_real + (real - tail_chunk * chunk).clamp(0, None).minimum(chunk)
         return Side(tuple(counts.tolist()), tuple(valid.tolist()), pos.to(device))
 
 
