@@ -1,0 +1,135 @@
+"""``thd_attention``: results through the front door, and every bad input rejected with its fix."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from _attention_cases import make_thd, random_case, reference_results
+
+from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
+from thdpack.attention.select import ENV_VAR
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_backend(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_LOGGED", set())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_front_door_matches_reference_with_lse_and_custom_scale(causal):
+    thd = make_thd([7, 1, 12], multiple=4, tail=4)
+    case = random_case(thd, 4, 2, 8, torch.float64, seed=11)
+    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out, lse = thd_attention(q, k, v, thd, causal=causal, softmax_scale=0.2, return_lse=True)
+    want_out, want_lse = reference_attention(case["q"], case["k"], case["v"], thd, causal=causal, softmax_scale=0.2)
+    valid = case["valid"]
+    assert out.shape == (len(valid), 4, 8) and lse.shape == (4, len(valid))
+    assert torch.allclose(out[valid], want_out[valid], atol=1e-12)
+    assert torch.allclose(lse[:, valid], want_lse[:, valid], atol=1e-12)
+    plain = thd_attention(q, k, v, thd, causal=causal, softmax_scale=0.2)
+    assert torch.equal(plain, out)  # without return_lse: just the output
+
+
+def test_default_scale_and_gradients_through_the_front_door():
+    thd = make_thd([5, 9], multiple=2)
+    case = random_case(thd, 2, 2, 4, torch.float64, seed=3)
+    q, k, v = (case[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    out = thd_attention(q, k, v, thd, backend="math")
+    dq, dk, dv = torch.autograd.grad((out * case["dout"]).sum(), (q, k, v))
+    want = reference_results(case, thd, True, with_dlse=False)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert torch.allclose(got, want[name], atol=1e-12), name
+
+
+def test_the_auto_choice_is_logged(caplog):
+    thd = make_thd([4, 4])
+    x = torch.randn(8, 2, 4, dtype=torch.float16)
+    with caplog.at_level(logging.INFO, logger="thdpack.attention"):
+        out = thd_attention(x, x, x, thd)
+    assert out.dtype == torch.float16
+    assert any("backend 'math' on cpu float16" in r.getMessage() for r in caplog.records)
+
+
+def _qkv(tokens=8, nq=2, nkv=2, head_dim=4, dtype=torch.float32):
+    return (
+        torch.randn(tokens, nq, head_dim, dtype=dtype),
+        torch.randn(tokens, nkv, head_dim, dtype=dtype),
+        torch.randn(tokens, nkv, head_dim, dtype=dtype),
+    )
+
+
+THD = make_thd([3, 5])
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "message"),
+    [
+        (
+            (torch.randn(8, 8), *_qkv()[1:]),
+            {},
+            ValueError,
+            r"q must be \(tokens, heads, head_dim\), got shape \(8, 8\)",
+        ),
+        ((*_qkv()[:2], torch.randn(8, 2, 4).long()), {}, TypeError, "v must be a floating-point tensor"),
+        ((_qkv()[0].double(), *_qkv()[1:]), {}, TypeError, "q, k, v must share one dtype"),
+        ((*_qkv()[:2], torch.randn(7, 2, 4)), {}, ValueError, "same number of tokens, got 8, 8, 7"),
+        (
+            (*_qkv(nq=3, nkv=2)[:2], torch.randn(8, 2, 4)),
+            {},
+            ValueError,
+            "q has 3 heads, not a multiple of k/v's 2",
+        ),
+        (
+            (_qkv()[0], torch.randn(8, 2, 4), torch.randn(8, 1, 4)),
+            {},
+            ValueError,
+            "k and v must have the same number of heads",
+        ),
+        (
+            (_qkv()[0], torch.randn(8, 2, 5), torch.randn(8, 2, 4)),
+            {},
+            ValueError,
+            "same head dim, got 4 and 5",
+        ),
+        (_qkv(tokens=10), {}, ValueError, "q has 10 tokens but the THD metadata describes 8 on this rank"),
+        (_qkv(), {"backend": "fastest"}, ValueError, "unknown attention backend 'fastest'"),
+        (
+            _qkv(),
+            {"cp_comm_type": "ring"},
+            ValueError,
+            "unknown cp_comm_type 'ring'; valid: 'p2p', 'all_gather'",
+        ),
+        (_qkv(), {"softmax_scale": 0.0}, ValueError, "softmax_scale must be > 0"),
+        (
+            _qkv(),
+            {"backend": "sdpa", "return_lse": True},
+            ValueError,
+            "backend 'sdpa' does not return the LSE",
+        ),
+    ],
+)
+def test_bad_inputs_are_rejected_with_the_fix(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        thd_attention(*args, THD, **kwargs)
+
+
+def test_a_cp_shard_without_its_group_is_rejected():
+    shard = {**make_thd([4, 8], 2), "cp_size": 2, "cp_rank": 0}
+    with pytest.raises(ValueError, match="thd is sharded for cp_size=2 but cp_group is None"):
+        thd_attention(*_qkv(tokens=6), shard)
+
+
+def test_lengths_not_divisible_by_2cp_are_rejected():
+    shard = {**make_thd([6, 6], 1), "cp_size": 2, "cp_rank": 0}
+    with pytest.raises(ValueError, match=r"padded length 6, not a multiple of 2\*cp_size=4"):
+        thd_attention(*_qkv(tokens=6), shard)
+
+
+def test_config_fields_mirror_the_keywords():
+    config = AttentionConfig(backend="math", causal=False, softmax_scale=0.5, cp_comm_type="all_gather")
+    q, k, v = _qkv()
+    out = thd_attention(q, k, v, THD, **vars(config))
+    assert torch.equal(out, thd_attention(q, k, v, THD, backend="math", causal=False, softmax_scale=0.5))

@@ -1,0 +1,141 @@
+"""Backend selection: the ``auto`` preferences, the log line, forcing, and unavailable backends."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from thdpack.attention import select
+from thdpack.attention.select import Situation, choose_backend, log_choice
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _situation(device=CPU, dtype=torch.float32, *, cp=False, comm="p2p", lse=False, grad=True):
+    return Situation(device=device, dtype=dtype, cp=cp, cp_comm_type=comm, need_lse=lse, need_grad=grad)
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Pretend which optional packages import: installed(te=..., flash=..., varlen=..., flex=...)."""
+
+    def set_installed(*, te=False, flash=False, varlen=False, flex=True):
+        for name, value in (
+            ("has_transformer_engine", te),
+            ("has_flash_attn", flash),
+            ("has_varlen_attn", varlen),
+            ("has_flex_attention", flex),
+        ):
+            monkeypatch.setattr(select._optional, name, lambda value=value: value)
+
+    monkeypatch.delenv(select.ENV_VAR, raising=False)
+    monkeypatch.setattr(select, "_LOGGED", set())  # "once" counts from this test on
+    return set_installed
+
+
+@pytest.mark.parametrize(
+    ("packages", "situation", "expected"),
+    [
+        ({"te": True, "flash": True, "varlen": True}, _situation(CUDA, torch.bfloat16), "te"),
+        ({"te": True, "flash": True}, _situation(CUDA, torch.bfloat16, lse=True), "flash"),  # TE has no LSE
+        ({"varlen": True}, _situation(CUDA, torch.float16), "varlen"),
+        ({}, _situation(CUDA, torch.float16), "flex"),
+        ({"flex": False}, _situation(CUDA, torch.float16, lse=True), "math"),
+        ({"flex": False}, _situation(CUDA, torch.float16), "sdpa"),
+        ({"te": True}, _situation(CUDA, torch.bfloat16, cp=True), "te"),
+        ({}, _situation(CUDA, torch.bfloat16, cp=True), "flash"),  # thdpack's ring, FA2 tiles
+        ({}, _situation(CUDA, torch.bfloat16, cp=True, comm="all_gather"), "math"),
+        ({"te": True, "flash": True}, _situation(CUDA, torch.float32), "flex"),
+        ({"te": True, "flash": True, "varlen": True}, _situation(CPU, torch.float32), "math"),
+        ({}, _situation(CPU, torch.float64, cp=True), "math"),
+    ],
+)
+def test_auto_prefers_the_fastest_backend_that_can_run(installed, packages, situation, expected):
+    installed(**packages)
+    assert choose_backend("auto", situation)[0] == expected
+
+
+def test_auto_explains_what_it_skipped(installed):
+    installed(flash=True)
+    backend, reason = choose_backend("auto", _situation(CUDA, torch.bfloat16))
+    assert backend == "flash"
+    assert reason.startswith("flash-attn varlen kernel; skipped te (backend 'te' needs Transformer Engine")
+
+
+def test_the_choice_is_logged_once(installed, caplog):
+    installed()
+    situation = _situation(CPU, torch.float64)
+    with caplog.at_level(logging.INFO, logger="thdpack.attention"):
+        for _ in range(3):
+            log_choice(*choose_backend("auto", situation), situation)
+    lines = [r.getMessage() for r in caplog.records if r.name == "thdpack.attention"]
+    assert lines == [
+        "thdpack attention backend 'math' on cpu float64: exact tiled math kernel: per-sequence tiles, "
+        "LSE and backward on CPU"
+    ]
+
+
+def test_the_environment_variable_forces_a_backend(installed, monkeypatch):
+    installed()
+    monkeypatch.setenv(select.ENV_VAR, "sdpa")
+    assert choose_backend("auto", _situation()) == ("sdpa", "forced by THDPACK_ATTENTION_BACKEND")
+    assert choose_backend("math", _situation())[0] == "math"  # an explicit argument wins
+    monkeypatch.setenv(select.ENV_VAR, "fastest")
+    with pytest.raises(ValueError, match="unknown THDPACK_ATTENTION_BACKEND value 'fastest'; valid: 'auto', 'te'"):
+        choose_backend("auto", _situation())
+
+
+@pytest.mark.parametrize(
+    ("backend", "situation", "error", "message"),
+    [
+        (
+            "te",
+            _situation(CUDA, torch.bfloat16),
+            ImportError,
+            r"pip install 'thdpack\[te\]' on a CUDA machine",
+        ),
+        ("flash", _situation(CUDA, torch.bfloat16), ImportError, r"pip install 'thdpack\[flash\]'"),
+        (
+            "varlen",
+            _situation(CUDA, torch.float16),
+            ImportError,
+            r"needs torch.nn.attention.varlen \(torch >= 2.10\)",
+        ),
+        ("sdpa", _situation(lse=True), ValueError, "backend 'sdpa' does not return the LSE"),
+        ("flex", _situation(grad=True), ValueError, "backend 'flex' has no backward on CPU"),
+        ("sdpa", _situation(cp=True), ValueError, "backend 'sdpa' has no context-parallel path"),
+        (
+            "flash",
+            _situation(CUDA, torch.float32, cp=True),
+            ValueError,
+            "need float16 or bfloat16, got torch.float32",
+        ),
+        ("flash", _situation(CUDA, torch.float16, cp=True, comm="all_gather"), ValueError, "runs math tiles"),
+        ("nope", _situation(), ValueError, "unknown attention backend 'nope'; valid: 'auto', 'te', 'flash'"),
+    ],
+)
+def test_a_forced_backend_that_cannot_run_says_why(installed, backend, situation, error, message):
+    installed()
+    with pytest.raises(error, match=message):
+        choose_backend(backend, situation)
+
+
+def test_cuda_kernels_refuse_cpu_tensors(installed):
+    installed(flash=True, varlen=True)
+    for backend in ("flash", "varlen"):
+        with pytest.raises(ValueError, match=f"backend '{backend}': FlashAttention kernels need CUDA tensors"):
+            choose_backend(backend, _situation(CPU, torch.float16))
+
+
+def test_te_without_lse_support_is_refused_when_the_lse_is_asked_for(installed):
+    installed(te=True)
+    with pytest.raises(ValueError, match="backend 'te' does not return the LSE"):
+        choose_backend("te", _situation(CUDA, torch.bfloat16, lse=True))
+    assert choose_backend("te", _situation(CUDA, torch.bfloat16)) == ("te", "requested")
+
+
+def test_flex_forward_without_gradients_is_allowed_on_cpu(installed):
+    installed()
+    assert choose_backend("flex", _situation(grad=False))[0] == "flex"

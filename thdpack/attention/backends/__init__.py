@@ -1,0 +1,1 @@
+"""One module per attention backend; :mod:`thdpack.attention.select` chooses between them."""

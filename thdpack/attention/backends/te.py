@@ -1,0 +1,96 @@
+"""``te`` backend: Transformer Engine's ``DotProductAttention`` in THD format, CP included.
+
+A thin adapter, true to TE's documented API (research/nemo_te_spec.md 1.8, 2.5): local q/k/v,
+GLOBAL ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``, ``qkv_format="thd"``,
+``attn_mask_type="padding_causal"`` (or ``"padding"``), and under CP
+``set_context_parallel_group(group, ranks, stream, cp_comm_type)``. ``pad_between_seqs=True`` is
+passed whenever slots hold padding: TE's auto-detection path without it drops real keys
+(TE issue #3331). TE returns no LSE.
+
+Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thdpack._optional import require
+from thdpack.attention.metadata import ThdMeta, kernel_cu_seqlens
+
+# DotProductAttention modules hold no weights (vanilla softmax); one per configuration
+_MODULES: dict[tuple[Any, ...], Any] = {}
+_CP_STREAMS: dict[torch.device, Any] = {}
+
+
+def _module(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, **settings: Any) -> Any:
+    key = (q_TNH.shape[1:], k_TNH.shape[1:], v_TNH.shape[-1], q_TNH.device, *sorted(settings.items()))
+    if key in _MODULES:
+        return _MODULES[key]
+    te = require("transformer_engine.pytorch", "the 'te' attention backend")
+    head_dim, head_dim_v = q_TNH.shape[-1], v_TNH.shape[-1]
+    dpa = te.DotProductAttention(
+        num_attention_heads=q_TNH.shape[1],
+        kv_channels=head_dim if head_dim == head_dim_v else (head_dim, head_dim_v),
+        num_gqa_groups=k_TNH.shape[1],
+        qkv_format="thd",
+        attn_mask_type=settings["attn_mask_type"],
+        softmax_scale=settings["softmax_scale"],
+    )
+    group = settings["cp_group"]
+    if group is not None:
+        if q_TNH.device not in _CP_STREAMS:
+            _CP_STREAMS[q_TNH.device] = torch.cuda.Stream(device=q_TNH.device)
+        dpa.set_context_parallel_group(
+            group,
+            dist.get_process_group_ranks(group),
+            _CP_STREAMS[q_TNH.device],
+            cp_comm_type=settings["cp_comm_type"],
+        )
+    _MODULES[key] = dpa
+    return dpa
+
+
+def attend(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    thd: Mapping[str, Any],
+    meta: ThdMeta,
+    *,
+    causal: bool,
+    scale: float,
+    cp_group: dist.ProcessGroup | None,
+    cp_comm_type: str,
+) -> torch.Tensor:
+    """(T, Nq, Hv) attention output of this rank's tokens (TE does the CP exchange itself)."""
+    cu_seqlens = kernel_cu_seqlens(thd, "cu_seqlens", "te", q_TNH.device)
+    cu_seqlens_padded = kernel_cu_seqlens(thd, "cu_seqlens_padded", "te", q_TNH.device)
+    mask_type = "padding_causal" if causal else "padding"
+    dpa = _module(
+        q_TNH,
+        k_TNH,
+        v_TNH,
+        attn_mask_type=mask_type,
+        softmax_scale=scale,
+        cp_group=cp_group,
+        cp_comm_type=cp_comm_type,
+    )
+    out = dpa(
+        q_TNH,
+        k_TNH,
+        v_TNH,
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=meta.max_seqlen,
+        max_seqlen_kv=meta.max_seqlen,
+        attn_mask_type=mask_type,
+        pad_between_seqs=meta.has_padding,
+    )
+    return out.view(q_TNH.shape[0], q_TNH.shape[1], v_TNH.shape[-1])

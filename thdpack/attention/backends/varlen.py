@@ -1,0 +1,83 @@
+"""``varlen`` backend: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA fp16/bf16).
+
+The signature changed between releases (research/ring_attention.md 1.1), so it is detected:
+torch 2.10 takes ``is_causal`` and has no ``scale`` / ``enable_gqa``; 2.11+ takes
+``window_size=(-1, 0)`` for causal and ``scale``; 2.12+ adds ``enable_gqa``. Without
+``enable_gqa`` K/V are repeated to the query heads (autograd sums their gradients back). The LSE
+comes from ``return_aux=AuxRequest(lse=True)`` with layout ``(Nq, T)`` fp32 (the 2.12/2.13
+docstring's ``(T, H)`` is wrong); its ``+inf`` empty-row sentinel becomes ``-inf``, and since the
+op's backward ignores the LSE's gradient, a loss using it raises instead of training wrongly.
+
+Padding: as for the ``flash`` backend (causal over padded slots is exact for real tokens;
+non-causal feeds only the real keys).
+
+Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from thdpack.attention.merge import no_lse_gradient, normalize_lse
+from thdpack.attention.metadata import ThdMeta, kernel_cu_seqlens
+
+
+@functools.cache
+def _parameters() -> frozenset[str]:
+    from torch.nn.attention import varlen
+
+    return frozenset(inspect.signature(varlen.varlen_attn).parameters)
+
+
+def attend(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    thd: Mapping[str, Any],
+    meta: ThdMeta,
+    *,
+    causal: bool,
+    scale: float,
+    return_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(out (T, Nq, H), lse (Nq, T) fp32 or None)``; the LSE is not differentiable (guarded)."""
+    from torch.nn.attention import varlen
+
+    params = _parameters()
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale != q_TNH.shape[-1] ** -0.5:
+        raise ValueError(
+            f"torch {torch.__version__}'s varlen_attn has no scale argument, so softmax_scale={scale} "
+            "cannot apply; use the default scale, backend='flash' / 'math', or torch >= 2.11"
+        )
+    group = q_TNH.shape[1] // k_TNH.shape[1]
+    if group > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k_TNH, v_TNH = k_TNH.repeat_interleave(group, 1), v_TNH.repeat_interleave(group, 1)
+    if return_lse:
+        kwargs["return_aux"] = varlen.AuxRequest(lse=True)
+    cu_q = kernel_cu_seqlens(thd, "cu_seqlens_padded", "varlen", q_TNH.device)
+    if causal or not meta.has_padding:
+        cu_k, max_k = cu_q, meta.max_seqlen
+    else:
+        keep = meta.local_side(q_TNH.device).valid_index
+        k_TNH, v_TNH = k_TNH.index_select(0, keep), v_TNH.index_select(0, keep)
+        cu_k, max_k = kernel_cu_seqlens(thd, "cu_seqlens", "varlen", q_TNH.device), max(meta.lengths)
+    result = varlen.varlen_attn(q_TNH, k_TNH, v_TNH, cu_q, cu_k, meta.max_seqlen, max_k, **kwargs)
+    if not return_lse:
+        return result, None
+    out_TNH, lse_NT = result
+    return out_TNH, no_lse_gradient(normalize_lse(lse_NT), "torch varlen_attn")

@@ -1,0 +1,52 @@
+"""Settings of THD attention: the closed set of backends and CP communication types.
+
+>>> AttentionConfig(backend="math", causal=False)
+AttentionConfig(backend='math', causal=False, softmax_scale=None, cp_comm_type='p2p')
+>>> AttentionConfig(backend="fast")
+Traceback (most recent call last):
+...
+ValueError: unknown attention backend 'fast'; valid: 'auto', 'te', 'flash', 'varlen', 'flex', 'sdpa', 'math'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+Backend = Literal["auto", "te", "flash", "varlen", "flex", "sdpa", "math"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
+CpCommType = Literal["p2p", "all_gather"]
+CP_COMM_TYPES: tuple[CpCommType, ...] = get_args(CpCommType)
+
+
+def _listing(options: tuple[str, ...]) -> str:
+    return ", ".join(repr(o) for o in options)
+
+
+def check_backend(backend: str, source: str = "attention backend") -> Backend:
+    """``backend`` if it is one of :data:`BACKENDS`, else ``ValueError`` listing them."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown {source} {backend!r}; valid: {_listing(BACKENDS)}")
+    return backend  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """How :func:`thdpack.attention.thd_attention` computes attention (Hydra: ``attention/``)."""
+
+    backend: Backend = "auto"
+    """Kernel family; ``"auto"`` picks the fastest available one and logs why (also settable with
+    the environment variable ``THDPACK_ATTENTION_BACKEND``)."""
+    causal: bool = True
+    """Causal (decoder) attention inside each sequence; False = each sequence fully visible."""
+    softmax_scale: float | None = None
+    """Score scale; None = ``head_dim ** -0.5``."""
+    cp_comm_type: CpCommType = "p2p"
+    """Context-parallel K/V exchange: ``"p2p"`` ring or ``"all_gather"`` (Llama 3 style)."""
+
+    def __post_init__(self) -> None:
+        check_backend(self.backend)
+        if self.cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"unknown cp_comm_type {self.cp_comm_type!r}; valid: {_listing(CP_COMM_TYPES)}")
+        if self.softmax_scale is not None and not self.softmax_scale > 0:
+            raise ValueError(f"softmax_scale must be > 0 (or None for head_dim ** -0.5), got {self.softmax_scale}")

@@ -1,0 +1,128 @@
+"""FlashAttention-2 attention tiles on CUDA (fp16 / bf16), through PyTorch's built-in kernels.
+
+``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward`` are the varlen
+FlashAttention-2 kernels that ``torch.nn.attention.varlen.varlen_attn`` wraps (torch >= 2.2 ships
+them; their positional arguments have not changed since). The ring needs them directly because
+``varlen_attn``'s autograd drops the LSE gradient and cannot take a globally merged out / LSE,
+which the backward recomputation needs (research/ring_attention.md sections 1.1, 5.6, 7).
+
+Conventions handled here: cu_seqlens int32; LSE ``(Nq, Tq)`` fp32; an empty key set gives
+``lse = +inf`` (normalised to ``-inf`` on the way out, and fed back as ``+inf`` so the backward
+kernel computes ``P = 0``). Causal tiles are square per sequence, so the bottom-right alignment of
+FlashAttention never matters. For non-causal tiles with padded keys only the real keys are fed
+(they are a prefix of every sequence's rows), because FlashAttention-2 cannot mask keys inside a
+sequence.
+
+Legend: ``T`` rows, ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thdpack.attention.merge import normalize_lse
+from thdpack.attention.metadata import Side
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why FlashAttention-2 tiles cannot run here, or None when they can."""
+    if device.type != "cuda":
+        return f"FlashAttention kernels need CUDA tensors, got device {device.type!r}"
+    if dtype not in HALF_DTYPES:
+        return f"FlashAttention kernels need float16 or bfloat16, got {dtype}"
+    if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return f"torch {torch.__version__} has no aten._flash_attention_forward (needs torch >= 2.2)"
+    return None
+
+
+def _keys(k: Side, causal: bool) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+    """(rows to keep or None, cu_seqlens_k, max_seqlen_k) for the key side of a tile."""
+    if causal or not k.has_padding:
+        # causal: padding follows every real token, so no real query ever sees a padded key
+        return None, k.cu, max(k.counts)
+    return k.valid_index, k.valid_cu, max(k.valid_counts)
+
+
+def tile_forward(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    q: Side,
+    k: Side,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as :func:`thdpack.attention.math_kernel.tile_forward`; out in q's dtype.
+
+    ``q`` and ``k`` must have equal per-sequence row counts when ``causal`` (square tiles).
+    """
+    keep, cu_k, max_k = _keys(k, causal)
+    if keep is not None:
+        k_TNH, v_TNH = k_TNH.index_select(0, keep), v_TNH.index_select(0, keep)
+    if max_k == 0 or q_TNH.shape[0] == 0:
+        out = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], v_TNH.shape[-1]))
+        return out, q_TNH.new_full((q_TNH.shape[1], q_TNH.shape[0]), float("-inf"), dtype=torch.float32)
+    out_TNH, lse_NT = torch.ops.aten._flash_attention_forward(
+        q_TNH.contiguous(),
+        k_TNH.contiguous(),
+        v_TNH.contiguous(),
+        q.cu,
+        cu_k,
+        max(q.counts),
+        max_k,
+        0.0,
+        causal,
+        False,
+        scale=scale,
+    )[:2]
+    return out_TNH, normalize_lse(lse_NT)
+
+
+def tile_backward(
+    dout_TNH: torch.Tensor,
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    out_TNH: torch.Tensor,
+    lse_NT: torch.Tensor,
+    q: Side,
+    k: Side,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tile gradients from the rows' GLOBAL ``out`` (q's dtype) and ``lse`` (fp32, -inf = empty).
+
+    The kernel computes ``delta = rowsum(dout * out)`` itself, so this path cannot take a
+    gradient of the LSE; callers use the math kernel when one arrives.
+    """
+    keep, cu_k, max_k = _keys(k, causal)
+    k_in, v_in = (k_TNH, v_TNH) if keep is None else (k_TNH.index_select(0, keep), v_TNH.index_select(0, keep))
+    if max_k == 0 or q_TNH.shape[0] == 0:
+        return torch.zeros_like(q_TNH), torch.zeros_like(k_TNH), torch.zeros_like(v_TNH)
+    rng_state = torch.zeros(2, dtype=getattr(torch, "uint64", torch.int64), device=q_TNH.device)
+    unused = torch.empty(0, device=q_TNH.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        dout_TNH.contiguous(),
+        q_TNH.contiguous(),
+        k_in.contiguous(),
+        v_in.contiguous(),
+        out_TNH.contiguous(),
+        lse_NT.float().masked_fill(torch.isneginf(lse_NT), float("inf")).contiguous(),
+        q.cu,
+        cu_k,
+        max(q.counts),
+        max_k,
+        0.0,
+        causal,
+        rng_state,
+        unused,
+        scale=scale,
+    )
+    if keep is not None:
+        dk = torch.zeros_like(k_TNH).index_copy(0, keep, dk)
+        dv = torch.zeros_like(v_TNH).index_copy(0, keep, dv)
+    return dq, dk, dv

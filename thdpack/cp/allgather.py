@@ -1,0 +1,86 @@
+"""All-gather-KV context-parallel attention (Llama 3 style), exact, without TE.
+
+Every rank gathers all ranks' K/V (with their own Nkv heads: cheap under GQA), puts them back in
+storage order, and attends its own load-balanced queries (chunks r and 2n-1-r of each sequence)
+to them with the per-token mask ``same sequence & real key & (causal) pos_q >= pos_k``; no LSE
+merge is needed. The backward reduce-scatters dK/dV (in fp32) back to their owners.
+
+Compared with the ring (:mod:`thdpack.cp.ring`): one collective instead of n overlapped hops and
+a full-sequence K/V buffer per rank; it is also an independent implementation to check the ring
+against. Tiles use the math kernel (any device and dtype).
+
+Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thdpack.attention.backends.math import TiledAttention
+from thdpack.attention.metadata import ThdMeta
+from thdpack.cp.comm import all_gather_rows, reduce_scatter_rows
+from thdpack.cp.partition import partition_indices
+
+
+def gather_order(meta: ThdMeta, device: torch.device) -> torch.Tensor:
+    """(T_global,) int64 ``g``: row ``g[j]`` of the rank-stacked all-gather is global token ``j``.
+
+    >>> from thdpack.attention.metadata import thd_meta
+    >>> meta = thd_meta({"cu_seqlens": torch.tensor([0, 8], dtype=torch.int32), "cp_size": 2})
+    >>> gather_order(meta, torch.device("cpu")).tolist()   # rank 0 holds 0,1,6,7; rank 1 holds 2..5
+    [0, 1, 4, 5, 6, 7, 2, 3]
+    """
+    cu = torch.zeros(len(meta.lengths_padded) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(meta.lengths_padded), 0)
+    stacked = torch.cat([partition_indices(cu, meta.total_tokens, meta.cp_size, r) for r in range(meta.cp_size)])
+    return torch.argsort(stacked.to(torch.int64)).to(device)
+
+
+class GatherKV(torch.autograd.Function):
+    """Differentiable all-gather of K and V into global storage order (backward: reduce-scatter)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        k_TNH: torch.Tensor,
+        v_TNH: torch.Tensor,
+        order: torch.Tensor,
+        group: dist.ProcessGroup | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.order, ctx.group = order, group
+        return (
+            all_gather_rows(k_TNH, group).index_select(0, order),
+            all_gather_rows(v_TNH, group).index_select(0, order),
+        )
+
+    @staticmethod
+    def backward(ctx: Any, dk_TNH: torch.Tensor, dv_TNH: torch.Tensor) -> tuple[Any, ...]:
+        grads = []
+        for d in (dk_TNH, dv_TNH):
+            stacked = torch.zeros_like(d, dtype=torch.promote_types(d.dtype, torch.float32))
+            stacked.index_copy_(0, ctx.order, d.to(stacked.dtype))
+            grads.append(reduce_scatter_rows(stacked, ctx.group).to(d.dtype))
+        return grads[0], grads[1], None, None
+
+
+def allgather_attention(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    meta: ThdMeta,
+    *,
+    cp_group: dist.ProcessGroup | None,
+    causal: bool = True,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather-KV attention of this rank's shard.
+
+    Same arguments and results as :func:`thdpack.cp.ring.ring_attention` (math tiles).
+    """
+    device = q_TNH.device
+    order = meta.cached(("gather order", device), lambda: gather_order(meta, device))
+    k_glob, v_glob = GatherKV.apply(k_TNH, v_TNH, order, cp_group)
+    return TiledAttention.apply(q_TNH, k_glob, v_glob, meta.local_side(device), meta.global_side(device), causal, scale)

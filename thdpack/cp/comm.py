@@ -1,0 +1,84 @@
+"""Communication for context-parallel attention: ring neighbour exchange and row collectives.
+
+:class:`RingComm` is what the ring algorithm talks to: ``send_recv(tensors)`` starts sending a
+list of tensors to the next rank and receiving same-shaped ones from the previous rank, and
+returns a handle whose ``wait()`` gives the received list. Anything with ``rank``, ``size`` and
+that method works (the tests drive the same algorithm with an in-process stub).
+
+Works with gloo (CPU) and NCCL (CUDA); uses ``batch_isend_irecv`` with even ranks sending
+first, so no backend can deadlock on the pairing order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Pending(Protocol):
+    def wait(self) -> list[torch.Tensor]: ...
+
+
+class Ring(Protocol):
+    rank: int
+    size: int
+
+    def send_recv(self, tensors: Sequence[torch.Tensor]) -> Pending: ...
+
+
+class _P2PPending:
+    def __init__(self, requests: list, sent: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+        self._requests = requests
+        self._sent = sent  # the send buffers must stay alive until the exchange completes
+        self._received = received
+
+    def wait(self) -> list[torch.Tensor]:
+        for request in self._requests:
+            request.wait()
+        self._sent = []
+        return self._received
+
+
+class RingComm:
+    """Ring over ``group`` (default: the world): send to ``rank + 1``, receive from ``rank - 1``."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
+        self._next = dist.get_global_rank(self.group, (self.rank + 1) % self.size)
+        self._prev = dist.get_global_rank(self.group, (self.rank - 1) % self.size)
+
+    def send_recv(self, tensors: Sequence[torch.Tensor]) -> _P2PPending:
+        sent = [t.contiguous() for t in tensors]
+        received = [torch.empty_like(t) for t in sent]
+        ops = []
+        for out, into in zip(sent, received, strict=True):
+            send = dist.P2POp(dist.isend, out, self._next, self.group)
+            recv = dist.P2POp(dist.irecv, into, self._prev, self.group)
+            ops += [send, recv] if self.rank % 2 == 0 else [recv, send]
+        return _P2PPending(dist.batch_isend_irecv(ops), sent, received)
+
+
+# torch 2.13 deprecates the *_tensor names in favour of *_single (absent before 2.13)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(size * T, ...) every rank's (T, ...) tensor, stacked in rank order."""
+    x = x.contiguous()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
+    _all_gather(out, x, group=group)
+    return out
+
+
+def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(T, ...) this rank's block of the rank-stacked (size * T, ...) ``x``, summed over ranks."""
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
+    _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group)
+    return out

@@ -1,0 +1,244 @@
+"""Exact ring attention (P2P) over Transformer Engine's load-balanced THD layout, without TE.
+
+Rank r of n holds chunks r ("front half") and 2n-1-r ("back half") of every sequence. The K/V
+blocks travel around the ring (send to r+1, receive from r-1); at step s rank r holds the block of
+``src = (r - s) mod n`` and computes one tile (TE's schedule, research/ring_attention.md 5.3)::
+
+    causal, s == 0       all q  x all kv    causal (local order is monotone in position)
+    causal, 1 <= s <= r  all q  x front kv  full   (chunk src precedes both query chunks;
+                                                    chunk 2n-1-src follows both)
+    causal, s > r        back q x all kv    full   (query chunk r precedes both kv chunks;
+                                                    query chunk 2n-1-r follows both)
+    non-causal           all q  x all kv    full   (padded keys masked)
+
+so every step after the first is half a tile: the work is the same on every rank. Partial
+results merge by their log-sum-exp in fp32 (fp64 for fp64 inputs). The backward recomputes each
+tile with the GLOBAL out / LSE; dQ stays local and the dK/dV accumulator travels with its K/V
+block, arriving back at its owner after n hops. K/V are sent with their own Nkv heads (GQA).
+
+Tile kernels: ``"math"`` (any device and dtype; the CPU/gloo path) and ``"flash"`` (CUDA fp16 /
+bf16, PyTorch's FlashAttention-2; a gradient of the returned LSE switches its backward tiles to
+the math kernel, since FlashAttention cannot take one).
+
+Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from thdpack.attention import flash_kernel, math_kernel
+from thdpack.attention.merge import accumulation_dtype, merge_partials
+from thdpack.attention.metadata import Side, ThdMeta
+from thdpack.cp.comm import Ring, RingComm
+
+Section = Literal["all", "front", "back"]
+TileKernel = Literal["math", "flash"]
+TILE_KERNELS: tuple[TileKernel, ...] = ("math", "flash")
+
+
+def tile_sections(step: int, rank: int, causal: bool) -> tuple[Section, Section, bool]:
+    """``(query rows, kv rows, causal mask)`` of the tile rank ``rank`` computes at ``step``.
+
+    >>> [tile_sections(s, 2, True) for s in range(4)]   # rank 2 of 4
+    [('all', 'all', True), ('all', 'front', False), ('all', 'front', False), ('back', 'all', False)]
+    """
+    if not causal:
+        return "all", "all", False
+    if step == 0:
+        return "all", "all", True
+    if step <= rank:
+        return "all", "front", False
+    return "back", "all", False
+
+
+def _rows(side: Side, section: Section) -> tuple[torch.Tensor | None, Side]:
+    """(row indices into the full local block, or None for all rows; the section's Side)."""
+    if section == "all":
+        return None, side
+    back = section == "back"
+    return side.half_index(back), side.half(back)
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return x if rows is None else x.index_select(0, rows)
+
+
+def _tile_plan(meta: ThdMeta, ring: Ring, step: int, causal: bool, device: torch.device) -> tuple[Any, ...]:
+    q_section, kv_section, tile_causal = tile_sections(step, ring.rank, causal)
+    q_rows, q_side = _rows(meta.local_side(device, ring.rank), q_section)
+    kv_rows, kv_side = _rows(meta.local_side(device, (ring.rank - step) % ring.size), kv_section)
+    return q_rows, q_side, kv_rows, kv_side, tile_causal
+
+
+def ring_forward(
+    ring: Ring,
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    meta: ThdMeta,
+    *,
+    causal: bool,
+    scale: float,
+    kernel: TileKernel,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``(out_TNH, lse_NT)`` in the accumulation dtype; every rank calls it together."""
+    acc = accumulation_dtype(q_TNH.dtype)
+    tq, nq = q_TNH.shape[:2]
+    out_TNH = q_TNH.new_zeros((tq, nq, v_TNH.shape[-1]), dtype=acc)
+    lse_NT = q_TNH.new_full((nq, tq), float("-inf"), dtype=acc)
+    tile_forward = math_kernel.tile_forward if kernel == "math" else flash_kernel.tile_forward
+    kv = [k_TNH, v_TNH]
+    for step in range(ring.size):
+        incoming = ring.send_recv(kv) if step + 1 < ring.size else None
+        q_rows, q_side, kv_rows, kv_side, tile_causal = _tile_plan(meta, ring, step, causal, q_TNH.device)
+        part_out, part_lse = tile_forward(
+            _take(q_TNH, q_rows),
+            _take(kv[0], kv_rows),
+            _take(kv[1], kv_rows),
+            q_side,
+            kv_side,
+            causal=tile_causal,
+            scale=scale,
+        )
+        if q_rows is None:
+            out_TNH, lse_NT = merge_partials(out_TNH, lse_NT, part_out, part_lse)
+        else:
+            merged_out, merged_lse = merge_partials(out_TNH[q_rows], lse_NT[:, q_rows], part_out, part_lse)
+            out_TNH[q_rows], lse_NT[:, q_rows] = merged_out, merged_lse
+        if incoming is not None:
+            kv = incoming.wait()
+    return out_TNH, lse_NT
+
+
+def ring_backward(
+    ring: Ring,
+    dout_TNH: torch.Tensor,
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    out_TNH: torch.Tensor,
+    lse_NT: torch.Tensor,
+    delta_NT: torch.Tensor,
+    meta: ThdMeta,
+    *,
+    causal: bool,
+    scale: float,
+    kernel: TileKernel,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's ``(dq, dk, dv)`` in the accumulation dtype, from the GLOBAL out / lse / delta.
+
+    ``delta_NT`` is :func:`thdpack.attention.math_kernel.softmax_delta` (used by math tiles; the
+    flash kernel derives it from ``out_TNH`` itself).
+    """
+    acc = accumulation_dtype(q_TNH.dtype)
+    dq_TNH = torch.zeros(q_TNH.shape, dtype=acc, device=q_TNH.device)
+    dk_TNH = torch.zeros(k_TNH.shape, dtype=acc, device=k_TNH.device)
+    dv_TNH = torch.zeros(v_TNH.shape, dtype=acc, device=v_TNH.device)
+    out_for_kernel = out_TNH.to(q_TNH.dtype) if kernel == "flash" else out_TNH
+    kv = [k_TNH, v_TNH]
+    grads_in_flight = None
+    for step in range(ring.size):
+        incoming = ring.send_recv(kv) if step + 1 < ring.size else None
+        q_rows, q_side, kv_rows, kv_side, tile_causal = _tile_plan(meta, ring, step, causal, q_TNH.device)
+        q_in, dout_in = _take(q_TNH, q_rows), _take(dout_TNH, q_rows)
+        k_in, v_in = _take(kv[0], kv_rows), _take(kv[1], kv_rows)
+        lse_in = lse_NT if q_rows is None else lse_NT[:, q_rows]
+        if kernel == "flash":
+            dq, dk, dv = flash_kernel.tile_backward(
+                dout_in, q_in, k_in, v_in, _take(out_for_kernel, q_rows), lse_in, q_side, kv_side,
+                causal=tile_causal, scale=scale,
+            )  # fmt: skip
+        else:
+            delta_in = delta_NT if q_rows is None else delta_NT[:, q_rows]
+            dq, dk, dv = math_kernel.tile_backward(
+                dout_in, q_in, k_in, v_in, lse_in, delta_in, q_side, kv_side, causal=tile_causal, scale=scale
+            )
+        if grads_in_flight is not None:
+            dk_TNH, dv_TNH = grads_in_flight.wait()
+        _accumulate(dq_TNH, q_rows, dq)
+        _accumulate(dk_TNH, kv_rows, dk)
+        _accumulate(dv_TNH, kv_rows, dv)
+        if ring.size > 1:
+            # the dK/dV accumulator follows its K/V block: at step s rank r holds owner r - s's
+            grads_in_flight = ring.send_recv([dk_TNH, dv_TNH])
+        if incoming is not None:
+            kv = incoming.wait()
+    if grads_in_flight is not None:
+        dk_TNH, dv_TNH = grads_in_flight.wait()  # after n hops: our own block's gradient
+    return dq_TNH, dk_TNH, dv_TNH
+
+
+def _accumulate(total: torch.Tensor, rows: torch.Tensor | None, part: torch.Tensor) -> None:
+    if rows is None:
+        total += part.to(total.dtype)
+    else:
+        total.index_add_(0, rows, part.to(total.dtype))
+
+
+class RingAttention(torch.autograd.Function):
+    """Autograd wrapper: forward = :func:`ring_forward`, backward = :func:`ring_backward`."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q_TNH: torch.Tensor,
+        k_TNH: torch.Tensor,
+        v_TNH: torch.Tensor,
+        meta: ThdMeta,
+        ring: Ring,
+        causal: bool,
+        scale: float,
+        kernel: TileKernel,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out_TNH, lse_NT = ring_forward(ring, q_TNH, k_TNH, v_TNH, meta, causal=causal, scale=scale, kernel=kernel)
+        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
+        ctx.meta, ctx.ring, ctx.causal, ctx.scale, ctx.kernel = meta, ring, causal, scale, kernel
+        ctx.set_materialize_grads(False)
+        return out_TNH.to(q_TNH.dtype), lse_NT
+
+    @staticmethod
+    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
+        q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
+        delta_NT = math_kernel.softmax_delta(dout_TNH, out_TNH, dlse_NT)
+        if dout_TNH is None:
+            dout_TNH = q_TNH.new_zeros(out_TNH.shape)
+        # FlashAttention's backward derives delta from out and cannot see dLSE
+        kernel = "math" if dlse_NT is not None else ctx.kernel
+        dq, dk, dv = ring_backward(
+            ctx.ring, dout_TNH, q_TNH, k_TNH, v_TNH, out_TNH, lse_NT, delta_NT, ctx.meta,
+            causal=ctx.causal, scale=ctx.scale, kernel=kernel,
+        )  # fmt: skip
+        return dq.to(q_TNH.dtype), dk.to(k_TNH.dtype), dv.to(v_TNH.dtype), None, None, None, None, None
+
+
+def ring_attention(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    meta: ThdMeta,
+    *,
+    cp_group: dist.ProcessGroup | None,
+    causal: bool = True,
+    scale: float,
+    kernel: TileKernel = "math",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of this rank's shard; call on every rank of ``cp_group`` together.
+
+    Args:
+        q_TNH: (T, Nq, H) this rank's queries in ``thdpack.cp.shard`` order.
+        k_TNH / v_TNH: (T, Nkv, H) / (T, Nkv, Hv), ``Nq % Nkv == 0``.
+        meta: :func:`thdpack.attention.metadata.thd_meta` of the shard (global cu_seqlens,
+            ``cp_size == cp_group``'s size, ``cp_rank`` == this rank in it).
+        cp_group: the context-parallel group (None: the default group).
+        causal, scale: attention mask type and softmax scale.
+        kernel: ``"math"`` or ``"flash"`` tiles.
+
+    Returns:
+        ``out_TNH`` (T, Nq, Hv) in q's dtype and ``lse_NT`` (Nq, T) (fp64 for fp64 inputs, else
+        fp32); both differentiable.
+    """
+    return RingAttention.apply(q_TNH, k_TNH, v_TNH, meta, RingComm(cp_group), causal, scale, kernel)

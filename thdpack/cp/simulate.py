@@ -1,0 +1,170 @@
+"""A whole context-parallel ring in one process: ranks as threads, messages through mailboxes.
+
+:func:`simulated_ring_attention` takes the GLOBAL (unsharded) q/k/v of a THD batch, shards them
+with Transformer Engine's partition, runs :mod:`thdpack.cp.ring`'s forward and backward for every
+rank concurrently (the same code the process-group path runs, talking to :class:`ThreadRing`
+instead of ``batch_isend_irecv``), and returns the global out / LSE, differentiable. It needs no
+process group, so exactness checks (gradcheck included) and single-GPU checks of the tile
+kernels run anywhere.
+
+Legend: ``T`` tokens (global), ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from thdpack.attention import math_kernel
+from thdpack.attention.metadata import ThdMeta, thd_meta
+from thdpack.cp.partition import partition_indices
+from thdpack.cp.ring import TileKernel, ring_backward, ring_forward
+
+
+class _MailboxPending:
+    def __init__(self, mailbox: queue.Queue) -> None:
+        self._mailbox = mailbox
+
+    def wait(self) -> list[torch.Tensor]:
+        return self._mailbox.get(timeout=600)
+
+
+class ThreadRing:
+    """The :class:`thdpack.cp.comm.RingComm` interface between threads of one process."""
+
+    def __init__(self, rank: int, size: int, mailboxes: Sequence[queue.Queue]) -> None:
+        self.rank, self.size, self._mailboxes = rank, size, mailboxes
+
+    def send_recv(self, tensors: Sequence[torch.Tensor]) -> _MailboxPending:
+        self._mailboxes[(self.rank + 1) % self.size].put([t.clone() for t in tensors])
+        return _MailboxPending(self._mailboxes[self.rank])
+
+
+def run_ring_threads(size: int, fn: Callable[[ThreadRing], Any]) -> list[Any]:
+    """``[fn(ring of rank r) for r in range(size)]`` with the ranks running concurrently."""
+    mailboxes: list[queue.Queue] = [queue.Queue() for _ in range(size)]
+    results: list[Any] = [None] * size
+    errors: list[BaseException] = []
+
+    def work(rank: int) -> None:
+        try:
+            results[rank] = fn(ThreadRing(rank, size, mailboxes))
+        except BaseException as err:  # re-raised in the caller's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(rank,)) for rank in range(size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+class SimulatedRingAttention(torch.autograd.Function):
+    """Global q, k, v -> global (out, lse) through a ring of ``cp_size`` thread ranks."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q_TNH: torch.Tensor,
+        k_TNH: torch.Tensor,
+        v_TNH: torch.Tensor,
+        shards: list[tuple[ThdMeta, torch.Tensor]],
+        causal: bool,
+        scale: float,
+        kernel: TileKernel,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def rank_forward(ring: ThreadRing) -> tuple[torch.Tensor, torch.Tensor]:
+            meta, index = shards[ring.rank]
+            return ring_forward(
+                ring, q_TNH[index], k_TNH[index], v_TNH[index], meta, causal=causal, scale=scale, kernel=kernel
+            )
+
+        parts = run_ring_threads(len(shards), rank_forward)
+        out_TNH = parts[0][0].new_empty((q_TNH.shape[0], *parts[0][0].shape[1:]))
+        lse_NT = parts[0][1].new_empty((q_TNH.shape[1], q_TNH.shape[0]))
+        for (_, index), (out, lse) in zip(shards, parts, strict=True):
+            out_TNH[index], lse_NT[:, index] = out, lse
+        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
+        ctx.shards, ctx.causal, ctx.scale, ctx.kernel = shards, causal, scale, kernel
+        ctx.set_materialize_grads(False)
+        return out_TNH.to(q_TNH.dtype), lse_NT
+
+    @staticmethod
+    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
+        q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
+        if dout_TNH is None:
+            dout_TNH = q_TNH.new_zeros(out_TNH.shape)
+        kernel = "math" if dlse_NT is not None else ctx.kernel  # as RingAttention does
+
+        def rank_backward(ring: ThreadRing) -> tuple[torch.Tensor, ...]:
+            meta, index = ctx.shards[ring.rank]
+            dout, out, lse = dout_TNH[index], out_TNH[index], lse_NT[:, index]
+            delta = math_kernel.softmax_delta(dout, out, None if dlse_NT is None else dlse_NT[:, index])
+            return ring_backward(
+                ring, dout, q_TNH[index], k_TNH[index], v_TNH[index], out, lse, delta, meta,
+                causal=ctx.causal, scale=ctx.scale, kernel=kernel,
+            )  # fmt: skip
+
+        grads = [torch.zeros_like(t) for t in (q_TNH, k_TNH, v_TNH)]
+        for (_, index), parts in zip(ctx.shards, run_ring_threads(len(ctx.shards), rank_backward), strict=True):
+            for total, part in zip(grads, parts, strict=True):
+                total[index] = part.to(total.dtype)
+        return *grads, None, None, None, None
+
+
+def simulated_ring_attention(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    thd: Mapping[str, Any],
+    *,
+    cp_size: int,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    kernel: TileKernel = "math",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring attention of a whole batch as ``cp_size`` ranks would compute it, in one process.
+
+    Args:
+        q_TNH / k_TNH / v_TNH: (T, Nq, H) / (T, Nkv, H) / (T, Nkv, Hv), the GLOBAL batch in storage
+            order; T a multiple of ``2*cp_size`` per sequence (``cu_seqlens_padded``).
+        thd: the global batch's metadata (``cu_seqlens``, ``cu_seqlens_padded``).
+        cp_size, causal, softmax_scale, kernel: as for :func:`thdpack.cp.ring.ring_attention`.
+
+    Returns:
+        ``out_TNH`` (T, Nq, Hv) in q's dtype and ``lse_NT`` (Nq, T), in storage order, both
+        differentiable (the backward runs the ring's backward on all ranks).
+
+    >>> cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    >>> thd = {"cu_seqlens": cu, "cu_seqlens_padded": torch.tensor([0, 4, 8], dtype=torch.int32)}
+    >>> x = torch.randn(8, 2, 4, dtype=torch.float64)
+    >>> out, lse = simulated_ring_attention(x, x, x, thd, cp_size=2)
+    >>> single, _ = simulated_ring_attention(x, x, x, thd, cp_size=1)
+    >>> bool(torch.allclose(out[[0, 1, 2, 4, 5, 6, 7]], single[[0, 1, 2, 4, 5, 6, 7]]))  # real tokens
+    True
+    """
+    base = {key: thd[key] for key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if key in thd}
+    total = q_TNH.shape[0]
+    if thd_meta(base).total_tokens != total:
+        raise ValueError(
+            f"q has {total} tokens but the batch metadata describes {thd_meta(base).total_tokens}; "
+            "simulated_ring_attention takes the global (unsharded) tensors"
+        )
+    shards = []
+    for rank in range(cp_size):
+        meta = thd_meta({**base, "cp_size": cp_size, "cp_rank": rank})
+        if cp_size == 1:
+            index = torch.arange(total, device=q_TNH.device)
+        else:
+            cu_padded = base.get("cu_seqlens_padded", base["cu_seqlens"])
+            index = partition_indices(cu_padded, total, cp_size, rank).to(device=q_TNH.device, dtype=torch.int64)
+        shards.append((meta, index))
+    scale = q_TNH.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return SimulatedRingAttention.apply(q_TNH, k_TNH, v_TNH, shards, causal, scale, kernel)
