@@ -1,7 +1,7 @@
 """The ``thdpack`` command.
 
-    thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR
-    thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
+thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR
+thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
 """
 
 from __future__ import annotations

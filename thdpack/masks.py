@@ -177,9 +177,7 @@ def segment_ids(batch: Mapping[str, Any]) -> torch.Tensor:
     ordinal_N = (torch.arange(1, S + 1, device=present_BS.device).expand(B, S))[present_BS]
     seg_T = torch.repeat_interleave(ordinal_N, padded_N, output_size=B * L)
     starts_N = torch.cumsum(padded_N, 0) - padded_N
-    pos_T = torch.arange(B * L, device=seg_T.device) - torch.repeat_interleave(
-        starts_N, padded_N, output_size=B * L
-    )
+    pos_T = torch.arange(B * L, device=seg_T.device) - torch.repeat_interleave(starts_N, padded_N, output_size=B * L)
     real_T = torch.repeat_interleave(real_N, padded_N, output_size=B * L)
     return seg_T.masked_fill_(pos_T >= real_T, 0).view(B, L)
 

@@ -113,9 +113,7 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
     [0, 0, 0, 1, 0, 0, 1, 1]
     """
     check_bshd(batch)
-    real_N, padded_N = flat_sequence_lengths(
-        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
-    )
+    real_N, padded_N = flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
     return _flatten(batch, real_N, padded_N)
 
 
@@ -127,15 +125,11 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
     ``thd_to_device`` moves the batch without a host sync.
     """
     batch = _stack_packs(packs)
-    real_N, padded_N = flat_sequence_lengths(
-        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
-    )
+    real_N, padded_N = flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
     return _flatten(batch, real_N, padded_N)
 
 
-def thd_to_device(
-    thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True
-) -> THDBatch:
+def thd_to_device(thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True) -> THDBatch:
     """Move every tensor of a THD batch to ``device``; ``max_seqlen`` and other ints stay Python ints.
 
     ``non_blocking`` copies overlap with compute when the batch is in pinned memory
@@ -203,9 +197,7 @@ def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tens
     (tensor([1, 2, 3]), tensor([2, 2, 4]))
     """
     check_bshd(batch)
-    real_N, padded_N = flat_sequence_lengths(
-        batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]
-    )
+    real_N, padded_N = flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
     return torch.from_numpy(real_N), torch.from_numpy(padded_N)
 
 
@@ -276,9 +268,7 @@ def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
     try:
         return torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise TypeError(
-            f"pack {pack_index} has {key} of type {type(value).__name__}, not a tensor: {err}"
-        ) from err
+        raise TypeError(f"pack {pack_index} has {key} of type {type(value).__name__}, not a tensor: {err}") from err
 
 
 def _cumsum_from_zero(lengths_N: np.ndarray) -> torch.Tensor:

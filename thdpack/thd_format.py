@@ -82,8 +82,7 @@ def validate_thd(thd: Mapping[str, Any]) -> None:
     max_seqlen = thd["max_seqlen"]
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
         raise TypeError(
-            "max_seqlen must be a Python int (so the forward pass needs no .item()), "
-            f"got {type(max_seqlen).__name__}"
+            f"max_seqlen must be a Python int (so the forward pass needs no .item()), got {type(max_seqlen).__name__}"
         )
     widest = int(padded_N.max()) if padded_N.size else 0
     if max_seqlen < widest:
@@ -111,16 +110,12 @@ def validate_thd(thd: Mapping[str, Any]) -> None:
             continue
         if value.dim() == 0 or value.shape[0] != local_T:
             where = f"T / cp_size = {T} / {cp_size}" if cp_size > 1 else "T = cu_seqlens_padded[-1]"
-            raise ValueError(
-                f"{key} has shape {tuple(value.shape)}; per-token tensors need {local_T} rows ({where})"
-            )
+            raise ValueError(f"{key} has shape {tuple(value.shape)}; per-token tensors need {local_T} rows ({where})")
     for key in INT_TOKEN_KEYS:
         if thd[key].dtype.is_floating_point or thd[key].dtype.is_complex or thd[key].dtype == torch.bool:
             raise TypeError(f"{key} must be an integer tensor, got {thd[key].dtype}")
     if thd["padding_mask"].dtype != torch.bool:
-        raise TypeError(
-            f"padding_mask must be a bool tensor (True = padding), got {thd['padding_mask'].dtype}"
-        )
+        raise TypeError(f"padding_mask must be a bool tensor (True = padding), got {thd['padding_mask'].dtype}")
 
 
 def _check_cu(name: str, cu: Any) -> np.ndarray:
@@ -158,13 +153,11 @@ def check_bshd(batch: Mapping[str, Any]) -> None:
         if key in LENGTH_KEYS:
             if value.dim() != 2 or value.shape[0] != B or value.shape != batch["seq_lens_padded"].shape:
                 raise ValueError(
-                    f"{key} has shape {tuple(value.shape)}; seq_lens and seq_lens_padded must both be (B, S) "
-                    f"with B={B}"
+                    f"{key} has shape {tuple(value.shape)}; seq_lens and seq_lens_padded must both be (B, S) with B={B}"
                 )
         elif value.dim() < 2 or value.shape[:2] != (B, L):
             raise ValueError(
-                f"{key} has shape {tuple(value.shape)}; per-token tensors must be (B, L, ...) "
-                f"= ({B}, {L}, ...)"
+                f"{key} has shape {tuple(value.shape)}; per-token tensors must be (B, L, ...) = ({B}, {L}, ...)"
             )
 
 

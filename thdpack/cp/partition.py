@@ -34,8 +34,7 @@ def _check_cu_seqlens_padded(cu_seqlens_padded: torch.Tensor, total_tokens: int,
         raise TypeError(f"cu_seqlens_padded must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
     if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 2:
         raise ValueError(
-            "cu_seqlens_padded must be 1-D with at least 2 entries, "
-            f"got shape {tuple(cu_seqlens_padded.shape)}"
+            f"cu_seqlens_padded must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens_padded.shape)}"
         )
     if cu_seqlens_padded.dtype.is_floating_point or cu_seqlens_padded.dtype == torch.bool:
         raise TypeError(f"cu_seqlens_padded must be an integer tensor, got {cu_seqlens_padded.dtype}")
@@ -116,9 +115,7 @@ def partition_indices(
                 "move it to a GPU or use impl='auto'"
             )
         tex = require("transformer_engine_torch", "partition_indices(impl='te')")
-        return tex.thd_get_partitioned_indices(
-            cu_seqlens_padded.to(torch.int32), total_tokens, cp_size, cp_rank
-        )
+        return tex.thd_get_partitioned_indices(cu_seqlens_padded.to(torch.int32), total_tokens, cp_size, cp_rank)
     if impl == "numpy":
         index = _partition_indices_numpy(cu_host, total_tokens, cp_size, cp_rank)
         return torch.from_numpy(index).to(cu_seqlens_padded.device)
@@ -155,9 +152,7 @@ def _partition_indices_torch(
     # head run: chunk r; tail run: chunk 2W-1-r, which starts c tokens later in local order
     offset_N2 = torch.stack((base_N + cp_rank * chunk_N, base_N + (2 * cp_size - 2 - cp_rank) * chunk_N), 1)
     local_T = total_tokens // cp_size
-    offset_T = torch.repeat_interleave(
-        offset_N2.reshape(-1), chunk_N.repeat_interleave(2), output_size=local_T
-    )
+    offset_T = torch.repeat_interleave(offset_N2.reshape(-1), chunk_N.repeat_interleave(2), output_size=local_T)
     return (torch.arange(local_T, device=cu_N1.device) + offset_T).to(torch.int32)
 
 
@@ -244,14 +239,10 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
                 "in order"
             )
         if part.keys() != first.keys():
-            raise ValueError(
-                f"shards[{r}] has keys {sorted(part.keys())} but shards[0] has {sorted(first.keys())}"
-            )
+            raise ValueError(f"shards[{r}] has keys {sorted(part.keys())} but shards[0] has {sorted(first.keys())}")
         for key in ("cu_seqlens", "cu_seqlens_padded"):
             if not torch.equal(part[key], first[key]):
-                raise ValueError(
-                    f"shards[{r}] has a different {key} than shards[0]; shards must be of one batch"
-                )
+                raise ValueError(f"shards[{r}] has a different {key} than shards[0]; shards must be of one batch")
     if cp_size == 1:
         return {key: value for key, value in first.items() if key not in ("cp_size", "cp_rank")}
     cu_padded = first["cu_seqlens_padded"]

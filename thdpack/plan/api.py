@@ -133,9 +133,7 @@ def plan_packs(
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
-    stats = _stats(
-        len(lengths), entries, units, counts, ids, offsets, pack_loads, algorithm, pack_size, cp_size
-    )
+    stats = _stats(len(lengths), entries, units, counts, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],

@@ -114,17 +114,13 @@ def materialize(
     indices = np.empty(len(sizes), dtype=np.int64)
     next_slot = np.cumsum(slot_counts) - slot_counts  # first free slot of each size
     for start in range(0, len(sizes), CHUNK):
-        ids = (
-            np.arange(start, min(start + CHUNK, len(sizes))) if perm is None else perm[start : start + CHUNK]
-        )
+        ids = np.arange(start, min(start + CHUNK, len(sizes))) if perm is None else perm[start : start + CHUNK]
         chunk_keys = keys[ids]
         order = np.argsort(chunk_keys, kind="stable")
         sorted_keys = chunk_keys[order]
         chunk_counts = np.bincount(sorted_keys, minlength=capacity + 1)
         if len(chunk_counts) > capacity + 1 or (next_slot + chunk_counts > np.cumsum(slot_counts)).any():
-            raise ValueError(
-                "the sizes' histogram differs from the plan's: some size has more items than slots"
-            )
+            raise ValueError("the sizes' histogram differs from the plan's: some size has more items than slots")
         chosen = order + start if perm is None else ids[order]
         if len(ids) == len(sizes):  # one chunk: the sorted items are the slots, in order
             indices[targets] = chosen

@@ -132,15 +132,11 @@ class PackPlan:
         with np.load(Path(path), allow_pickle=False) as data:
             meta = json.loads(str(data["meta"]))
             if meta.get("format") != FORMAT:
-                raise ValueError(
-                    f"{path} is not a thdpack plan (format {meta.get('format')!r}, expected {FORMAT!r})"
-                )
+                raise ValueError(f"{path} is not a thdpack plan (format {meta.get('format')!r}, expected {FORMAT!r})")
             stats = None
             if meta["stats"] is not None:
                 fields = {k: v for k, v in meta["stats"].items() if k in PackingStats.__dataclass_fields__}
-                fields["fullness_percentiles"] = {
-                    int(k): v for k, v in fields["fullness_percentiles"].items()
-                }
+                fields["fullness_percentiles"] = {int(k): v for k, v in fields["fullness_percentiles"].items()}
                 stats = PackingStats(**fields)
             return cls(
                 data["indices"],

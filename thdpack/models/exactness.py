@@ -1,0 +1,363 @@
+"""Model-level exactness: one packed, CP-sharded, DP-split, gradient-accumulated training step of
+the reference decoder against the same step on every sequence alone.
+
+The packed step is the whole thdpack pipeline, as a trainer runs it:
+
+    plan_packs -> build_pack -> deal packs to (micro-step, DP rank) -> thd_collate -> cp.shard
+    -> Transformer(shard, cp_group=...) -> thdpack.loss.StepLoss (global denominator) -> backward
+    -> gradients all-reduced (average) over the flattened DP x CP group, G = dp_size * cp_size
+
+The unpacked step runs each sequence alone (its own THD batch, no CP, no padding) and takes the
+mean over the whole global batch (token mean, or the mean of per-sequence means). Both start
+from identical weights (``Transformer(config, seed=...)``). ``differences`` gives the max abs
+difference of the loss, of every real token's logits and of every parameter's gradient.
+``thdpack verify`` and the distributed tests run it; ``Fault`` plants a known layout bug, so one
+can watch the comparison catch it.
+
+Legend: ``T`` tokens of a micro-batch on this rank, ``V`` vocabulary, ``N`` sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from thdpack.cp import shard
+from thdpack.layout import cp_multiple
+from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
+from thdpack.models.transformer import Transformer
+from thdpack.packer import build_pack
+from thdpack.plan import plan_packs
+from thdpack.thd import THDBatch, thd_collate
+
+Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
+FAULTS: tuple[Fault, ...] = get_args(Fault)
+"""Layout bugs ``packed_step`` can plant: attention over the whole micro-batch as if it were one
+sequence; RoPE
+from each token's local index on its CP rank instead of its global position (needs CP); every CP
+rank computing on the next rank's shard (needs CP); the loss as a mean of per-rank, per-micro-step
+means. Positions that fail to restart per sequence are NOT in the list: RoPE depends only on
+the distance between two positions of one sequence, so a per-sequence offset changes nothing."""
+
+BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
+"""Sequence lengths of one copy of the test batch: a length-1 sequence (no loss token), 2, 4 and 8
+(exactly 2*cp_size tokens for cp 1, 2, 4), lengths that CP padding rounds up, 86 tokens in all."""
+
+_EXTRA_KEYS = ("sequence_index", "sequence_position", "loss_weights")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepLayout:
+    """How the global batch is spread for one optimizer step."""
+
+    dp_size: int = 1
+    """Data-parallel ranks; each gets its own packs."""
+    cp_size: int = 1
+    """Context-parallel ranks per DP rank; they share every micro-batch, one shard each."""
+    micro_steps: int = 2
+    """Gradient-accumulation micro-steps per optimizer step."""
+    reduction: LossReduction = "token_mean"
+    """``"token_mean"`` or ``"sequence_mean"`` (``thdpack.loss``)."""
+    fault: Fault = "none"
+    """A layout bug to plant (``FAULTS``), or ``"none"``."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_size", "cp_size", "micro_steps"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"unknown reduction {self.reduction!r}; valid: {', '.join(map(repr, LOSS_REDUCTIONS))}")
+        if self.fault not in FAULTS:
+            raise ValueError(f"unknown fault {self.fault!r}; valid: {', '.join(map(repr, FAULTS))}")
+        if self.fault in ("local_positions", "foreign_shard") and self.cp_size == 1:
+            raise ValueError(f"fault {self.fault!r} only exists under context parallelism; use cp_size >= 2")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """This rank's place in the layout: ``rank = dp_rank * cp_size + cp_rank``. Groups are None
+    for a single process without torch.distributed."""
+
+    dp_rank: int
+    cp_rank: int
+    dp_cp: dist.ProcessGroup | None
+    """All dp_size * cp_size ranks of the layout (loss denominator, gradient average)."""
+    cp: dist.ProcessGroup | None
+    """The CP ranks that share this rank's micro-batches."""
+
+
+def make_groups(layout: StepLayout, rank: int) -> RankGroups:
+    """Create the layout's groups on ranks ``0 .. world_size - 1`` of the default group.
+
+    Collective over the WHOLE default group (every process must call it, in the same order, even
+    ranks outside the layout); returns the groups of ``rank`` (meaningless beyond the layout).
+    """
+    dp_size, cp_size = layout.dp_size, layout.cp_size
+    dp_cp = dist.new_group(list(range(dp_size * cp_size)))
+    cps = [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size))) for d in range(dp_size)]
+    dp_rank, cp_rank = divmod(rank, cp_size)
+    return RankGroups(dp_rank, cp_rank, dp_cp, cps[dp_rank] if dp_rank < dp_size else None)
+
+
+def sample_lengths(layout: StepLayout) -> list[int]:
+    """Lengths of the test batch for ``layout``: copies of ``BASE_LENGTHS`` (enough for every
+    (micro-step, DP rank) to get a pack), plus a sequence of exactly 2*cp_size tokens."""
+    copies = math.ceil(layout.dp_size * layout.micro_steps / 4)
+    lengths = list(BASE_LENGTHS) * copies
+    if 2 * layout.cp_size not in lengths:
+        lengths.append(2 * layout.cp_size)
+    return lengths
+
+
+def make_samples(lengths: Sequence[int], vocab_size: int, seed: int) -> list[dict[str, np.ndarray]]:
+    """Random token sequences; every third one masks a prompt (its first third) out of the loss."""
+    rng = np.random.default_rng(seed)
+    samples = []
+    for i, n in enumerate(lengths):
+        sample = {"input_ids": rng.integers(1, vocab_size, n)}
+        if i % 3 == 2:
+            sample["loss_mask"] = (np.arange(n) >= n // 3).astype(np.int64)
+        samples.append(sample)
+    return samples
+
+
+def pack_size_for(lengths: Sequence[int], cp_size: int) -> int:
+    """The smallest multiple of ``2*cp_size`` that is >= 24 and >= the longest sequence."""
+    multiple = cp_multiple(cp_size)
+    return -(-max(24, *lengths) // multiple) * multiple
+
+
+def global_micro_batches(
+    samples: Sequence[Mapping[str, Any]], layout: StepLayout, pack_size: int
+) -> list[list[THDBatch]]:
+    """``[dp_rank][micro_step]``: the global (unsharded) THD micro-batches of one optimizer step.
+
+    The samples are planned into packs once (BFD, CP padding for ``layout.cp_size``) and pack
+    ``i`` goes to micro-step ``(i % bins) // dp_size``, DP rank ``i % dp_size`` (bins = dp_size *
+    micro_steps), so micro-batches hold different numbers of packs and tokens. Extra per-token
+    keys, re-indexed by ``cp.shard`` like the tokens: ``sequence_index`` (the sample a token
+    belongs to), ``sequence_position`` (its true position in it) and ``loss_weights``.
+    """
+    lengths = [len(s["input_ids"]) for s in samples]
+    plan = plan_packs(lengths, pack_size, cp_size=layout.cp_size)
+    bins = layout.dp_size * layout.micro_steps
+    if len(plan) < bins:
+        raise ValueError(f"{len(plan)} packs for {bins} (micro-step, DP rank) slots; use more samples or fewer ranks")
+    batches: list[list[list[dict[str, Any]]]] = [[[] for _ in range(layout.micro_steps)] for _ in range(layout.dp_size)]
+    for i in range(len(plan)):
+        pack: dict[str, Any] = dict(build_pack(samples, plan.segments(i), pack_size, cp_size=layout.cp_size))
+        pack["sequence_index"] = torch.from_numpy(np.repeat(plan[i], pack["seq_lens_padded"].numpy()))
+        pack["sequence_position"] = pack["position_ids"].clone()
+        slot = i % bins
+        batches[slot % layout.dp_size][slot // layout.dp_size].append(pack)
+    out = []
+    for per_rank in batches:
+        thds = []
+        for packs in per_rank:
+            thd = thd_collate(packs)
+            thd["loss_weights"] = loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction=layout.reduction)
+            thds.append(thd)
+        out.append(thds)
+    return out
+
+
+@dataclass
+class PackedResult:
+    """One rank's view of the packed step."""
+
+    loss: float
+    """The global loss of the step (the same on every rank)."""
+    grads: dict[str, torch.Tensor]
+    """Every parameter's gradient after the reduction (the same on every rank)."""
+    tokens: list[dict[str, torch.Tensor]]
+    """Per micro-step: this rank's ``logits`` (T, V) and each token's ``sequence_index``,
+    ``sequence_position`` and ``real`` flag."""
+
+
+def packed_step(
+    model: Transformer,
+    micro_batches: Sequence[Mapping[str, Any]],
+    layout: StepLayout,
+    groups: RankGroups,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+) -> PackedResult:
+    """One optimizer step's forward and backward on this rank's CP shards of its micro-batches.
+
+    ``micro_batches``: this DP rank's global THD micro-batches (``global_micro_batches()[dp_rank]``),
+    on the model's device. ``autocast_dtype``: run the forward under ``torch.autocast`` (bf16).
+    """
+    shards = [_rank_shard(thd, layout, groups.cp_rank) for thd in micro_batches]
+    per_sequence = layout.reduction == "sequence_mean"
+    step_loss = StepLoss.begin(
+        [s["labels"] for s in shards],
+        micro_batch_weights=[s["loss_weights"] for s in shards] if per_sequence else None,
+        grad_average_size=layout.world_size,
+        group=groups.dp_cp,
+    )
+    model.zero_grad(set_to_none=True)
+    tokens, naive_share = [], torch.zeros((), dtype=torch.float64)
+    device = next(model.parameters()).device
+    for s in shards:
+        model_input = {k: v for k, v in s.items() if k not in _EXTRA_KEYS}
+        with _autocast(device, autocast_dtype):
+            logits_TV = model(model_input, cp_group=groups.cp if layout.cp_size > 1 else None)
+        weights_T = s["loss_weights"] if per_sequence else None
+        if layout.fault == "mean_of_means":
+            # the pitfall: normalise by this rank's own micro-batch, then average ranks and steps
+            count = s["loss_weights"].sum().clamp_min(1.0)
+            loss = cross_entropy_sum(logits_TV, s["labels"], weights_T) / count / layout.micro_steps
+            naive_share += loss.detach().double().cpu() / layout.world_size
+        else:
+            loss = step_loss(logits_TV, s["labels"], weights_T)
+        loss.backward()
+        real_T = ~s["padding_mask"]
+        tokens.append({"logits": logits_TV.detach(), "real": real_T, **{k: s[k] for k in _EXTRA_KEYS[:2]}})
+    for p in model.parameters():
+        if p.grad is not None and groups.dp_cp is not None:
+            dist.all_reduce(p.grad, group=groups.dp_cp)
+            p.grad /= layout.world_size
+    if layout.fault == "mean_of_means":
+        value = naive_share.to(device)
+        if groups.dp_cp is not None:
+            dist.all_reduce(value, group=groups.dp_cp)
+        global_loss = float(value)
+    else:
+        global_loss = float(step_loss.value())
+    return PackedResult(global_loss, _grads(model), tokens)
+
+
+@dataclass
+class UnpackedResult:
+    """The unpacked reference step."""
+
+    loss: float
+    grads: dict[str, torch.Tensor]
+    logits: list[torch.Tensor]
+    """Per sample: (n, V) logits of the sample run alone."""
+    weighted_token_losses: list[torch.Tensor]
+    """Per sample: (n,) float64 cross-entropy of each token times its weight in the loss (0 for
+    tokens without a label); the loss is their total."""
+
+
+def unpacked_step(
+    model: Transformer,
+    samples: Sequence[Mapping[str, Any]],
+    reduction: LossReduction,
+    *,
+    autocast_dtype: torch.dtype | None = None,
+) -> UnpackedResult:
+    """Every sample alone (one sequence, no padding, no CP), the loss averaged over all of them."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    token_losses, counts, logits = [], [], []
+    for sample in samples:
+        thd = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in _alone(sample).items()}
+        with _autocast(device, autocast_dtype):
+            logits_TV = model(thd)
+        token_losses.append(
+            F.cross_entropy(logits_TV.float() if autocast_dtype else logits_TV, thd["labels"], reduction="none")
+        )
+        counts.append(int((thd["labels"] != -100).sum()))
+        logits.append(logits_TV.detach())
+    if reduction == "token_mean":
+        weights = [1.0 / sum(counts)] * len(samples)
+    else:
+        with_tokens = sum(n > 0 for n in counts)
+        weights = [1.0 / (n * with_tokens) if n else 0.0 for n in counts]
+    weighted = [ce_T * w for ce_T, w in zip(token_losses, weights, strict=True)]
+    loss = torch.cat(weighted).sum()
+    loss.backward()
+    weighted_token_losses = [x.detach().double() for x in weighted]
+    return UnpackedResult(float(loss.detach()), _grads(model), logits, weighted_token_losses)
+
+
+def differences(packed: PackedResult, reference: UnpackedResult) -> dict[str, float]:
+    """Max abs differences: ``"loss"``, ``"logits"`` (real tokens of this rank) and one
+    ``"grad <parameter name>"`` per parameter, in ``named_parameters`` order."""
+    diffs = {"loss": abs(packed.loss - reference.loss), "logits": 0.0}
+    flat = torch.cat(reference.logits)
+    starts = torch.tensor([0] + [len(x) for x in reference.logits], device=flat.device).cumsum(0)[:-1]
+    for t in packed.tokens:
+        real = t["real"]
+        rows = starts[t["sequence_index"][real]] + t["sequence_position"][real]
+        got, want = t["logits"][real].to(flat.dtype), flat[rows]
+        if len(rows):
+            diffs["logits"] = max(diffs["logits"], float((got - want).abs().max()))
+    for name, grad in packed.grads.items():
+        diffs[f"grad {name}"] = float((grad - reference.grads[name].to(grad.dtype)).abs().max())
+    return diffs
+
+
+def magnitudes(reference: UnpackedResult) -> dict[str, float]:
+    """Max abs value of each quantity of ``differences`` in the reference (to read them against)."""
+    sizes = {"loss": abs(reference.loss), "logits": max(float(x.abs().max()) for x in reference.logits)}
+    sizes.update({f"grad {name}": float(grad.abs().max()) for name, grad in reference.grads.items()})
+    return sizes
+
+
+def baseline_errors(other: UnpackedResult, reference: UnpackedResult) -> dict[str, float]:
+    """The error scale of another unpacked step (plain bf16) against the reference, with
+    ``differences``' keys: max abs differences of logits and gradients; for ``"loss"`` the
+    weighted sum of the per-token loss differences, which bounds the scalar loss difference but,
+    unlike it, does not cancel by luck (a single scalar is no measure of a dtype's error)."""
+    diffs = {"loss": 0.0, "logits": 0.0}
+    for a, b, la, lb in zip(
+        other.logits, reference.logits, other.weighted_token_losses, reference.weighted_token_losses, strict=True
+    ):
+        diffs["loss"] += float((la - lb).abs().sum())
+        diffs["logits"] = max(diffs["logits"], float((a.to(b.dtype) - b).abs().max()))
+    for name, grad in other.grads.items():
+        diffs[f"grad {name}"] = float((grad.to(reference.grads[name].dtype) - reference.grads[name]).abs().max())
+    return diffs
+
+
+def _rank_shard(thd: Mapping[str, Any], layout: StepLayout, cp_rank: int) -> THDBatch:
+    """``cp.shard`` of this rank, with ``layout.fault`` planted."""
+    if layout.fault == "cross_sequence_attention":
+        total = int(thd["cu_seqlens_padded"][-1])
+        whole = torch.tensor([0, total], dtype=torch.int32, device=thd["cu_seqlens_padded"].device)
+        thd = {**thd, "cu_seqlens": whole, "cu_seqlens_padded": whole, "max_seqlen": total}
+    if layout.fault == "foreign_shard":
+        return {**shard(thd, layout.cp_size, (cp_rank + 1) % layout.cp_size), "cp_rank": cp_rank}
+    local = shard(thd, layout.cp_size, cp_rank)
+    if layout.fault == "local_positions":
+        slots = torch.diff(local["cu_seqlens_padded"].long()) // layout.cp_size
+        starts = torch.repeat_interleave(torch.cumsum(slots, 0) - slots, slots)
+        local["position_ids"] = torch.arange(len(starts), device=starts.device) - starts
+    return local
+
+
+def _alone(sample: Mapping[str, Any]) -> THDBatch:
+    """A THD batch of one sample: one sequence, no padding."""
+    pack = build_pack([sample], ([0], [0], [len(sample["input_ids"])]), len(sample["input_ids"]))
+    return thd_collate([pack])
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+@contextlib.contextmanager
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None:
+        yield
+    else:
+        with torch.autocast(device.type, dtype=dtype):
+            yield

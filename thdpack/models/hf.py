@@ -1,0 +1,192 @@
+"""Feed THD batches to Hugging Face ``transformers`` models, and run them on thdpack's attention.
+
+What Hugging Face supports for packed ("padding-free") training, one row of concatenated
+sequences with batch size 1 (transformers 5.x; research/ring_attention.md section 4):
+
+* ``attn_implementation="flash_attention_2"`` (also ``_3`` / ``_4``): given the
+  ``FlashAttentionKwargs`` ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (int) it calls the
+  varlen kernel once over the row: exact, no padding work. Without them it infers the
+  boundaries from ``position_ids`` (every position 0 starts a sequence), so positions MUST
+  restart per sequence there; thdpack's packs do.
+* ``"sdpa"``, ``"eager"``, ``"flex_attention"``: no varlen kernel; with no ``attention_mask`` the
+  mask builder finds sequences from ``position_ids`` resets and builds a block-diagonal causal
+  mask (a dense T x T mask for sdpa / eager, a BlockMask for flex): exact, but O(T^2) memory.
+* No context parallelism: every one of those attends within the row it is given.
+* The loss: ``labels`` are shifted inside the model unless ``shift_labels`` is given; thdpack's
+  labels are already shifted, so pass both (``hf_packed_kwargs(..., include_labels=True)``),
+  plus ``num_items_in_batch`` = ``thdpack.loss.count_loss_tokens(...)`` for the global token mean.
+
+thdpack's attention as a Hugging Face backend (adds CP, the TE / flash / math backends, real
+``cu_seqlens`` for exact bidirectional attention)::
+
+    from thdpack.models.hf import hf_packed_kwargs, register_hf_attention
+    register_hf_attention("thdpack")              # transformers' AttentionInterface.register
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="thdpack")
+    out = model(**hf_packed_kwargs(cp.shard(thd, cp_size, cp_rank), cp_group=cp_group))
+
+An attention name without a registered mask function gets ``attention_mask=None`` (transformers
+skips mask building for such "custom" backends), and the keyword arguments of the model call
+reach the attention function, which is how the THD metadata and the CP group get there.
+
+Legend: ``T`` tokens of the batch (this rank's under CP), ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from thdpack._optional import require
+from thdpack.attention import thd_attention
+
+THD_KWARG = "thdpack_thd"
+"""Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""
+CP_GROUP_KWARG = "thdpack_cp_group"
+"""Model-call keyword that carries the context-parallel group to ``hf_attention_forward``."""
+
+_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank")
+
+
+def hf_packed_kwargs(
+    thd: Mapping[str, Any], *, cp_group: dist.ProcessGroup | None = None, include_labels: bool = False
+) -> dict[str, Any]:
+    """Keyword arguments of a Hugging Face model call for a THD batch (``model(**kwargs)``).
+
+    Args:
+        thd: a THD batch (``thdpack.to_thd``) or a CP shard (``thdpack.cp.shard``): ``input_ids``,
+            ``position_ids`` (T,) integer; ``cu_seqlens`` / ``cu_seqlens_padded`` (N+1,) int32
+            (``[0] == 0``, non-decreasing, ``cu_seqlens_padded[-1] == T * cp_size``);
+            ``max_seqlen`` a Python int; ``labels`` (T,) (already shifted) with ``include_labels``.
+        cp_group: the CP group of a shard (required exactly when ``thd`` is a shard).
+        include_labels: add ``labels`` and ``shift_labels`` (1, T) so the model computes the loss
+            without shifting the already-shifted labels a second time.
+
+    Returns:
+        ``input_ids``, ``position_ids``: (1, T) int64. For an unsharded batch also the
+        ``FlashAttentionKwargs`` ``cu_seq_lens_q = cu_seq_lens_k`` ((N+1,) int32, the storage
+        slots ``cu_seqlens_padded``: the varlen kernel indexes rows by them, and padding follows
+        its sequence's real tokens, so causal attention of every real token is exact) and
+        ``max_length_q = max_length_k`` (int). Always ``thdpack_thd``, the batch's metadata,
+        for thdpack's attention; for a shard also ``thdpack_cp_group``, and no
+        ``cu_seq_lens_*``, which no Hugging Face backend could use on a CP shard.
+
+    >>> pack = {"input_ids": torch.tensor([[5, 6, 7, 0, 8, 9, 0, 0]]),
+    ...         "labels": torch.tensor([[6, 7, -100, -100, 9, -100, -100, -100]]),
+    ...         "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]]),
+    ...         "seq_lens": torch.tensor([[3, 2]]), "seq_lens_padded": torch.tensor([[4, 4]])}
+    >>> from thdpack.thd import to_thd
+    >>> kwargs = hf_packed_kwargs(to_thd(pack), include_labels=True)
+    >>> kwargs["input_ids"].shape, kwargs["cu_seq_lens_q"].tolist(), kwargs["max_length_q"]
+    (torch.Size([1, 8]), [0, 4, 8], 4)
+    >>> kwargs["shift_labels"].tolist() == kwargs["labels"].tolist() == [pack["labels"][0].tolist()]
+    True
+    """
+    missing = [
+        key for key in ("input_ids", "position_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen") if key not in thd
+    ]
+    if include_labels and "labels" not in thd:
+        missing.append("labels")
+    if missing:
+        raise ValueError(f"the THD batch lacks {missing}; build it with thdpack.to_thd / thd_collate")
+    cp_size = thd.get("cp_size", 1)
+    if cp_size > 1 and cp_group is None:
+        raise ValueError(
+            f"thd is CP rank {thd.get('cp_rank')}'s shard of cp_size={cp_size}; pass its cp_group (and load the "
+            "model with attn_implementation set to register_hf_attention()'s name)"
+        )
+    if cp_size == 1 and cp_group is not None:
+        raise ValueError("cp_group was given but thd is not a CP shard; shard it with thdpack.cp.shard first")
+    kwargs: dict[str, Any] = {
+        "input_ids": thd["input_ids"].long().unsqueeze(0),
+        "position_ids": thd["position_ids"].long().unsqueeze(0),
+        THD_KWARG: {key: thd[key] for key in _METADATA_KEYS if key in thd},
+    }
+    if cp_size > 1:
+        kwargs[CP_GROUP_KWARG] = cp_group
+    else:
+        cu = thd["cu_seqlens_padded"].to(torch.int32)
+        kwargs.update(
+            cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=thd["max_seqlen"], max_length_k=thd["max_seqlen"]
+        )
+    if include_labels:
+        labels_1T = thd["labels"].long().unsqueeze(0)
+        kwargs.update(labels=labels_1T, shift_labels=labels_1T)
+    return kwargs
+
+
+def hf_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """thdpack's ``thd_attention`` with the signature of a Hugging Face attention function.
+
+    Args:
+        module: the calling attention layer (its ``is_causal`` attribute, default True, applies
+            when ``is_causal`` is None).
+        query: (1, Nq, T, H); key, value: (1, Nkv, T, H) (GQA without repeated heads).
+        attention_mask: must be None (packed rows carry no mask; see the module docstring).
+        dropout, sliding_window, softcap: unsupported; 0.0 / None, else ``ValueError``.
+        scaling: softmax scale (None = ``H ** -0.5``).
+        kwargs: the model call's keywords: ``thdpack_thd`` (+ ``thdpack_cp_group``) from
+            ``hf_packed_kwargs``, or at least ``cu_seq_lens_q`` and ``max_length_q``.
+
+    Returns:
+        ``(out, None)``: out (1, T, Nq, H) in query's dtype, no attention weights.
+    """
+    if attention_mask is not None:
+        raise ValueError(
+            f"thdpack attention got an attention_mask of shape {tuple(attention_mask.shape)}; packed rows need "
+            "none: call the model with hf_packed_kwargs(thd) and no attention_mask"
+        )
+    if dropout:
+        raise ValueError(f"thdpack attention has no dropout, got dropout={dropout}; set attention_dropout=0.0")
+    if sliding_window is not None or softcap is not None:
+        raise ValueError(
+            f"thdpack attention supports neither sliding windows nor softcapping (got sliding_window="
+            f"{sliding_window}, softcap={softcap}); use a model without them"
+        )
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"thdpack attention takes one packed row, query (1, heads, T, head_dim); got shape {tuple(query.shape)}"
+        )
+    thd = _metadata(kwargs, total_tokens=query.shape[2])
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q_TNH, k_TNH, v_TNH = (t[0].transpose(0, 1) for t in (query, key, value))
+    out_TNH = thd_attention(
+        q_TNH, k_TNH, v_TNH, thd, causal=causal, softmax_scale=scaling, cp_group=kwargs.get(CP_GROUP_KWARG)
+    )
+    return out_TNH.unsqueeze(0), None
+
+
+def register_hf_attention(name: str = "thdpack") -> str:
+    """Register ``hf_attention_forward`` with transformers' ``AttentionInterface`` under ``name``;
+    return ``name`` for ``attn_implementation=``. Needs ``transformers``."""
+    transformers = require("transformers", "register_hf_attention")
+    transformers.AttentionInterface.register(name, hf_attention_forward)
+    return name
+
+
+def _metadata(kwargs: Mapping[str, Any], *, total_tokens: int) -> Mapping[str, Any]:
+    if THD_KWARG in kwargs:
+        return kwargs[THD_KWARG]
+    if kwargs.get("cu_seq_lens_q") is None or kwargs.get("max_length_q") is None:
+        raise ValueError(
+            "thdpack attention needs the packing metadata: call the model with **hf_packed_kwargs(thd) "
+            "(or at least cu_seq_lens_q and max_length_q)"
+        )
+    cu = kwargs["cu_seq_lens_q"].to(torch.int32)
+    if int(cu[-1]) != total_tokens:
+        raise ValueError(f"cu_seq_lens_q ends at {int(cu[-1])} but the row has {total_tokens} tokens")
+    return {"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": int(kwargs["max_length_q"])}

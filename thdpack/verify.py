@@ -1,0 +1,301 @@
+"""``thdpack verify``: prove on this machine that packing + context parallelism is exact.
+
+    thdpack verify --cp-size 2                          # 2 processes, gloo on CPU, fp64
+    thdpack verify --cp-size 2 --dp-size 2 --dtype float32 --reduction sequence_mean
+    thdpack verify --cp-size 2 --inject-fault local_positions   # watch it catch a RoPE bug
+
+It starts ``dp_size * cp_size`` processes itself (no torchrun; a file:// rendezvous): NCCL on one
+GPU per rank when that many GPUs are visible, else gloo on the CPU. Every rank builds the same
+small decoder (``ModelConfig.preset``) and the same random sequences, then runs one optimizer
+step of 2 accumulation micro-steps on packed, CP-sharded THD batches with the global loss
+normalisation, and the same step on every sequence alone (``thdpack.models.exactness``). It
+prints the max abs difference of the loss, of every real token's logits and of every parameter's
+gradient, and exits 0 when all are within the dtype's tolerance (float64 1e-10, float32 1e-5;
+bfloat16: the packed error against an fp32 reference at most twice the error of the plain,
+unpacked bf16 step), 1 when one is not, 2 on an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from thdpack.attention.config import BACKENDS, CP_COMM_TYPES
+from thdpack.loss import LOSS_REDUCTIONS
+from thdpack.models.config import MODEL_PRESETS, ModelConfig
+from thdpack.models.exactness import (
+    FAULTS,
+    StepLayout,
+    baseline_errors,
+    differences,
+    global_micro_batches,
+    magnitudes,
+    make_groups,
+    make_samples,
+    pack_size_for,
+    packed_step,
+    sample_lengths,
+    unpacked_step,
+)
+from thdpack.models.transformer import Transformer
+from thdpack.thd import thd_to_device
+
+VerifyDtype = Literal["float64", "float32", "bfloat16"]
+VERIFY_DTYPES: tuple[VerifyDtype, ...] = get_args(VerifyDtype)
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+DEVICE_CHOICES: tuple[DeviceChoice, ...] = get_args(DeviceChoice)
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+"""Max abs difference allowed per quantity; bfloat16 is judged against plain bf16 instead."""
+BF16_FACTOR = 2.0
+"""bfloat16 passes when its error against fp32 is at most this times the plain bf16 step's."""
+BF16_FLOOR = 1e-6
+"""...plus this, so that quantities that plain bf16 gets exactly right may carry rounding noise."""
+
+
+def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``thdpack verify`` options."""
+    parser.add_argument("--cp-size", type=int, required=True, help="context-parallel ranks (processes per DP rank)")
+    parser.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    parser.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (default auto)")
+    parser.add_argument("--dtype", choices=VERIFY_DTYPES, default="float64", help="precision (default float64)")
+    parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="CP K/V exchange")
+    parser.add_argument("--reduction", choices=LOSS_REDUCTIONS, default="token_mean", help="loss normalisation")
+    parser.add_argument("--micro-steps", type=int, default=2, help="gradient-accumulation micro-steps (default 2)")
+    parser.add_argument("--model", choices=MODEL_PRESETS, default="tiny", help="model preset (default tiny)")
+    parser.add_argument(
+        "--device", choices=DEVICE_CHOICES, default="auto", help="auto: one GPU per rank if enough, else CPU"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="weights and data seed")
+    parser.add_argument(
+        "--inject-fault",
+        choices=FAULTS,
+        default="none",
+        help="plant a known layout bug (the check must then fail)",
+    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class VerifyJob:
+    """Everything a rank needs (picklable: it crosses the spawn)."""
+
+    layout: StepLayout
+    config: ModelConfig
+    dtype: VerifyDtype
+    device_type: Literal["cpu", "cuda"]
+    seed: int
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    """Run the check described by ``args`` (``add_verify_arguments``); print the table; return
+    0 (exact), 1 (a difference over tolerance) or 2 (a rank failed)."""
+    job = _job(args)
+    world = job.layout.world_size
+    results = _launch(job, world)
+    errors = [r for r in results if r["status"] == "error"]
+    if errors:
+        print(f"thdpack verify: error on {errors[0]['where']}: {errors[0]['message']}", file=sys.stderr)
+        print(errors[0]["traceback"], file=sys.stderr)
+        return 2
+    report = results[0]
+    print(_header(job, report))
+    rows = _rows(job, report)
+    print(_table(rows))
+    failed = [row[0] for row in rows if not row[3]]
+    worst = max(rows, key=lambda row: row[1] / row[2] if row[2] > 0 else float("inf"))
+    if failed:
+        print(
+            f"FAIL: {len(failed)} of {len(rows)} quantities differ beyond tolerance (first: {failed[0]}); the packed "
+            "step is NOT the unpacked one"
+        )
+        return 1
+    print(f"PASS: the packed step equals the unpacked one (worst: {worst[0]}, {worst[1]:.2e} <= {worst[2]:.1e})")
+    return 0
+
+
+def _job(args: argparse.Namespace) -> VerifyJob:
+    layout = StepLayout(
+        dp_size=args.dp_size,
+        cp_size=args.cp_size,
+        micro_steps=args.micro_steps,
+        reduction=args.reduction,
+        fault=args.inject_fault,
+    )
+    config = ModelConfig.preset(args.model, attention_backend=args.backend, cp_comm_type=args.cp_comm_type)
+    world = layout.world_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and gpus < world:
+        raise ValueError(
+            f"--device cuda needs one GPU per rank: {world} ranks (dp {layout.dp_size} x cp {layout.cp_size}), "
+            f"{gpus} GPUs visible; use --device cpu or fewer ranks"
+        )
+    device_type: Literal["cpu", "cuda"] = (
+        "cuda" if args.device == "cuda" or (args.device == "auto" and gpus >= world) else "cpu"
+    )
+    return VerifyJob(layout=layout, config=config, dtype=args.dtype, device_type=device_type, seed=args.seed)
+
+
+def _launch(job: VerifyJob, world: int) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks; return each rank's pickled result."""
+    with tempfile.TemporaryDirectory(prefix="thdpack-verify-") as tmp:
+        ctx = mp.start_processes(_rank_entry, args=(world, tmp, job), nprocs=world, join=False, start_method="spawn")
+        while not ctx.join():
+            pass
+        results = []
+        for rank in range(world):
+            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
+
+
+def _rank_entry(rank: int, world: int, tmp: str, job: VerifyJob) -> None:
+    """One spawned rank: join the group, run the step, write the result (or the error) to a file."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if job.device_type == "cuda" else "gloo"
+    if job.device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=5),
+    )
+    try:
+        result: dict[str, Any] = {"status": "ok", **_rank_check(rank, job)}
+    except Exception as err:  # every failure goes back to the parent, with its traceback
+        result = {
+            "status": "error",
+            "where": f"rank {rank}",
+            "message": f"{type(err).__name__}: {err}",
+            "traceback": traceback.format_exc(),
+        }
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def _rank_check(rank: int, job: VerifyJob) -> dict[str, Any]:
+    """This rank's packed step against the unpacked one; the max differences over all ranks."""
+    layout, config = job.layout, job.config
+    device = torch.device(job.device_type, rank if job.device_type == "cuda" else 0)
+    backend_log = _capture_backend_choice()
+    groups = make_groups(layout, rank)
+    lengths = sample_lengths(layout)
+    samples = make_samples(lengths, config.vocab_size, job.seed)
+    pack_size = pack_size_for(lengths, layout.cp_size)
+    batches = global_micro_batches(samples, layout, pack_size)
+    micro_batches = [thd_to_device(thd, device) for thd in batches[groups.dp_rank]]
+    half = job.dtype == "bfloat16"
+    param_dtype = torch.float32 if half else getattr(torch, job.dtype)
+    autocast = torch.bfloat16 if half else None
+
+    def model() -> Transformer:
+        return Transformer(config, seed=job.seed, device=device, dtype=param_dtype)
+
+    packed = packed_step(model(), micro_batches, layout, groups, autocast_dtype=autocast)
+    reference = unpacked_step(model(), samples, layout.reduction)
+    diffs = differences(packed, reference)
+    names = list(diffs)
+    worst = _all_max(torch.tensor([diffs[n] for n in names], dtype=torch.float64, device=device))
+    report: dict[str, Any] = {"diffs": dict(zip(names, worst.tolist(), strict=True)), "sizes": magnitudes(reference)}
+    if half:  # plain bf16: the same unpacked step under autocast, against the same fp32 reference
+        plain = unpacked_step(model(), samples, layout.reduction, autocast_dtype=autocast)
+        report["plain_bf16"] = baseline_errors(plain, reference)
+    report.update(
+        sequences=len(samples),
+        tokens=sum(lengths),
+        pack_size=pack_size,
+        packs=sum(int(thd["input_ids"].shape[0]) // pack_size for per_rank in batches for thd in per_rank),
+        backend=backend_log.messages[0] if backend_log.messages else "no attention call logged",
+        device=str(device.type),
+    )
+    return report
+
+
+def _all_max(values: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return values.cpu()
+
+
+class _BackendLog(logging.Handler):
+    """Keeps the ``thdpack.attention`` backend-choice lines of this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _capture_backend_choice() -> _BackendLog:
+    handler = _BackendLog()
+    log = logging.getLogger("thdpack.attention")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    return handler
+
+
+def _header(job: VerifyJob, report: dict[str, Any]) -> str:
+    layout = job.layout
+    transport = "NCCL" if job.device_type == "cuda" else "gloo"
+    fault = f", injected fault: {layout.fault}" if layout.fault != "none" else ""
+    return "\n".join(
+        [
+            f"thdpack verify: dp {layout.dp_size} x cp {layout.cp_size} = {layout.world_size} processes "
+            f"({transport}, {report['device']}), {job.dtype}, {layout.micro_steps} micro-steps, "
+            f"{layout.reduction}{fault}",
+            f"  data: {report['sequences']} sequences, {report['tokens']} tokens, {report['packs']} packs of "
+            f"{report['pack_size']}; model: {job.config.n_layers} layers, dim {job.config.dim}, "
+            f"{job.config.n_heads}/{job.config.n_kv_heads} heads",
+            f"  attention: {report['backend']}",
+        ]
+    )
+
+
+def _rows(job: VerifyJob, report: dict[str, Any]) -> list[tuple[str, float, float, bool, float]]:
+    """``(quantity, max abs diff, tolerance, ok, reference magnitude)`` per quantity."""
+    rows = []
+    for name, diff in report["diffs"].items():
+        if job.dtype == "bfloat16":
+            tolerance = BF16_FACTOR * report["plain_bf16"][name] + BF16_FLOOR
+        else:
+            tolerance = TOLERANCE[job.dtype]
+        rows.append((name, diff, tolerance, diff <= tolerance, report["sizes"][name]))
+    return rows
+
+
+def _table(rows: Sequence[tuple[str, float, float, bool, float]]) -> str:
+    width = max(len("quantity"), *(len(r[0]) for r in rows))
+    lines = [
+        f"{'quantity':<{width}}  {'max |unpacked|':>14}  {'max |packed - unpacked|':>23}  {'tolerance':>9}  result"
+    ]
+    for name, diff, tolerance, ok, size in rows:
+        lines.append(f"{name:<{width}}  {size:>14.3e}  {diff:>23.3e}  {tolerance:>9.1e}  {'ok' if ok else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m thdpack.verify ...`` (the same as ``thdpack verify ...``)."""
+    parser = argparse.ArgumentParser(prog="thdpack verify", description=__doc__.splitlines()[0])
+    add_verify_arguments(parser)
+    return run_verify(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
