@@ -40,12 +40,15 @@ def _hydra_type(annotation: Any) -> Any:
 
 
 @functools.cache
-def hydra_node(component: type) -> type:
-    """A writable, OmegaConf-typed twin dataclass of the frozen dataclass ``component``."""
+def hydra_node(component: type, exclude: tuple[str, ...] = ()) -> type:
+    """A writable, OmegaConf-typed twin dataclass of the frozen dataclass ``component``.
+
+    ``exclude`` leaves out fields that another config group sets (``build(..., **values)``).
+    """
     hints = typing.get_type_hints(component)
     fields = []
     for f in dataclasses.fields(component):
-        if not f.init:
+        if not f.init or f.name in exclude:
             continue
         spec: dict[str, Any] = {}
         if f.default is not dataclasses.MISSING:
@@ -56,7 +59,9 @@ def hydra_node(component: type) -> type:
     return dataclasses.make_dataclass(f"{component.__name__}Node", fields, kw_only=True)
 
 
-def build(component: type[C], node: Any) -> C:
-    """The component config from its Hydra twin (or from any object with the same fields)."""
-    values = {f.name: getattr(node, f.name) for f in dataclasses.fields(component) if f.init}
-    return component(**{k: list(v) if isinstance(v, tuple | list) else v for k, v in values.items()})
+def build(component: type[C], node: Any, **values: Any) -> C:
+    """The component config from its Hydra twin (plus ``values`` for the excluded fields)."""
+    for f in dataclasses.fields(component):
+        if f.init and f.name not in values and hasattr(node, f.name):
+            values[f.name] = getattr(node, f.name)
+    return component(**values)
