@@ -22,7 +22,7 @@ import numpy as np
 
 from thdpack.plan.histogram import HistogramPlan
 
-CHUNK = 1 << 20  # items ranked per step: big enough to amortise numpy calls, small enough for the cache
+CHUNK = 1 << 16  # items ranked per step: numpy calls amortised, a chunk's sort stays in the CPU cache
 
 
 def pack_offsets(hp: HistogramPlan) -> np.ndarray:
