@@ -51,7 +51,9 @@ BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
 """Sequence lengths of one copy of the test batch: a length-1 sequence (no loss token), 2, 4 and 8
 (exactly 2*cp_size tokens for cp 1, 2, 4), lengths that CP padding rounds up, 86 tokens in all."""
 
-_EXTRA_KEYS = ("sequence_index", "sequence_position", "loss_weights")
+_TRACE_KEYS = ("sequence_index", "sequence_position")
+"""Per-token keys that say which sample and position a token is: how logits are matched up."""
+_EXTRA_KEYS = (*_TRACE_KEYS, "loss_weights")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,9 +227,11 @@ def packed_step(
             loss = step_loss(logits_TV, s["labels"], weights_T)
         loss.backward()
         real_T = ~s["padding_mask"]
-        tokens.append({"logits": logits_TV.detach(), "real": real_T, **{k: s[k] for k in _EXTRA_KEYS[:2]}})
-    for p in model.parameters():
-        if p.grad is not None and groups.dp_cp is not None:
+        tokens.append({"logits": logits_TV.detach(), "real": real_T, **{k: s[k] for k in _TRACE_KEYS}})
+    if groups.dp_cp is not None:  # FSDP / DDP over the flattened DP x CP group: an average
+        for p in model.parameters():
+            if p.grad is None:  # every rank must join every all-reduce
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=groups.dp_cp)
             p.grad /= layout.world_size
     if layout.fault == "mean_of_means":
