@@ -68,9 +68,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from thdpack.layout import IGNORE_INDEX
+
 LossReduction = Literal["token_mean", "sequence_mean"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
-IGNORE_INDEX = -100
 
 
 def loss_weights(

@@ -178,7 +178,7 @@ class PackedDataset(torch.utils.data.Dataset):
         self._epoch = 0
         self._position = 0
         self._cached: tuple[int, PackPlan, np.ndarray, EpochShard] | None = None
-        log.info("PackedDataset epoch 0 plan:\n%s", self.stats)
+        log.debug("PackedDataset epoch 0 plan:\n%s", self.stats)
 
     # -- the epoch's plan and order ---------------------------------------------------------
     def _epoch_view(self) -> tuple[PackPlan, np.ndarray, EpochShard]:
@@ -285,6 +285,15 @@ class PackedDataset(torch.utils.data.Dataset):
             pad_id=cfg.pad_id,
             sample_lengths=self.lengths,
         )
+
+    def pack_lengths(self, i: int) -> np.ndarray:
+        """(k,) int64 real lengths of the sequences in pack ``i`` (from the plan: no token read),
+        e.g. to balance work across ranks before building packs."""
+        plan, order, _ = self._epoch_view()
+        n = len(order)
+        if not -n <= i < n:
+            raise IndexError(f"pack {i} out of range: this rank has {n} packs in epoch {self._epoch}")
+        return plan.segments(int(order[i]))[2]
 
     def __iter__(self) -> Iterator[Pack]:
         while self._position < len(self):

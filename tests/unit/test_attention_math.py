@@ -195,3 +195,27 @@ def test_bf16_inputs_accumulate_in_fp32():
     valid = case["valid"]
     assert (out.double() - want["out"])[valid].abs().max() < 2e-2  # bf16 output rounding
     assert (lse.double() - want["lse"])[:, valid].abs().max() < 1e-5  # fp32 from bf16 inputs
+
+
+def test_the_padding_key_mask_matters_only_without_causality():
+    thd = make_thd([5, 2, 9], multiple=8)
+    meta = thd_meta(thd)
+    case = random_case(thd, 2, 2, 8, torch.float64, seed=6)
+    masked = meta.local_side(CPU)
+    unmasked = Side(masked.counts, masked.counts, masked.pos_T)  # padding treated as real keys
+    valid = case["valid"]
+    for causal in (True, False):
+        with_mask, _ = attend_math(case["q"], case["k"], case["v"], masked, causal=causal, scale=0.3)
+        without, _ = attend_math(case["q"], case["k"], case["v"], unmasked, causal=causal, scale=0.3)
+        same = torch.allclose(with_mask[valid], without[valid], atol=1e-13)
+        assert same == causal  # causal: a real token never sees its slot's later padding
+
+
+def test_gradients_flow_to_whichever_inputs_require_them():
+    thd = make_thd([6, 10])
+    side = thd_meta(thd).local_side(CPU)
+    q = torch.randn(16, 2, 4, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(16, 2, 4, dtype=torch.float64), torch.randn(16, 2, 4, dtype=torch.float64)
+    out, _ = attend_math(q, k, v, side, causal=True, scale=0.5)
+    (dq,) = torch.autograd.grad(out.sum(), (q,))
+    assert dq.shape == q.shape and dq.abs().sum() > 0

@@ -16,11 +16,10 @@ from thdpack import layout
 from thdpack._optional import has_module
 from thdpack.packer import SampleTokens, assemble_pack, read_sample
 from thdpack.plan import plan_packs
+from thdpack.thd_format import SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
 
 log = logging.getLogger(__name__)
 
-SEQ_LENS_SENTINEL = -1000
-"""NeMo's filler for "no sequence here" in padded ``seq_lens`` / ``cu_seqlens`` matrices."""
 PAD_TOKEN_IDS_KEY = "___PAD_TOKEN_IDS___"
 """Item key through which NeMo datasets pass per-key pad ids to the collater."""
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")

@@ -96,45 +96,44 @@ def run_prepare(args: argparse.Namespace) -> int:
         return 2
 
 
-def _prepare(args: argparse.Namespace) -> int:
-    if args.limit is not None and args.limit < 1:
-        raise ValueError(f"--limit must be >= 1, got {args.limit}")
-    # check the planning arguments on a one-sequence plan now, not after an hour of tokenizing
-    plan_packs(
-        [1],
-        args.pack_size,
-        algorithm=args.algorithm,
-        cp_size=args.cp_size,
-        overflow=args.overflow,
-        seed=args.seed,
-    )
-    source_config = SourceConfig(format=args.format, decode_errors=args.decode_errors, split=args.split)
-    sources = [Source(path, source_config) for path in args.inputs]
-    tokenize_config = TokenizeConfig(
-        kind=args.kind,
-        text_key=args.text_key,
-        append_eos=not args.no_eos,
-        eos_id=args.eos_id,
-        mask_prompt=not args.train_on_prompt,
-        batch_size=args.batch_size,
-    )
-    encoder = SampleEncoder(load_tokenizer(args.tokenizer), tokenize_config)
-    out: Path = args.out
+def write_token_store(
+    inputs: list[str],
+    out: Path,
+    *,
+    tokenizer: str = "gpt2",
+    source_config: SourceConfig | None = None,
+    tokenize_config: TokenizeConfig | None = None,
+    sample_format: str = "labels",
+    limit: int | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    verbose: bool = True,
+) -> TokenStore:
+    """Read ``inputs``, tokenize them and write a token store in ``out``; return it opened.
 
+    The shared first half of ``thdpack prepare`` and of the trainer's data setup. Records and
+    tokens that a stage skips are counted in the store's ``manifest.json`` and printed.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1, got {limit}")
+    source_config = source_config or SourceConfig()
+    tokenize_config = tokenize_config or TokenizeConfig()
+    sources = [Source(path, source_config) for path in inputs]
+    encoder = SampleEncoder(load_tokenizer(tokenizer), tokenize_config)
     start = time.perf_counter()
     writer = TokenStoreWriter(
         out,
         tokenizer=encoder.tokenizer,
-        sample_format=args.sample_format,
+        sample_format=sample_format,
         source=[s.describe() for s in sources],
-        overwrite=args.overwrite,
+        overwrite=overwrite,
     )
     (out / PLAN_FILE).unlink(missing_ok=True)  # an older plan must never sit next to a new store
     with writer:
-        bar = progress_bar(total=args.limit, desc="tokenize", unit="rec", enabled=args.progress)
+        bar = progress_bar(total=limit, desc="tokenize", unit="rec", enabled=progress)
 
         def read() -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
-            for batch in record_batches(_records(sources, args.limit), tokenize_config, lambda item: item[1]):
+            for batch in record_batches(_records(sources, limit), tokenize_config, lambda item: item[1]):
                 bar.update(len(batch))
                 yield [record for _, record in batch], [origin for origin, _ in batch]
 
@@ -151,16 +150,47 @@ def _prepare(args: argparse.Namespace) -> int:
             extra={
                 "prepare": {
                     "inputs": [{**s.describe(), **dataclasses.asdict(s.report)} for s in sources],
-                    "limit": args.limit,
+                    "limit": limit,
                     "tokenize": {**dataclasses.asdict(tokenize_config), "eos_id": encoder.eos_id},
                     "tokenize_report": dataclasses.asdict(encoder.report),
                     "seconds": round(seconds, 3),
                 }
             }
         )
-    _print_reading(sources, encoder, writer, seconds, args.limit)
+    if verbose:
+        _print_reading(sources, encoder, writer, seconds, limit)
+    return TokenStore(out)
 
-    store = TokenStore(out)
+
+def _prepare(args: argparse.Namespace) -> int:
+    # check the planning arguments on a one-sequence plan now, not after an hour of tokenizing
+    plan_packs(
+        [1],
+        args.pack_size,
+        algorithm=args.algorithm,
+        cp_size=args.cp_size,
+        overflow=args.overflow,
+        seed=args.seed,
+    )
+    out: Path = args.out
+    store = write_token_store(
+        args.inputs,
+        out,
+        tokenizer=args.tokenizer,
+        source_config=SourceConfig(format=args.format, decode_errors=args.decode_errors, split=args.split),
+        tokenize_config=TokenizeConfig(
+            kind=args.kind,
+            text_key=args.text_key,
+            append_eos=not args.no_eos,
+            eos_id=args.eos_id,
+            mask_prompt=not args.train_on_prompt,
+            batch_size=args.batch_size,
+        ),
+        sample_format=args.sample_format,
+        limit=args.limit,
+        overwrite=args.overwrite,
+        progress=args.progress,
+    )
     lengths = store.lengths
     print(
         f"sample lengths ({store.sample_format}): min {lengths.min():,}, median {int(np.median(lengths)):,}, "

@@ -40,10 +40,10 @@ import numpy as np
 from thdpack._optional import require
 from thdpack.data._progress import progress_bar
 from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments, text_chars
+from thdpack.layout import IGNORE_INDEX
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)
-IGNORE_INDEX = -100
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZERS = {"gpt2": ASSETS / "gpt2_tokenizer.json"}
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")

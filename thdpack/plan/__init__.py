@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from thdpack.plan.api import ALGORITHMS, DEFAULT_WINDOW, Algorithm, as_lengths, plan_packs, slot_multiple
+from thdpack.plan.api import ALGORITHMS, DEFAULT_WINDOW, Algorithm, as_lengths, plan_packs
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram
@@ -29,5 +29,4 @@ __all__ = [
     "materialize",
     "plan_histogram",
     "plan_packs",
-    "slot_multiple",
 ]

@@ -17,6 +17,7 @@ from typing import Literal
 
 import numpy as np
 
+from thdpack.layout import check_pack_size, cp_multiple
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import plan_histogram
@@ -65,11 +66,6 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return int(value)
 
 
-def slot_multiple(cp_size: int) -> int:
-    """Every sequence's slot is a multiple of this: 2*cp_size under context parallelism, else 1."""
-    return 2 * cp_size if cp_size > 1 else 1
-
-
 def plan_packs(
     lengths: object,
     pack_size: int,
@@ -111,14 +107,8 @@ def plan_packs(
         raise ValueError(f"unknown overflow policy {overflow!r}; valid: {', '.join(OVERFLOWS)}")
     if seed is not None:
         seed = _check_int("seed", seed, 0)
-    multiple = slot_multiple(cp_size)
-    if pack_size % multiple:
-        lower = pack_size // multiple * multiple
-        raise ValueError(
-            f"pack_size={pack_size} is not a multiple of 2*cp_size={multiple}; context parallelism "
-            f"splits every sequence into {multiple} equal chunks: use pack_size={lower + multiple}"
-            + (f" or {lower}" if lower else "")
-        )
+    check_pack_size(pack_size, cp_size)
+    multiple = cp_multiple(cp_size)
 
     entries = apply_overflow(lengths, pack_size, overflow)
     if len(entries.length) == 0:
@@ -171,7 +161,7 @@ def _stats(
     pack_size: int,
     cp_size: int,
 ) -> PackingStats:
-    multiple = slot_multiple(cp_size)
+    multiple = cp_multiple(cp_size)
     num_packs = len(offsets) - 1
     real_tokens = int(entries.length.sum())
     if pack_loads is None:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One machine, NPROC processes (GPUs, or CPU processes with gloo).
+#   bash launch/single_node.sh                                  # 2 processes, cp_size 2 (the default run)
+#   NPROC=8 bash launch/single_node.sh parallel.cp_size=2 model=small train=gpu
+#   DRY_RUN=1 bash launch/single_node.sh                       # print the command, run nothing
+set -euo pipefail
+NPROC=${NPROC:-2}
+cmd=(torchrun --standalone --nproc-per-node "${NPROC}" -m thdpack.train "$@")
+if [[ -n "${DRY_RUN:-}" ]]; then printf '%q ' "${cmd[@]}"; echo; exit 0; fi
+exec "${cmd[@]}"

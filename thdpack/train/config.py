@@ -1,0 +1,220 @@
+"""Typed configs of the training run, one per Hydra group, registered in Hydra's ConfigStore.
+
+Groups (YAML presets in ``configs/<group>/``): ``data``, ``model``, ``packing``, ``parallel``,
+``attention``, ``train``. ``model`` and ``attention`` are generated twins of the components'
+own frozen configs (``thdpack.models.ModelConfig``, ``thdpack.attention.AttentionConfig``);
+the others belong to the trainer. Every ``__post_init__`` rejects bad values with the value,
+the limit and the fix; ``Config`` adds the checks that span groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from thdpack.attention import AttentionConfig
+from thdpack.data.records import RECORD_KINDS
+from thdpack.data.sources import SOURCE_FORMATS
+from thdpack.layout import check_pack_size
+from thdpack.loss import LOSS_REDUCTIONS
+from thdpack.models import ModelConfig
+from thdpack.plan import ALGORITHMS, OVERFLOWS
+from thdpack.train.schema import build, hydra_node
+
+DP_SHARDINGS = ("ddp", "fsdp")
+DEVICES = ("auto", "cpu", "cuda")
+DIST_BACKENDS = ("auto", "gloo", "nccl")
+BALANCES = ("attention", "tokens", "none")
+DTYPES = ("float32", "float64", "bfloat16")
+# ModelConfig fields that the `attention` group sets
+MODEL_ATTENTION_FIELDS = ("attention_backend", "causal", "cp_comm_type")
+
+
+def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(repr(o) for o in options)}")
+
+
+def _at_least(name: str, value: int | float, minimum: int | float) -> None:
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the training text comes from and how it becomes tokens (cached as a token store)."""
+
+    inputs: list[str] = field(default_factory=lambda: ["stdlib"])
+    """Files / folders read in order; 'stdlib' = this Python's standard library sources."""
+    tokenizer: str = "gpt2"
+    """'gpt2' (shipped with thdpack) or a tokenizer.json path."""
+    format: str = "auto"
+    """Input format (auto-detected from the path by default)."""
+    kind: str = "auto"
+    """Record kind: text, alpaca (SFT, prompt masked) or chat; auto-detected by default."""
+    limit: int | None = None
+    """Read only the first N records (a quick trial); None reads everything."""
+    cache_dir: str = "~/.cache/thdpack/stores"
+    """Token stores are cached here, one per (inputs, tokenizer, limit, ...) fingerprint."""
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("data.inputs is empty: name at least one file, folder or 'stdlib'")
+        _one_of("data.format", self.format, ("auto", *SOURCE_FORMATS))
+        _one_of("data.kind", self.kind, ("auto", *RECORD_KINDS))
+        if self.limit is not None:
+            _at_least("data.limit", self.limit, 1)
+
+
+@dataclass(kw_only=True)
+class PackingConfig:
+    """How sequences become packs and packs become the steps of the run."""
+
+    pack_size: int = 1024
+    """Tokens per pack (one row of a THD batch); a multiple of 2 * parallel.cp_size."""
+    algorithm: str = "bfd"
+    """Planner: bfd (default), ffd, window (order-preserving) or sequential (NeMo's next fit)."""
+    overflow: str = "split"
+    """Samples longer than pack_size: split (no token lost), truncate, drop or error."""
+    window: int = 1024
+    """Lookahead of algorithm=window."""
+    seed: int = 0
+    """Plans and pack order of epoch e are seeded by (seed, e)."""
+    balance: str = "attention"
+    """Deal each step's packs to DP ranks balancing attention cost (sum of squared sequence lengths)
+    and tokens ('attention'), tokens only ('tokens'), or in order ('none')."""
+
+    def __post_init__(self) -> None:
+        _at_least("packing.pack_size", self.pack_size, 1)
+        _one_of("packing.algorithm", self.algorithm, ALGORITHMS)
+        _one_of("packing.overflow", self.overflow, OVERFLOWS)
+        _at_least("packing.window", self.window, 1)
+        _at_least("packing.seed", self.seed, 0)
+        _one_of("packing.balance", self.balance, BALANCES)
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """Data x context parallelism over the torchrun world (dp_size = world_size / cp_size)."""
+
+    cp_size: int = 2
+    """Context-parallel ranks per sequence; must divide the world size."""
+    dp_sharding: str = "ddp"
+    """How parameters and gradients are replicated over dp x cp: ddp or fsdp (FSDP2 fully_shard)."""
+    device: str = "auto"
+    """auto: cuda when available, else cpu."""
+    backend: str = "auto"
+    """torch.distributed backend; auto: nccl on cuda, gloo on cpu."""
+
+    def __post_init__(self) -> None:
+        _at_least("parallel.cp_size", self.cp_size, 1)
+        _one_of("parallel.dp_sharding", self.dp_sharding, DP_SHARDINGS)
+        _one_of("parallel.device", self.device, DEVICES)
+        _one_of("parallel.backend", self.backend, DIST_BACKENDS)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """The optimisation loop, logging, checkpoints."""
+
+    steps: int = 60
+    """Optimizer steps."""
+    micro_batches: int = 1
+    """Gradient-accumulation micro-steps per optimizer step (per DP rank)."""
+    packs_per_micro_batch: int = 1
+    """Packs (THD rows) in each micro-batch."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW), reached after warmup_steps, cosine-decayed to min_lr."""
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+    loss_reduction: str = "token_mean"
+    """token_mean (the unpacked token mean over the global batch) or sequence_mean."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32, float64 or bfloat16."""
+    seed: int = 0
+    """Model initialisation and every other random choice of the run."""
+    output_dir: str = "outputs/train"
+    """metrics.jsonl, checkpoints/, loss.png, config.yaml go here."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir (the data and batch settings must match)."""
+    stop_at: int | None = None
+    """Stop after this step and checkpoint (the schedule still spans ``steps``): split a run over
+    time-limited allocations, then continue with train.resume=true."""
+    checkpoint_every: int = 20
+    """Save a checkpoint every N steps and at the end (0: only at the end)."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep (oldest removed first)."""
+    log_every: int = 1
+    """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    plot: bool = True
+    """Write loss.png at the end (needs matplotlib)."""
+
+    def __post_init__(self) -> None:
+        _at_least("train.steps", self.steps, 1)
+        _at_least("train.micro_batches", self.micro_batches, 1)
+        _at_least("train.packs_per_micro_batch", self.packs_per_micro_batch, 1)
+        _at_least("train.warmup_steps", self.warmup_steps, 0)
+        _at_least("train.grad_clip", self.grad_clip, 0)
+        _at_least("train.checkpoint_every", self.checkpoint_every, 0)
+        _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
+        _at_least("train.log_every", self.log_every, 1)
+        if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
+            raise ValueError(f"train.stop_at must be in [1, train.steps={self.steps}], got {self.stop_at}")
+        if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        _one_of("train.loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
+        _one_of("train.dtype", self.dtype, DTYPES)
+
+
+ModelNode = hydra_node(ModelConfig, exclude=MODEL_ATTENTION_FIELDS)
+AttentionNode = hydra_node(AttentionConfig)
+
+
+@dataclass(kw_only=True)
+class Config:
+    """The whole run: one node per group."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelNode = field(default_factory=ModelNode)  # type: ignore[valid-type]
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    attention: AttentionNode = field(default_factory=AttentionNode)  # type: ignore[valid-type]
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        check_pack_size(self.packing.pack_size, self.parallel.cp_size)
+        self.model_config()  # validates the model and attention groups together
+        self.attention_config()
+
+    def model_config(self) -> ModelConfig:
+        """The model's component config (model group + attention group)."""
+        attention = self.attention_config()
+        return build(
+            ModelConfig,
+            self.model,
+            attention_backend=attention.backend,
+            causal=attention.causal,
+            cp_comm_type=attention.cp_comm_type,
+        )
+
+    def attention_config(self) -> AttentionConfig:
+        return build(AttentionConfig, self.attention)
+
+
+def register_configs() -> None:
+    """Register the schema of the whole run and of every group in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=Config)
+    for group, node in (
+        ("data", DataConfig),
+        ("model", ModelNode),
+        ("packing", PackingConfig),
+        ("parallel", ParallelConfig),
+        ("attention", AttentionNode),
+        ("train", TrainConfig),
+    ):
+        store.store(group=group, name="schema", node=node)

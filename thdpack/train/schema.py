@@ -1,0 +1,67 @@
+"""Hydra-facing twins of frozen component configs.
+
+Components keep precise, frozen configs (``Literal`` choices, checks in ``__post_init__``).
+OmegaConf cannot type ``Literal`` fields and Hydra overrides need writable nodes, so each
+component config gets a generated twin: same fields, defaults and order, ``Literal[...]`` typed
+as ``str``, not frozen. Hydra composes the twins; ``build`` turns a twin back into the component
+config, whose own checks then reject bad values with their usual messages.
+
+>>> from dataclasses import dataclass
+>>> from typing import Literal
+>>> @dataclass(frozen=True, kw_only=True)
+... class Example:
+...     mode: Literal["a", "b"] = "a"
+...     size: int = 2
+>>> Node = hydra_node(Example)
+>>> build(Example, Node(mode="b"))
+Example(mode='b', size=2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+C = TypeVar("C")
+
+
+def _hydra_type(annotation: Any) -> Any:
+    """``annotation`` with every ``Literal[...]`` replaced by ``str`` (inside Optional / unions too)."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        return str
+    if origin in (typing.Union, types.UnionType):
+        args = tuple(_hydra_type(a) for a in typing.get_args(annotation))
+        return functools.reduce(lambda a, b: a | b, args)
+    return annotation
+
+
+@functools.cache
+def hydra_node(component: type, exclude: tuple[str, ...] = ()) -> type:
+    """A writable, OmegaConf-typed twin dataclass of the frozen dataclass ``component``.
+
+    ``exclude`` leaves out fields that another config group sets (``build(..., **values)``).
+    """
+    hints = typing.get_type_hints(component)
+    fields = []
+    for f in dataclasses.fields(component):
+        if not f.init or f.name in exclude:
+            continue
+        spec: dict[str, Any] = {}
+        if f.default is not dataclasses.MISSING:
+            spec["default"] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            spec["default_factory"] = f.default_factory
+        fields.append((f.name, _hydra_type(hints[f.name]), dataclasses.field(**spec)))
+    return dataclasses.make_dataclass(f"{component.__name__}Node", fields, kw_only=True)
+
+
+def build(component: type[C], node: Any, **values: Any) -> C:
+    """The component config from its Hydra twin (plus ``values`` for the excluded fields)."""
+    for f in dataclasses.fields(component):
+        if f.init and f.name not in values and hasattr(node, f.name):
+            values[f.name] = getattr(node, f.name)
+    return component(**values)

@@ -1,0 +1,273 @@
+"""The training loop: packed THD batches, CP-sharded, dp x cp replicas, globally normalised loss.
+
+One optimizer step on rank r:
+1. the step's packs are dealt to the DP ranks (``data.StepStream``); this rank's micro-batches
+   are collated to THD (metadata on the host) and CP-sharded (``cp.shard``);
+2. one collective counts the global loss tokens (``loss.StepLoss``); each micro-batch's loss is
+   ``sum(token losses) / global count * world_size``, because DDP / FSDP2 average gradients over
+   the whole dp x cp world while the step's gradient is the SUM of every rank's share;
+3. gradients are synchronised on the last micro-batch only, clipped, and applied.
+The loss and gradients then equal those of the same global batch run unpacked on one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from thdpack.cp import shard
+from thdpack.loss import StepLoss, count_loss_tokens, loss_weights
+from thdpack.models import Transformer
+from thdpack.packed_dataset import PackedDataset
+from thdpack.packer import Pack
+from thdpack.thd import thd_collate, thd_to_device
+from thdpack.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from thdpack.train.config import Config, TrainConfig
+from thdpack.train.data import StepStream, open_token_store, pad_id_of, real_lengths_summary
+from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
+from thdpack.train.runtime import Runtime, init_runtime, shutdown
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def lr_lambda(train: TrainConfig):
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step (a factor of lr)."""
+
+    def factor(step: int) -> float:
+        if step < train.warmup_steps:
+            return (step + 1) / train.warmup_steps
+        progress = (step - train.warmup_steps) / max(1, train.steps - train.warmup_steps)
+        floor = train.min_lr / train.lr
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(wrapped model, inner model): identical initial weights on every rank, then DDP or FSDP2
+    over the whole dp x cp world (CP ranks hold the same parameters and sum their gradients)."""
+    model_cfg = cfg.model_config()
+    if model_cfg.vocab_size < vocab_size:
+        raise ValueError(
+            f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size}); "
+            f"set model.vocab_size={vocab_size}"
+        )
+    generator = torch.Generator().manual_seed(cfg.train.seed)
+    inner = Transformer(model_cfg)
+    inner.init_weights(generator)
+    inner.to(device=runtime.device, dtype=DTYPES[cfg.train.dtype])
+    if cfg.parallel.dp_sharding == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in inner.layers:
+            fully_shard(block, mesh=runtime.world_mesh)
+        fully_shard(inner, mesh=runtime.world_mesh)
+        return inner, inner
+    device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+    return DistributedDataParallel(inner, device_ids=device_ids), inner
+
+
+def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95))
+
+
+def _micro_step_context(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def _global_grad_norm(model: torch.nn.Module, clip: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def shard_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, reduction: str) -> list[dict[str, Any]]:
+    """This rank's CP shards of its micro-batches, as THD batches on its device.
+
+    Metadata (cu_seqlens, max_seqlen, per-sequence loss weights) is computed on the host from
+    the whole micro-batch, before sharding, so every CP rank agrees on it.
+    """
+    micro = []
+    for packs in micro_batches:
+        thd = thd_collate(packs)
+        if reduction == "sequence_mean":
+            thd["loss_weights"] = loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction="sequence_mean")
+        micro.append(thd_to_device(shard(thd, runtime.cp_size, runtime.cp_rank), runtime.device))
+    return micro
+
+
+def forward_backward(model: torch.nn.Module, micro: list[dict[str, Any]], runtime: Runtime) -> StepLoss:
+    """Forward and backward of one optimizer step's micro-batches; gradients end up synchronised
+    (DDP / FSDP2 average over the world, and the loss is scaled by the world size for that).
+    Returns the step's ``StepLoss`` (``.value()`` is the global loss)."""
+    per_sequence = "loss_weights" in micro[0]
+    step_loss = StepLoss.begin(
+        [mb["labels"] for mb in micro],
+        grad_average_size=runtime.world_size,
+        micro_batch_weights=[mb["loss_weights"] for mb in micro] if per_sequence else None,
+    )
+    for k, mb in enumerate(micro):
+        with _micro_step_context(model, sync=k == len(micro) - 1):
+            logits_TV = model(mb, cp_group=runtime.cp_group)
+            step_loss(logits_TV, mb["labels"], mb.get("loss_weights")).backward()
+    return step_loss
+
+
+def run(cfg: Config) -> list[dict[str, Any]]:
+    """Train with ``cfg`` in this process (one rank of torchrun, or alone); returns the metrics."""
+    runtime = init_runtime(cfg.parallel)
+    try:
+        return _train(cfg, runtime)
+    finally:
+        shutdown()
+
+
+def _say(runtime: Runtime, text: str) -> None:
+    if runtime.is_main:
+        print(text, flush=True)
+
+
+def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
+    start_wall = time.perf_counter()
+    train = cfg.train
+    out = Path(train.output_dir)
+    torch.manual_seed(train.seed)
+    if runtime.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    _say(
+        runtime,
+        f"world {runtime.world_size} = dp {runtime.dp_size} x cp {runtime.cp_size} on {runtime.device} "
+        f"({dist.get_backend()}), {cfg.parallel.dp_sharding.upper()}",
+    )
+
+    store = open_token_store(cfg.data, is_local_main=runtime.local_rank == 0, barrier=dist.barrier)
+    _say(runtime, f"data: {', '.join(cfg.data.inputs)} -> {store}: {real_lengths_summary(store.lengths)}")
+    packing = cfg.packing
+    dataset = PackedDataset(
+        store,
+        packing.pack_size,
+        cp_size=runtime.cp_size,
+        algorithm=packing.algorithm,
+        overflow=packing.overflow,
+        seed=packing.seed,
+        pad_id=pad_id_of(store),
+        lengths=store.lengths,
+        window=packing.window,
+    )
+    _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
+    stream = StepStream(
+        dataset,
+        dp_size=runtime.dp_size,
+        dp_rank=runtime.dp_rank,
+        micro_batches=train.micro_batches,
+        packs_per_micro_batch=train.packs_per_micro_batch,
+        balance=packing.balance,
+    )
+
+    model, inner = build_model(cfg, runtime, int(store.manifest["tokenizer"]["vocab_size"]))
+    optimizer = build_optimizer(model, train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
+    params = sum(p.numel() for p in inner.parameters())
+    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}")
+
+    checkpoints = out / "checkpoints"
+    first_step = 1
+    resumed_from = latest_checkpoint(checkpoints) if train.resume else None
+    if train.resume and resumed_from is None:
+        _say(runtime, f"train.resume=true but {checkpoints} holds no checkpoint: starting from step 1")
+    if resumed_from is not None:
+        restored = load_checkpoint(resumed_from, model=model, optimizer=optimizer)
+        scheduler.load_state_dict(restored.trainer["scheduler"])
+        # the schedule of *this* config at the restored step (train.steps may have been extended)
+        factor = lr_lambda(train)(scheduler.last_epoch)
+        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+            group["lr"] = base_lr * factor
+        stream.load_state_dict(restored.trainer["stream"])
+        first_step = restored.step + 1
+        _say(runtime, f"resumed from {resumed_from} (step {restored.step})")
+    metrics = MetricsLog(out / "metrics.jsonl", resume_step=first_step - 1) if runtime.is_main else None
+
+    last_step = train.stop_at or train.steps
+    for step_number in range(first_step, last_step + 1):
+        tick = time.perf_counter()
+        step = stream.next_step()
+        micro = shard_micro_batches(step.micro_batches, runtime, reduction=train.loss_reduction)
+        step_loss = forward_backward(model, micro, runtime)
+        grad_norm = _global_grad_norm(model, train.grad_clip)
+        lr = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = float(step_loss.value())
+        loss_tokens = int(count_loss_tokens([mb["labels"] for mb in micro]))
+        seconds = time.perf_counter() - tick
+        if metrics is not None:
+            record = StepMetrics(
+                step=step_number,
+                epoch=step.epoch,
+                loss=loss,
+                lr=lr,
+                grad_norm=grad_norm,
+                tokens=step.tokens,
+                loss_tokens=loss_tokens,
+                capacity=step.capacity,
+                sequences=step.sequences,
+                efficiency=step.tokens / step.capacity,
+                tokens_per_s=step.tokens / seconds,
+                step_seconds=seconds,
+                imbalance_tokens=step.imbalance.tokens,
+                imbalance_attention=step.imbalance.attention,
+            )
+            metrics.write(record)
+            if step_number % train.log_every == 0 or step_number == train.steps:
+                print(record.line(train.steps), flush=True)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {step_number}: the loss is {loss}; lower train.lr or check the data")
+        every = train.checkpoint_every
+        if step_number == last_step or (every and step_number % every == 0):
+            trainer_state = {
+                "scheduler": scheduler.state_dict(),
+                "stream": stream.state_dict(),
+                "config": _plain(cfg),
+            }
+            folder = save_checkpoint(
+                checkpoints,
+                step_number,
+                model=model,
+                optimizer=optimizer,
+                trainer_state=trainer_state,
+                keep=train.keep_checkpoints,
+            )
+            _say(runtime, f"saved checkpoint {folder}")
+
+    history = metrics.history if metrics is not None else []
+    if runtime.is_main:
+        print("\n" + summary(history, wall_seconds=time.perf_counter() - start_wall))
+        print(padding_comparison(store.lengths, dataset.stats))
+        if train.plot and plot_loss(history, out / "loss.png"):
+            print(f"wrote {out / 'loss.png'}")
+        print(f"wrote {out / 'metrics.jsonl'}")
+    return history
+
+
+def _plain(cfg: Config) -> dict[str, Any]:
+    return {name: asdict(getattr(cfg, name)) for name in ("data", "model", "packing", "parallel", "attention", "train")}
