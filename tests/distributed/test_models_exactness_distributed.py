@@ -6,7 +6,7 @@ ranks): dp x cp in {1x1, 2x1, 1x2, 2x2}, token mean and per-sequence mean, fp64.
 packs the same random sequences (lengths 1 and exactly 2*cp_size among them, tail padding),
 shards its micro-batches with ``cp.shard``, runs ``Transformer(shard, cp_group=...)``, the
 global-denominator loss of ``thdpack.loss`` and the gradient average over the flattened DP x CP
-group. The loss, every parameter gradient and every real token's logits must equal the unpacked
+group (ring and all-gather CP). The loss, every parameter gradient and every real token's logits must equal the unpacked
 single-process oracle (``_model_oracle``) to 1e-10; each planted layout bug must break that.
 """
 
@@ -47,8 +47,8 @@ def _samples():
     return make_samples(sample_lengths(StepLayout()), CONFIG.vocab_size, seed=0)
 
 
-def _model() -> Transformer:
-    return Transformer(CONFIG, seed=1, dtype=torch.float64)
+def _model(cp_comm_type: str = "p2p") -> Transformer:
+    return Transformer(ModelConfig.preset("tiny", cp_comm_type=cp_comm_type), seed=1, dtype=torch.float64)
 
 
 def all_cases(rank: int, world: int) -> dict:
@@ -65,6 +65,9 @@ def all_cases(rank: int, world: int) -> dict:
         batches = global_micro_batches(samples, layout, pack_size_for(sample_lengths(layout), cp))
         rank_groups = groups[dp, cp]
         results[dp, cp, reduction, fault] = packed_step(_model(), batches[rank_groups.dp_rank], layout, rank_groups)
+        if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP as well
+            model = _model("all_gather")
+            results["all_gather"] = packed_step(model, batches[rank_groups.dp_rank], layout, rank_groups)
     return results
 
 
@@ -84,6 +87,11 @@ def test_packed_sharded_accumulated_step_equals_unpacked(rank_results, oracles, 
     ranks = [rank_results[r][dp_size, cp_size, reduction, "none"] for r in range(dp_size * cp_size)]
     errors = compare(ranks, oracles[reduction])
     assert max(errors.values()) <= TOL, f"dp {dp_size} x cp {cp_size}, {reduction}: {errors}"
+
+
+def test_all_gather_context_parallelism_is_exact_too(rank_results, oracles):
+    errors = compare([rank_results[r]["all_gather"] for r in range(4)], oracles["token_mean"])
+    assert max(errors.values()) <= TOL, errors
 
 
 @pytest.mark.parametrize(("dp_size", "cp_size", "fault", "quantity"), FAULT_CASES)

@@ -41,11 +41,12 @@ from thdpack.thd import THDBatch, thd_collate
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
 FAULTS: tuple[Fault, ...] = get_args(Fault)
 """Layout bugs ``packed_step`` can plant: attention over the whole micro-batch as if it were one
-sequence; RoPE
-from each token's local index on its CP rank instead of its global position (needs CP); every CP
-rank computing on the next rank's shard (needs CP); the loss as a mean of per-rank, per-micro-step
-means. Positions that fail to restart per sequence are NOT in the list: RoPE depends only on
-the distance between two positions of one sequence, so a per-sequence offset changes nothing."""
+sequence; RoPE from each token's local index on its CP rank instead of its global position
+(needs CP); every CP rank computing on the next rank's shard (needs CP); the loss as a mean of
+per-rank, per-micro-step means. Positions that fail to restart per sequence are NOT in the list:
+RoPE depends only on the distance between two positions of one sequence, so a per-sequence
+offset changes nothing here (Hugging Face's position-id boundary inference is another matter:
+``thdpack.models.hf``)."""
 
 BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
 """Sequence lengths of one copy of the test batch: a length-1 sequence (no loss token), 2, 4 and 8
