@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
@@ -113,15 +113,18 @@ def run_verify(args: argparse.Namespace) -> int:
     print(_header(job, report))
     rows = _rows(job, report)
     print(_table(rows))
-    failed = [row[0] for row in rows if not row[3]]
-    worst = max(rows, key=lambda row: row[1] / row[2] if row[2] > 0 else float("inf"))
+    failed = [row.quantity for row in rows if not row.ok]
+    worst = max(rows, key=lambda row: row.diff / row.tolerance)
     if failed:
         print(
             f"FAIL: {len(failed)} of {len(rows)} quantities differ beyond tolerance (first: {failed[0]}); the packed "
             "step is NOT the unpacked one"
         )
         return 1
-    print(f"PASS: the packed step equals the unpacked one (worst: {worst[0]}, {worst[1]:.2e} <= {worst[2]:.1e})")
+    print(
+        f"PASS: the packed step equals the unpacked one (worst: {worst.quantity}, {worst.diff:.2e} <= "
+        f"{worst.tolerance:.1e})"
+    )
     return 0
 
 
@@ -268,25 +271,37 @@ def _header(job: VerifyJob, report: dict[str, Any]) -> str:
     )
 
 
-def _rows(job: VerifyJob, report: dict[str, Any]) -> list[tuple[str, float, float, bool, float]]:
-    """``(quantity, max abs diff, tolerance, ok, reference magnitude)`` per quantity."""
+class Row(NamedTuple):
+    """One line of the table."""
+
+    quantity: str
+    size: float
+    """Max abs value in the unpacked step."""
+    diff: float
+    """Max abs difference, packed vs unpacked, over all ranks."""
+    tolerance: float
+    ok: bool
+
+
+def _rows(job: VerifyJob, report: dict[str, Any]) -> list[Row]:
     rows = []
     for name, diff in report["diffs"].items():
         if job.dtype == "bfloat16":
             tolerance = BF16_FACTOR * report["plain_bf16"][name] + BF16_FLOOR
         else:
             tolerance = TOLERANCE[job.dtype]
-        rows.append((name, diff, tolerance, diff <= tolerance, report["sizes"][name]))
+        rows.append(Row(name, report["sizes"][name], diff, tolerance, diff <= tolerance))
     return rows
 
 
-def _table(rows: Sequence[tuple[str, float, float, bool, float]]) -> str:
-    width = max(len("quantity"), *(len(r[0]) for r in rows))
-    lines = [
-        f"{'quantity':<{width}}  {'max |unpacked|':>14}  {'max |packed - unpacked|':>23}  {'tolerance':>9}  result"
-    ]
-    for name, diff, tolerance, ok, size in rows:
-        lines.append(f"{name:<{width}}  {size:>14.3e}  {diff:>23.3e}  {tolerance:>9.1e}  {'ok' if ok else 'FAIL'}")
+def _table(rows: Sequence[Row]) -> str:
+    width = max(len("quantity"), *(len(r.quantity) for r in rows))
+    header = f"{'quantity':<{width}}  {'max |unpacked|':>14}  {'max |packed - unpacked|':>23}  {'tolerance':>9}  result"
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r.quantity:<{width}}  {r.size:>14.3e}  {r.diff:>23.3e}  {r.tolerance:>9.1e}  {'ok' if r.ok else 'FAIL'}"
+        )
     return "\n".join(lines)
 
 

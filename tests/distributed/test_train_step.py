@@ -58,16 +58,26 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     def dataset() -> PackedDataset:
         return PackedDataset(samples, cfg.packing.pack_size, cp_size=cp_size, overflow="split", seed=3)
 
-    stream = StepStream(dataset(), dp_size=runtime.dp_size, dp_rank=runtime.dp_rank, micro_batches=2,
-                        packs_per_micro_batch=1, balance="attention")
+    stream = StepStream(
+        dataset(),
+        dp_size=runtime.dp_size,
+        dp_rank=runtime.dp_rank,
+        micro_batches=2,
+        packs_per_micro_batch=1,
+        balance="attention",
+    )
     model, inner = build_model(cfg, runtime, VOCAB)
     micro = shard_micro_batches(stream.next_step().micro_batches, runtime, reduction=reduction)
     loss = float(forward_backward(model, micro, runtime).value())
-    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for name, p in inner.named_parameters()}
+    grads = {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+        for name, p in inner.named_parameters()
+    }
 
     # the same global step, every sequence alone on one process
-    everything = StepStream(dataset(), dp_size=1, dp_rank=0, micro_batches=2 * runtime.dp_size,
-                            packs_per_micro_batch=1, balance="none")
+    everything = StepStream(
+        dataset(), dp_size=1, dp_rank=0, micro_batches=2 * runtime.dp_size, packs_per_micro_batch=1, balance="none"
+    )
     packs = [p for mb in everything.next_step().micro_batches for p in mb]
     reference = Transformer(cfg.model_config())
     reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))

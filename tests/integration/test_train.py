@@ -32,11 +32,22 @@ TINY = [
 ]
 
 
-def torchrun(tmp: Path, cache: Path, *overrides: str, nproc: int = 2, check: bool = True) -> subprocess.CompletedProcess:
+def torchrun(
+    tmp: Path, cache: Path, *overrides: str, nproc: int = 2, check: bool = True
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "thdpack.train", *TINY, f"data.cache_dir={cache}", f"train.output_dir={tmp}", *overrides,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "thdpack.train",
+        *TINY,
+        f"data.cache_dir={cache}",
+        f"train.output_dir={tmp}",
+        *overrides,
     ]
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     if check and result.returncode != 0:

@@ -106,9 +106,7 @@ def test_token_layout_needs_cu_seqlens():
 
 
 def test_token_layout_rejects_mismatched_tensors():
-    with pytest.raises(
-        ValueError, match=r"TokenLayout needs three \(T,\) tensors, got seg \(3,\), pos \(2,\)"
-    ):
+    with pytest.raises(ValueError, match=r"TokenLayout needs three \(T,\) tensors, got seg \(3,\), pos \(2,\)"):
         TokenLayout(seg=torch.zeros(3), pos=torch.zeros(2), valid=torch.zeros(3, dtype=torch.bool))
 
 
@@ -143,11 +141,7 @@ def test_shard_masks_are_the_global_mask_restricted(case):
     T = thd["input_ids"].shape[0]
     for rank in range(cp_size):
         part = shard(thd, cp_size, rank)
-        index = (
-            partition_indices(thd["cu_seqlens_padded"], T, cp_size, rank).long()
-            if cp_size > 1
-            else torch.arange(T)
-        )
+        index = partition_indices(thd["cu_seqlens_padded"], T, cp_size, rank).long() if cp_size > 1 else torch.arange(T)
         local = token_layout(part)
         assert torch.equal(local.seg, global_layout.seg[index])
         # the shard's queries against every key (all-gather CP): rows of the global mask, never empty
@@ -158,9 +152,7 @@ def test_shard_masks_are_the_global_mask_restricted(case):
         assert torch.equal(block_causal_mask(part), global_mask[index][:, index])
 
 
-flex = pytest.mark.skipif(
-    not has_flex_attention(), reason="needs torch.nn.attention.flex_attention (torch >= 2.5)"
-)
+flex = pytest.mark.skipif(not has_flex_attention(), reason="needs torch.nn.attention.flex_attention (torch >= 2.5)")
 
 
 def _flex_forward(q_BHTD, k_BHTD, v_BHTD, block_mask):
@@ -183,9 +175,7 @@ def test_flex_block_mask_matches_the_dense_mask():
         block_mask = flex_block_mask(thd, causal=causal, block_size=16)
         q_idx, kv_idx = torch.meshgrid(torch.arange(40), torch.arange(40), indexing="ij")
         zero = torch.zeros((), dtype=torch.long)
-        assert torch.equal(
-            block_mask.mask_mod(zero, zero, q_idx, kv_idx), block_causal_mask(thd, causal=causal)
-        )
+        assert torch.equal(block_mask.mask_mod(zero, zero, q_idx, kv_idx), block_causal_mask(thd, causal=causal))
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 40, 8, dtype=torch.float64) for _ in range(3))
     out = _flex_forward(q, k, v, flex_block_mask(thd, block_size=16))

@@ -135,9 +135,7 @@ def test_matches_the_closed_form_and_partitions_every_token(case):
 
 
 def test_rejects_unknown_impl():
-    with pytest.raises(
-        ValueError, match=r"impl must be one of \('auto', 'te', 'torch', 'numpy'\), got 'cuda'"
-    ):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'te', 'torch', 'numpy'\), got 'cuda'"):
         partition_indices(torch.tensor([0, 8]), 8, 2, 0, impl="cuda")
 
 
@@ -268,9 +266,7 @@ def test_shard_invariants(case):
     T = thd["input_ids"].shape[0]
     shards = [shard(thd, cp_size, r) for r in range(cp_size)]
     if cp_size > 1:  # (cp_size 1 keeps the batch as is: its slots need not be even, as TE's kernel wants)
-        owned = torch.cat(
-            [partition_indices(thd["cu_seqlens_padded"], T, cp_size, r) for r in range(cp_size)]
-        )
+        owned = torch.cat([partition_indices(thd["cu_seqlens_padded"], T, cp_size, r) for r in range(cp_size)])
         assert sorted(owned.tolist()) == list(range(T))  # disjoint, union = every token
     for part in shards:
         assert part["input_ids"].shape == (T // cp_size,)
@@ -298,9 +294,7 @@ def test_shard_rejects_a_shard():
 
 def test_shard_rejects_per_token_tensors_of_another_length():
     thd = dict(thd_collate([P5]), loss_mask=torch.ones(15))
-    with pytest.raises(
-        ValueError, match=r"loss_mask has shape \(15,\); every per-token tensor .* needs T=16 rows"
-    ):
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(15,\); every per-token tensor .* needs T=16 rows"):
         shard(thd, 2, 0)
 
 
@@ -314,9 +308,7 @@ def test_unshard_rejects_bad_shard_lists():
     shards = [shard(thd, 2, r) for r in range(2)]
     with pytest.raises(ValueError, match="unshard got 1 shards for cp_size=2"):
         unshard(shards[:1], 2)
-    with pytest.raises(
-        ValueError, match=r"shards\[0\] has cp_size=2, cp_rank=1; expected cp_size=2, cp_rank=0"
-    ):
+    with pytest.raises(ValueError, match=r"shards\[0\] has cp_size=2, cp_rank=1; expected cp_size=2, cp_rank=0"):
         unshard(shards[::-1], 2)
     other = shard(thd_collate([C1_SECOND, P5]), 2, 1)
     with pytest.raises(ValueError, match=r"shards\[1\] has a different cu_seqlens than shards\[0\]"):

@@ -14,6 +14,8 @@ def test_every_exported_name_resolves():
 
 
 def test_planning_does_not_import_torch():
-    code = "import sys, thdpack; from thdpack.plan import plan_packs; plan_packs([3, 4], 8); print('torch' in sys.modules)"
+    code = (
+        "import sys, thdpack; from thdpack.plan import plan_packs; plan_packs([3, 4], 8); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -145,9 +145,7 @@ def test_thd_collate_equals_to_thd_of_collate():
 @pytest.mark.skipif("fork" not in mp.get_all_start_methods(), reason="needs the fork start method (POSIX)")
 def test_thd_collate_in_dataloader_workers():
     packs = [P5, C1_SECOND, C1_SECOND, P5]
-    loader = DataLoader(
-        packs, batch_size=2, collate_fn=thd_collate, num_workers=1, multiprocessing_context="fork"
-    )
+    loader = DataLoader(packs, batch_size=2, collate_fn=thd_collate, num_workers=1, multiprocessing_context="fork")
     batches = list(loader)
     assert [b["cu_seqlens_padded"].tolist() for b in batches] == [
         [0, 4, 16, 20, 24, 32],
@@ -206,9 +204,7 @@ def test_thd_invariants(case):
     # padding comes from the layout even though the pad id 0 is also a real token
     assert torch.equal(thd["padding_mask"], thd["is_padding"])
     assert (
-        int(thd["cu_seqlens"][-1])
-        == int((~thd["padding_mask"]).sum())
-        == sum(int(p["seq_lens"].sum()) for p in packs)
+        int(thd["cu_seqlens"][-1]) == int((~thd["padding_mask"]).sum()) == sum(int(p["seq_lens"].sum()) for p in packs)
     )
     assert bool((thd["labels"][thd["padding_mask"]] == -100).all())
     real = ~thd["padding_mask"]

@@ -61,9 +61,7 @@ P1 = [make_pack(BASE[:3], 10), make_pack(BASE[3:], 10)]  # nemo_te_spec.md P1 (t
 P5 = make_pack([[1, 2, 3], [4, 5, 6, 7, 8]], 16, cp_size=2)
 P6 = make_pack([[1, 2, 3], [4, 5], [6]], 20, cp_size=2)
 C1_SECOND = make_pack([[1, 2, 3], [4, 5], [6]], 16, cp_size=2)  # C1's second pack
-S3 = make_pack(
-    [[11, 12, 13, 14, 15], [21, 22, 23]], 16, cp_size=4, labels=[[12, 13, 14, 15, -100], [22, 23, -100]]
-)
+S3 = make_pack([[11, 12, 13, 14, 15], [21, 22, 23]], 16, cp_size=4, labels=[[12, 13, 14, 15, -100], [22, 23, -100]])
 
 
 @st.composite

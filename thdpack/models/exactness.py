@@ -41,17 +41,20 @@ from thdpack.thd import THDBatch, thd_collate
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
 FAULTS: tuple[Fault, ...] = get_args(Fault)
 """Layout bugs ``packed_step`` can plant: attention over the whole micro-batch as if it were one
-sequence; RoPE
-from each token's local index on its CP rank instead of its global position (needs CP); every CP
-rank computing on the next rank's shard (needs CP); the loss as a mean of per-rank, per-micro-step
-means. Positions that fail to restart per sequence are NOT in the list: RoPE depends only on
-the distance between two positions of one sequence, so a per-sequence offset changes nothing."""
+sequence; RoPE from each token's local index on its CP rank instead of its global position
+(needs CP); every CP rank computing on the next rank's shard (needs CP); the loss as a mean of
+per-rank, per-micro-step means. Positions that fail to restart per sequence are NOT in the list:
+RoPE depends only on the distance between two positions of one sequence, so a per-sequence
+offset changes nothing here (Hugging Face's position-id boundary inference is another matter:
+``thdpack.models.hf``)."""
 
 BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
 """Sequence lengths of one copy of the test batch: a length-1 sequence (no loss token), 2, 4 and 8
 (exactly 2*cp_size tokens for cp 1, 2, 4), lengths that CP padding rounds up, 86 tokens in all."""
 
-_EXTRA_KEYS = ("sequence_index", "sequence_position", "loss_weights")
+_TRACE_KEYS = ("sequence_index", "sequence_position")
+"""Per-token keys that say which sample and position a token is: how logits are matched up."""
+_EXTRA_KEYS = (*_TRACE_KEYS, "loss_weights")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,9 +228,11 @@ def packed_step(
             loss = step_loss(logits_TV, s["labels"], weights_T)
         loss.backward()
         real_T = ~s["padding_mask"]
-        tokens.append({"logits": logits_TV.detach(), "real": real_T, **{k: s[k] for k in _EXTRA_KEYS[:2]}})
-    for p in model.parameters():
-        if p.grad is not None and groups.dp_cp is not None:
+        tokens.append({"logits": logits_TV.detach(), "real": real_T, **{k: s[k] for k in _TRACE_KEYS}})
+    if groups.dp_cp is not None:  # FSDP / DDP over the flattened DP x CP group: an average
+        for p in model.parameters():
+            if p.grad is None:  # every rank must join every all-reduce
+                p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=groups.dp_cp)
             p.grad /= layout.world_size
     if layout.fault == "mean_of_means":

@@ -82,7 +82,10 @@ class Transformer(nn.Module):
         N(0, init_std / sqrt(2 * n_layers))), norm weights 1. Values are drawn in fp64 on the CPU,
         parameter by parameter in ``named_parameters`` order, then cast and copied, so the weights
         do not depend on the device, and fp32 / bf16 weights are the roundings of the fp64 ones.
+        With ``tie_embeddings`` it (re-)ties the LM head to the embedding first.
         """
+        if self.config.tie_embeddings:  # Module.to_empty (the meta-device flow) unties shared weights
+            self.lm_head.weight = self.embed_tokens.weight
         generator = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
         std = self.config.init_std
         for name, param in self.named_parameters():

@@ -1,0 +1,101 @@
+"""Model-level exactness on real gloo ranks: the reference decoder's packed, CP-sharded,
+DP-split training step with 2 accumulation micro-steps equals every sequence alone.
+
+One 4-rank launch hosts every layout through subgroups (layout dp x cp runs on the first dp*cp
+ranks): dp x cp in {1x1, 2x1, 1x2, 2x2}, token mean and per-sequence mean, fp64. Each rank
+packs the same random sequences (lengths 1 and exactly 2*cp_size among them, tail padding),
+shards its micro-batches with ``cp.shard``, runs ``Transformer(shard, cp_group=...)``, the
+global-denominator loss of ``thdpack.loss`` and the gradient average over the flattened DP x CP
+group (ring and all-gather CP). The loss, every parameter gradient and every real token's logits must equal the unpacked
+single-process oracle (``_model_oracle``) to 1e-10; each planted layout bug must break that.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _model_oracle import compare, oracle_step
+
+from thdpack.models import ModelConfig, Transformer
+from thdpack.models.exactness import (
+    StepLayout,
+    global_micro_batches,
+    make_groups,
+    make_samples,
+    pack_size_for,
+    packed_step,
+    sample_lengths,
+)
+from thdpack.testing import run_distributed
+
+pytestmark = pytest.mark.distributed
+
+CONFIG = ModelConfig.preset("tiny")
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+REDUCTIONS = ["token_mean", "sequence_mean"]
+# (dp, cp, fault, the quantity it must break)
+FAULT_CASES = [
+    (1, 2, "local_positions", "logits"),
+    (1, 2, "foreign_shard", "logits"),
+    (2, 2, "cross_sequence_attention", "logits"),
+    (2, 2, "mean_of_means", "grads"),
+]
+TOL = 1e-10
+
+
+def _samples():
+    return make_samples(sample_lengths(StepLayout()), CONFIG.vocab_size, seed=0)
+
+
+def _model(cp_comm_type: str = "p2p") -> Transformer:
+    return Transformer(ModelConfig.preset("tiny", cp_comm_type=cp_comm_type), seed=1, dtype=torch.float64)
+
+
+def all_cases(rank: int, world: int) -> dict:
+    samples = _samples()
+    assert sample_lengths(StepLayout(dp_size=2, cp_size=2)) == sample_lengths(StepLayout()), "one batch for all"
+    results: dict = {}
+    cases = [(dp, cp, reduction, "none") for dp, cp in LAYOUTS for reduction in REDUCTIONS]
+    cases += [(dp, cp, "token_mean", fault) for dp, cp, fault, _ in FAULT_CASES]
+    groups = {(dp, cp): make_groups(StepLayout(dp_size=dp, cp_size=cp), rank) for dp, cp in LAYOUTS}
+    for dp, cp, reduction, fault in cases:
+        layout = StepLayout(dp_size=dp, cp_size=cp, reduction=reduction, fault=fault)
+        if rank >= layout.world_size:
+            continue
+        batches = global_micro_batches(samples, layout, pack_size_for(sample_lengths(layout), cp))
+        rank_groups = groups[dp, cp]
+        results[dp, cp, reduction, fault] = packed_step(_model(), batches[rank_groups.dp_rank], layout, rank_groups)
+        if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP as well
+            model = _model("all_gather")
+            results["all_gather"] = packed_step(model, batches[rank_groups.dp_rank], layout, rank_groups)
+    return results
+
+
+@pytest.fixture(scope="module")
+def rank_results() -> list[dict]:
+    return run_distributed(all_cases, 4)
+
+
+@pytest.fixture(scope="module")
+def oracles() -> dict:
+    return {reduction: oracle_step(_model(), _samples(), reduction) for reduction in REDUCTIONS}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize(("dp_size", "cp_size"), LAYOUTS)
+def test_packed_sharded_accumulated_step_equals_unpacked(rank_results, oracles, dp_size, cp_size, reduction):
+    ranks = [rank_results[r][dp_size, cp_size, reduction, "none"] for r in range(dp_size * cp_size)]
+    errors = compare(ranks, oracles[reduction])
+    assert max(errors.values()) <= TOL, f"dp {dp_size} x cp {cp_size}, {reduction}: {errors}"
+
+
+def test_all_gather_context_parallelism_is_exact_too(rank_results, oracles):
+    errors = compare([rank_results[r]["all_gather"] for r in range(4)], oracles["token_mean"])
+    assert max(errors.values()) <= TOL, errors
+
+
+@pytest.mark.parametrize(("dp_size", "cp_size", "fault", "quantity"), FAULT_CASES)
+def test_a_wrong_layout_fails_the_comparison(rank_results, oracles, dp_size, cp_size, fault, quantity):
+    ranks = [rank_results[r][dp_size, cp_size, "token_mean", fault] for r in range(dp_size * cp_size)]
+    errors = compare(ranks, oracles["token_mean"])
+    assert errors[quantity] > 1e-4, f"{fault} went unnoticed: {errors}"

@@ -1,0 +1,123 @@
+"""The exactness harness in one process (dp 1 x cp 1; CP and DP are in tests/distributed): its
+batches, its step against the independent oracle, and the faults it plants."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _model_oracle import compare, oracle_step
+
+from thdpack.models import ModelConfig, Transformer
+from thdpack.models.exactness import (
+    BASE_LENGTHS,
+    RankGroups,
+    StepLayout,
+    baseline_errors,
+    differences,
+    global_micro_batches,
+    make_samples,
+    pack_size_for,
+    packed_step,
+    sample_lengths,
+    unpacked_step,
+)
+
+CONFIG = ModelConfig.preset("tiny")
+ALONE = RankGroups(0, 0, None, None)
+
+
+def _setup(layout: StepLayout):
+    lengths = sample_lengths(layout)
+    samples = make_samples(lengths, CONFIG.vocab_size, seed=0)
+    return samples, global_micro_batches(samples, layout, pack_size_for(lengths, layout.cp_size))
+
+
+def _model() -> Transformer:
+    return Transformer(CONFIG, seed=1, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        ({"dp_size": 0}, r"dp_size must be an int >= 1, got 0"),
+        ({"reduction": "mean"}, r"unknown reduction 'mean'; valid: 'token_mean', 'sequence_mean'"),
+        ({"fault": "typo"}, r"unknown fault 'typo'; valid: 'none', 'cross_sequence_attention'"),
+        ({"fault": "foreign_shard"}, r"fault 'foreign_shard' only exists under context parallelism; use cp_size >= 2"),
+    ],
+)
+def test_layout_checks(fields, match):
+    with pytest.raises(ValueError, match=match):
+        StepLayout(**fields)
+
+
+@pytest.mark.parametrize(("dp_size", "cp_size"), [(1, 1), (2, 2), (4, 3)])
+def test_micro_batches_hold_every_sample_once_with_the_edge_cases(dp_size, cp_size):
+    layout = StepLayout(dp_size=dp_size, cp_size=cp_size)
+    lengths = sample_lengths(layout)
+    assert 1 in lengths and 2 * cp_size in lengths
+    samples, batches = _setup(layout)
+    assert len(batches) == dp_size and all(len(steps) == 2 for steps in batches)
+    placed, tails, tokens = [], 0, []
+    pack_size = pack_size_for(lengths, cp_size)
+    for thd in (thd for steps in batches for thd in steps):
+        real = ~thd["padding_mask"]
+        placed += sorted(set(thd["sequence_index"][real].tolist()))
+        slots = torch.diff(thd["cu_seqlens_padded"].long())
+        assert bool((slots % (2 * cp_size if cp_size > 1 else 1) == 0).all())
+        # tail padding: a pack whose last slot is wider than its CP rounding needs
+        ends = torch.arange(pack_size, thd["input_ids"].shape[0] + 1, pack_size)
+        tails += int(real[ends - 1].logical_not().sum())
+        tokens.append(int(real.sum()))
+        for s in set(thd["sequence_index"][real].tolist()):
+            ids = thd["input_ids"][real & (thd["sequence_index"] == s)]
+            assert ids.tolist() == samples[s]["input_ids"].tolist()
+    assert sorted(placed) == list(range(len(samples)))
+    assert tails > 0, "no pack ends in padding"
+    assert len(set(tokens)) > 1, "every micro-batch has as many tokens: the loss normalisation would not be tested"
+
+
+def test_too_few_packs_for_the_layout():
+    samples = make_samples([3, 4], CONFIG.vocab_size, seed=0)
+    with pytest.raises(
+        ValueError, match=r"1 packs for 4 \(micro-step, DP rank\) slots; use more samples or fewer ranks"
+    ):
+        global_micro_batches(samples, StepLayout(dp_size=2), 24)
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
+def test_packed_step_and_harness_reference_equal_the_oracle(reduction):
+    layout = StepLayout(reduction=reduction)
+    samples, batches = _setup(layout)
+    oracle = oracle_step(_model(), samples, reduction)
+    errors = compare([packed_step(_model(), batches[0], layout, ALONE)], oracle)
+    assert max(errors.values()) <= 1e-10, errors
+    reference = unpacked_step(_model(), samples, reduction)
+    assert abs(reference.loss - oracle["loss"]) <= 1e-12
+    assert max(float((reference.grads[n] - g).abs().max()) for n, g in oracle["grads"].items()) <= 1e-12
+    diffs = differences(packed_step(_model(), batches[0], layout, ALONE), reference)
+    assert set(diffs) == {"loss", "logits"} | {f"grad {n}" for n, _ in _model().named_parameters()}
+    assert max(diffs.values()) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    ("fault", "quantity"),
+    [("cross_sequence_attention", "logits"), ("mean_of_means", "loss"), ("mean_of_means", "grads")],
+)
+def test_planted_faults_are_caught(fault, quantity):
+    layout = StepLayout(fault=fault)
+    samples, batches = _setup(layout)
+    errors = compare([packed_step(_model(), batches[0], layout, ALONE)], oracle_step(_model(), samples, "token_mean"))
+    assert errors[quantity] > 1e-4, errors
+
+
+def test_baseline_errors_of_bf16_autocast():
+    samples = make_samples(BASE_LENGTHS[:4], CONFIG.vocab_size, seed=0)
+    model = Transformer(CONFIG, seed=1)
+    reference = unpacked_step(model, samples, "token_mean")
+    plain = unpacked_step(model, samples, "token_mean", autocast_dtype=torch.bfloat16)
+    errors = baseline_errors(plain, reference)
+    assert errors["loss"] >= abs(plain.loss - reference.loss)  # the error scale bounds the scalar error
+    assert 1e-5 < errors["logits"] < 1e-1  # bf16-sized: rounding, not a bug
+    assert baseline_errors(reference, reference) == dict.fromkeys(errors, 0.0)
+    assert np.isclose(sum(float(x.sum()) for x in reference.weighted_token_losses), reference.loss)
