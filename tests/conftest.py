@@ -6,7 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
+
+# tests run tiny tensors on a shared 2-core machine: threads cost more than they give
+torch.set_num_threads(1)
 
 settings.register_profile(
     "thdpack",

@@ -64,6 +64,11 @@ _EXPORTS = {
     "count_loss_tokens": "thdpack.loss",
     "loss_weights": "thdpack.loss",
     "StepLoss": "thdpack.loss",
+    # models
+    "ModelConfig": "thdpack.models",
+    "Transformer": "thdpack.models",
+    "hf_packed_kwargs": "thdpack.models.hf",
+    "register_hf_attention": "thdpack.models.hf",
     # data
     "TokenStore": "thdpack.data.store",
     "TokenStoreWriter": "thdpack.data.store",
@@ -71,7 +76,7 @@ _EXPORTS = {
     "SampleEncoder": "thdpack.data.tokenize",
 }
 # modules reachable as attributes: thdpack.cp.shard(...), thdpack.compat.nemo...
-_SUBMODULES = ("attention", "compat", "cp", "data", "layout", "plan")
+_SUBMODULES = ("attention", "compat", "cp", "data", "layout", "models", "plan")
 
 __all__ = ["__version__", *sorted(_EXPORTS), *_SUBMODULES]
 

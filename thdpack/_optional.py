@@ -26,6 +26,7 @@ _EXTRA_FOR = {
     "datasets": "hf",
     "tokenizers": "hf",
     "pyarrow": "hf",
+    "transformers": "hf",
     "matplotlib": "train",
     "tqdm": "train",
 }

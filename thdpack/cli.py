@@ -1,48 +1,64 @@
 """The ``thdpack`` command.
 
-thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR
-thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
+    thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR
+    thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
+    thdpack verify --cp-size N [--dp-size M] [--dtype float64]
+
+A subcommand's module is imported only when that subcommand runs (``verify`` needs torch,
+``stats`` does not).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from thdpack import __version__
-from thdpack.data.prepare import add_prepare_arguments, run_prepare
-from thdpack.report import add_stats_arguments, run_stats
 
-Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
-COMMANDS: dict[str, Command] = {  # name -> (help, add its arguments, run it)
+# name -> (help, module, its argument adder, its runner)
+COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "prepare": (
         "tokenize a dataset into a token store, plan its packs, print the packing stats",
-        add_prepare_arguments,
-        run_prepare,
+        "thdpack.data.prepare",
+        "add_prepare_arguments",
+        "run_prepare",
     ),
     "stats": (
         "compare packing algorithms and pack sizes on a dataset's lengths",
-        add_stats_arguments,
-        run_stats,
+        "thdpack.report",
+        "add_stats_arguments",
+        "run_stats",
+    ),
+    "verify": (
+        "prove on this machine that packed, CP-sharded training equals unpacked training",
+        "thdpack.verify",
+        "add_verify_arguments",
+        "run_verify",
     ),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s arguments are loaded (all commands are listed)."""
     parser = argparse.ArgumentParser(prog="thdpack", description="Pack sequences into THD batches, exactly.")
     parser.add_argument("--version", action="version", version=f"thdpack {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, add_arguments, _) in COMMANDS.items():
-        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    for name, (help_text, module, add_arguments, _) in COMMANDS.items():
+        subparser = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            getattr(importlib.import_module(module), add_arguments)(subparser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    run = COMMANDS[args.command][2]
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    _, module, _, runner = COMMANDS[args.command]
     try:
-        return run(args)
+        return getattr(importlib.import_module(module), runner)(args)
     except (ValueError, TypeError, FileNotFoundError, ImportError) as err:
         print(f"thdpack {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -79,9 +79,7 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
         dataset(), dp_size=1, dp_rank=0, micro_batches=2 * runtime.dp_size, packs_per_micro_batch=1, balance="none"
     )
     packs = [p for mb in everything.next_step().micro_batches for p in mb]
-    reference = Transformer(cfg.model_config())
-    reference.init_weights(torch.Generator().manual_seed(cfg.train.seed))
-    reference.to(torch.float64)
+    reference = Transformer(cfg.model_config(), seed=cfg.train.seed, dtype=torch.float64)
     want = unpacked_step(reference, _pieces(packs), reduction)
     diffs = {"loss": abs(loss - want.loss)}
     for name, grad in grads.items():

@@ -62,10 +62,7 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size}); "
             f"set model.vocab_size={vocab_size}"
         )
-    generator = torch.Generator().manual_seed(cfg.train.seed)
-    inner = Transformer(model_cfg)
-    inner.init_weights(generator)
-    inner.to(device=runtime.device, dtype=DTYPES[cfg.train.dtype])
+    inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=DTYPES[cfg.train.dtype])
     if cfg.parallel.dp_sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 

@@ -33,3 +33,15 @@ def test_errors_are_messages_not_tracebacks(capsys, tmp_path):
     np.save(tmp_path / "l.npy", np.array([100, 200]))
     assert main(["stats", str(tmp_path / "l.npy"), "--pack-size", "1004", "--cp-size", "4"]) == 2
     assert "pack_size=1004 is not a multiple of 2*cp_size=8" in capsys.readouterr().err
+
+
+def test_every_command_is_listed_and_loads_its_arguments(capsys):
+    import pytest
+
+    from thdpack.cli import COMMANDS, build_parser
+
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as done:
+            build_parser(name).parse_args([name, "--help"])
+        assert done.value.code == 0
+        assert f"usage: thdpack {name}" in capsys.readouterr().out
