@@ -89,10 +89,20 @@ def path_sums(parent: np.ndarray, value: np.ndarray) -> np.ndarray:
     return total
 
 
-def _node_arrays(nodes: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(parent, size, reps) int64 arrays from the planning loop's list of node tuples."""
+def _finish(
+    capacity: int, nodes: list[tuple[int, int, int]], group_node: np.ndarray, group_count: np.ndarray, order: np.ndarray
+) -> HistogramPlan:
+    """The plan from the planning loop's node tuples ``(parent, size, reps)`` and its groups,
+    the groups listed in ``order``."""
     table = np.asarray(nodes, dtype=np.int64).reshape(-1, 3)
-    return table[:, 0].copy(), table[:, 1].copy(), table[:, 2].copy()
+    return HistogramPlan(
+        capacity=capacity,
+        node_parent=table[:, 0].copy(),
+        node_size=table[:, 1].copy(),
+        node_reps=table[:, 2].copy(),
+        group_node=np.asarray(group_node, dtype=np.int64)[order],
+        group_count=np.asarray(group_count, dtype=np.int64)[order],
+    )
 
 
 def plan_histogram(
@@ -183,19 +193,10 @@ def _best_fit(counts: np.ndarray, capacity: int, rng: np.random.Generator | None
                 del buckets[room]
                 del rooms[bisect.bisect_left(rooms, room)]
 
-    group_node = [g[0] for room in rooms for g in buckets[room]]
-    group_count = [g[1] for room in rooms for g in buckets[room]]
+    group_node = np.asarray([g[0] for room in rooms for g in buckets[room]], dtype=np.int64)
+    group_count = np.asarray([g[1] for room in rooms for g in buckets[room]], dtype=np.int64)
     # creation order of the content nodes: packs holding the largest items come first
-    order = np.argsort(np.asarray(group_node, dtype=np.int64), kind="stable")
-    parent, size_arr, reps = _node_arrays(nodes)
-    return HistogramPlan(
-        capacity=capacity,
-        node_parent=parent,
-        node_size=size_arr,
-        node_reps=reps,
-        group_node=np.asarray(group_node, dtype=np.int64)[order],
-        group_count=np.asarray(group_count, dtype=np.int64)[order],
-    )
+    return _finish(capacity, nodes, group_node, group_count, np.argsort(group_node, kind="stable"))
 
 
 class _Runs:
@@ -279,13 +280,5 @@ def _first_fit(counts: np.ndarray, capacity: int) -> HistogramPlan:
             if tail_packs:
                 runs.append(tail_first, tail_packs, room, content)
     n = runs.n
-    order = np.argsort(runs.first[:n], kind="stable")  # FFD's natural order: by opening time
-    parent, size_arr, reps = _node_arrays(nodes)
-    return HistogramPlan(
-        capacity=capacity,
-        node_parent=parent,
-        node_size=size_arr,
-        node_reps=reps,
-        group_node=runs.node[:n][order].copy(),
-        group_count=runs.packs[:n][order].copy(),
-    )
+    # FFD's natural order: by opening time
+    return _finish(capacity, nodes, runs.node[:n], runs.packs[:n], np.argsort(runs.first[:n], kind="stable"))
