@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from thdpack.attention import reference_attention, thd_attention  # noqa: E402
-from thdpack.cp.simulate import simulated_ring_attention  # noqa: E402
+from thdpack.attention.ring_simulation import simulated_ring_attention  # noqa: E402
 
 SEED = 1234
 

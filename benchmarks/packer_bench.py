@@ -33,9 +33,9 @@ sys.path.insert(0, str(HERE))
 
 from plan_bench import make_lengths  # noqa: E402
 
-from thdpack.packed_dataset import PackedDataset  # noqa: E402
+from thdpack.packing.dataset import PackedDataset  # noqa: E402
+from thdpack.packing.streaming import StreamingPacker  # noqa: E402
 from thdpack.plan import plan_packs  # noqa: E402
-from thdpack.streaming import StreamingPacker  # noqa: E402
 
 ALPACA = HERE.parent.parent / "shared" / "data" / "alpaca_data.gpt2.lengths.npy"  # the project's ../shared
 

@@ -93,9 +93,7 @@ def own_rows(cells: list[tuple[str, int]], repeats: int) -> list[dict]:
         lengths, cap = make_lengths(dist, n)
         for algorithm in ALGORITHMS:
             reps = repeats if algorithm in ("bfd", "sequential") else max(1, repeats // 2)
-            seconds, plan = best_time(
-                lambda a=algorithm, x=lengths, c=cap: plan_packs(x, c, algorithm=a), reps
-            )
+            seconds, plan = best_time(lambda a=algorithm, x=lengths, c=cap: plan_packs(x, c, algorithm=a), reps)
             s = plan.stats
             rows.append(
                 {
@@ -181,9 +179,7 @@ def peer_rows(cells: list[tuple[str, int]], peers: str, python: str, repeats: in
             ours = results["candidate:thdpack_bench:plan"].get("best_s")
             for name, r in results.items():
                 if "best_s" not in r:
-                    rows.append(
-                        {"dist": dist, "n": n, "packer": name, "skipped": r.get("skipped") or r.get("error")}
-                    )
+                    rows.append({"dist": dist, "n": n, "packer": name, "skipped": r.get("skipped") or r.get("error")})
                     continue
                 rows.append(
                     {
@@ -302,9 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--peers-python", default=sys.executable, help="interpreter for the harness (a venv with trl/axolotl)"
     )
-    ap.add_argument(
-        "--big", type=int, default=None, help="also plan this many lengths in a fresh process (0: skip)"
-    )
+    ap.add_argument("--big", type=int, default=None, help="also plan this many lengths in a fresh process (0: skip)")
     ap.add_argument("--json", type=Path, default=HERE / "results" / "plan_bench.json")
     args = ap.parse_args(argv)
 
@@ -332,13 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         if HARNESS.exists():
             if peers == "all":
                 peers = ""
-            peer_results = peer_rows(
-                [c for c in cells if c != ("uniform", 1_000_000)], peers, args.peers_python, 3
-            )
+            peer_results = peer_rows([c for c in cells if c != ("uniform", 1_000_000)], peers, args.peers_python, 3)
         else:
-            print(
-                f"peers harness not found at {HARNESS} (only the project's checkout has ../shared): skipped"
-            )
+            print(f"peers harness not found at {HARNESS} (only the project's checkout has ../shared): skipped")
     big = big_run(big_n) if big_n else None
     print_tables(own, peer_results, big)
     verdicts = check_targets(own, big)

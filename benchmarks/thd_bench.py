@@ -41,9 +41,7 @@ def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, cap: int) -
     return np.clip(np.rint(x), 1, cap).astype(np.int64)
 
 
-def make_packs(
-    num_packs: int, pack_size: int, cp_size: int, seed: int = SEED
-) -> list[dict[str, torch.Tensor]]:
+def make_packs(num_packs: int, pack_size: int, cp_size: int, seed: int = SEED) -> list[dict[str, torch.Tensor]]:
     """``num_packs`` full packs in CONTRACT.md's format, first-fit over lognormal lengths."""
     rng = np.random.default_rng(seed)
     step = 2 * cp_size if cp_size > 1 else 1
@@ -196,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         median = f"{stats['median_us']:10.1f}"
         p10 = f"{stats['p10_us']:8.1f}" if "p10_us" in stats else " " * 8
         p90 = f"{stats['p90_us']:8.1f}" if "p90_us" in stats else " " * 8
-        verdict = (
-            "" if target is None else f"{target:6.0f} {'ok' if stats['median_us'] <= target else 'MISS'}"
-        )
+        verdict = "" if target is None else f"{target:6.0f} {'ok' if stats['median_us'] <= target else 'MISS'}"
         print(f"{name:<72} {median} {p10} {p90} {verdict}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -27,13 +27,13 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "stats": (
         "compare packing algorithms and pack sizes on a dataset's lengths",
-        "thdpack.report",
+        "thdpack.plan.report",
         "add_stats_arguments",
         "run_stats",
     ),
     "verify": (
         "prove on this machine that packed, CP-sharded training equals unpacked training",
-        "thdpack.verify",
+        "thdpack.verify.command",
         "add_verify_arguments",
         "run_verify",
     ),

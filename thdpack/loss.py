@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from thdpack.layout import IGNORE_INDEX
+from thdpack.packing.layout import IGNORE_INDEX
 
 LossReduction = Literal["token_mean", "sequence_mean"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)

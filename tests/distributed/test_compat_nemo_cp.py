@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from thdpack.compat.nemo import make_cp_batch_for_te, pack_dataset, packed_sequence_thd_collater, process_input_for_thd
-from thdpack.packed_dataset import PackedDataset
+from thdpack.packing.dataset import PackedDataset
 from thdpack.testing import run_distributed
 
 pytestmark = pytest.mark.distributed

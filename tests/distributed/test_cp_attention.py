@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from _attention_cases import LENGTH_MIXES, make_thd, max_errors, random_case, reference_results, shard_of
 
+from thdpack.attention import ring as ring_module
 from thdpack.attention import thd_attention
 from thdpack.attention.metadata import thd_meta
-from thdpack.cp import ring as ring_module
 from thdpack.cp import shard
 from thdpack.testing import run_distributed
 from thdpack.thd import thd_collate

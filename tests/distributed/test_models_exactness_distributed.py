@@ -17,7 +17,8 @@ import torch
 from _model_oracle import compare, oracle_step
 
 from thdpack.models import ModelConfig, Transformer
-from thdpack.models.exactness import (
+from thdpack.testing import run_distributed
+from thdpack.verify.exactness import (
     StepLayout,
     global_micro_batches,
     make_groups,
@@ -26,7 +27,6 @@ from thdpack.models.exactness import (
     packed_step,
     sample_lengths,
 )
-from thdpack.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -43,13 +43,13 @@ def _pieces(packs) -> list[dict[str, torch.Tensor]]:
 
 
 def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, sharding: str) -> dict[str, float]:
-    from thdpack.models.exactness import unpacked_step
     from thdpack.models.transformer import Transformer
-    from thdpack.packed_dataset import PackedDataset
+    from thdpack.packing.dataset import PackedDataset
     from thdpack.train.config import ParallelConfig
     from thdpack.train.data import StepStream
     from thdpack.train.runtime import init_runtime
     from thdpack.train.trainer import build_model, forward_backward, shard_micro_batches
+    from thdpack.verify.exactness import unpacked_step
 
     cfg = _config(cp_size, reduction, sharding)
     runtime = init_runtime(ParallelConfig(cp_size=cp_size, dp_sharding=sharding))

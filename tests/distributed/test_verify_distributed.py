@@ -8,7 +8,7 @@ import argparse
 import pytest
 import torch
 
-from thdpack.verify import add_verify_arguments, run_verify
+from thdpack.verify.command import add_verify_arguments, run_verify
 
 pytestmark = pytest.mark.distributed
 

@@ -151,9 +151,9 @@ def _dispatch(
         )
         return out, None
     if cp_group is not None:
-        # imported here: thdpack.cp.ring imports this package's kernels
-        from thdpack.cp.allgather import allgather_attention
-        from thdpack.cp.ring import ring_attention
+        # imported here: thdpack.attention.ring imports this package's kernels
+        from thdpack.attention.allgather import allgather_attention
+        from thdpack.attention.ring import ring_attention
 
         if config.cp_comm_type == "all_gather":
             return allgather_attention(q, k, v, meta, cp_group=cp_group, causal=causal, scale=scale)

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from thdpack import layout
 from thdpack._optional import has_module
-from thdpack.packer import SampleTokens, assemble_pack, read_sample
+from thdpack.packing import layout
+from thdpack.packing.packer import SampleTokens, assemble_pack, read_sample
 from thdpack.plan import plan_packs
-from thdpack.thd_format import SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
+from thdpack.thd.format import SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
 
 log = logging.getLogger(__name__)
 

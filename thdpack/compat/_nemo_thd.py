@@ -15,9 +15,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from thdpack import layout
 from thdpack.compat._nemo_packing import SEQ_LENS_SENTINEL
 from thdpack.cp import partition_indices
+from thdpack.packing import layout
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")
 

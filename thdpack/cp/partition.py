@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack._optional import has_transformer_engine, require
-from thdpack.thd_format import THD_METADATA_KEYS, THDBatch
+from thdpack.thd.format import THD_METADATA_KEYS, THDBatch
 
 PartitionImpl = Literal["auto", "te", "torch", "numpy"]
 _IMPLS = ("auto", "te", "torch", "numpy")

@@ -11,6 +11,7 @@ from thdpack.data.sources import (
     SourceReport,
     detect_format,
 )
+from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
 from thdpack.data.tokenize import (
     SAMPLE_FORMATS,
     SampleEncoder,

@@ -40,7 +40,7 @@ import numpy as np
 from thdpack._optional import require
 from thdpack.data._progress import progress_bar
 from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments, text_chars
-from thdpack.layout import IGNORE_INDEX
+from thdpack.packing.layout import IGNORE_INDEX
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)

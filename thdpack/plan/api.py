@@ -17,13 +17,13 @@ from typing import Literal
 
 import numpy as np
 
-from thdpack.layout import check_pack_size, cp_multiple
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import plan_histogram
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOWS, Entries, Overflow, apply_overflow
 from thdpack.plan.packplan import PackPlan
+from thdpack.plan.slots import check_pack_size, cp_multiple
 from thdpack.plan.stats import PackingStats, weighted_percentiles
 
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from thdpack.attention import AttentionConfig
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
-from thdpack.layout import check_pack_size
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
 from thdpack.plan import ALGORITHMS, OVERFLOWS
+from thdpack.plan.slots import check_pack_size
 from thdpack.train.schema import build, hydra_node
 
 DP_SHARDINGS = ("ddp", "fsdp")

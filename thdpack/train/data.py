@@ -28,8 +28,8 @@ from thdpack.data.prepare import write_token_store
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.tokenize import TokenizeConfig
-from thdpack.packed_dataset import PackedDataset
-from thdpack.packer import Pack
+from thdpack.packing.dataset import PackedDataset
+from thdpack.packing.packer import Pack
 from thdpack.train.balance import Imbalance, deal, imbalance, pack_costs
 from thdpack.train.config import DataConfig
 

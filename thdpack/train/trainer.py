@@ -27,8 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from thdpack.cp import shard
 from thdpack.loss import StepLoss, count_loss_tokens, loss_weights
 from thdpack.models import Transformer
-from thdpack.packed_dataset import PackedDataset
-from thdpack.packer import Pack
+from thdpack.packing.dataset import PackedDataset
+from thdpack.packing.packer import Pack
 from thdpack.thd import thd_collate, thd_to_device
 from thdpack.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from thdpack.train.config import Config, TrainConfig

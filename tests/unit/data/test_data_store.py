@@ -153,7 +153,7 @@ def test_reader_errors(tmp_path, gpt2):
 
 def test_packed_dataset_over_a_store_trains_the_same_targets_in_both_sample_formats(tmp_path, gpt2):
     from thdpack.data.tokenize import SampleEncoder
-    from thdpack.packed_dataset import PackedDataset
+    from thdpack.packing.dataset import PackedDataset
 
     records = [{"instruction": f"Count to {i}.", "output": " ".join(map(str, range(i)))} for i in range(1, 9)]
     records += [{"text": "word " * n} for n in (5, 17, 2)]

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack.models import ModelConfig, Transformer
-from thdpack.packer import assemble_pack, read_sample
+from thdpack.packing.packer import assemble_pack, read_sample
 from thdpack.thd import thd_collate
 
 TINY = ModelConfig.preset("tiny", attention_backend="math")

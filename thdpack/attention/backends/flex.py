@@ -1,4 +1,4 @@
-"""``flex`` backend: FlexAttention with a block-sparse document mask (:func:`thdpack.masks.flex_block_mask`).
+"""``flex`` backend: FlexAttention with a block-sparse document mask (:func:`thdpack.attention.masks.flex_block_mask`).
 
 On CUDA the fused Triton kernel is used (``torch.compile(flex_attention)``, compiled once per
 shape); on CPU the eager path materialises the scores and has no backward in torch >= 2.11, so
@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
+from thdpack.attention.masks import flex_block_mask
 from thdpack.attention.merge import normalize_lse
 from thdpack.attention.metadata import ThdMeta
-from thdpack.masks import flex_block_mask
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """``sdpa`` backend: ``scaled_dot_product_attention`` with a dense (T, T) document mask.
 
-The mask is :func:`thdpack.masks.block_causal_mask`: same sequence, real key, and (causal) key
+The mask is :func:`thdpack.attention.masks.block_causal_mask`: same sequence, real key, and (causal) key
 not after the query. It costs O(T^2) memory, and with a mask CUDA SDPA falls back from the flash
 kernel to the efficient / math kernels, so this backend is for small packs and cross-checks. SDPA
 returns no LSE. Padding rows see the real tokens of their sequence, so no row is empty.
@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from thdpack.attention.masks import block_causal_mask
 from thdpack.attention.metadata import ThdMeta
-from thdpack.masks import block_causal_mask
 
 
 def attend(

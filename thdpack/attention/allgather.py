@@ -5,7 +5,7 @@ storage order, and attends its own load-balanced queries (chunks r and 2n-1-r of
 to them with the per-token mask ``same sequence & real key & (causal) pos_q >= pos_k``; no LSE
 merge is needed. The backward reduce-scatters dK/dV (in fp32) back to their owners.
 
-Compared with the ring (:mod:`thdpack.cp.ring`): one collective instead of n overlapped hops and
+Compared with the ring (:mod:`thdpack.attention.ring`): one collective instead of n overlapped hops and
 a full-sequence K/V buffer per rank; it is also an independent implementation to check the ring
 against. Tiles use the math kernel (any device and dtype).
 
@@ -78,7 +78,7 @@ def allgather_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather-KV attention of this rank's shard.
 
-    Same arguments and results as :func:`thdpack.cp.ring.ring_attention` (math tiles).
+    Same arguments and results as :func:`thdpack.attention.ring.ring_attention` (math tiles).
     """
     device = q_TNH.device
     order = meta.cached(("gather order", device), lambda: gather_order(meta, device))

@@ -1,4 +1,4 @@
-"""thdpack.layout: CP rounding, seq_lens_padded, positions, labels, padding mask."""
+"""thdpack.packing.layout: CP rounding, seq_lens_padded, positions, labels, padding mask."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thdpack import layout
+from thdpack.packing import layout
 
 N = layout.IGNORE_INDEX
 lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=12)

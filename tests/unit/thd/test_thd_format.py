@@ -8,7 +8,7 @@ from thd_cases import C1_SECOND, P5
 
 from thdpack.cp import shard
 from thdpack.thd import thd_collate
-from thdpack.thd_format import validate_thd
+from thdpack.thd.format import validate_thd
 
 
 def test_accepts_batches_and_shards():

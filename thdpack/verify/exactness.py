@@ -31,10 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from thdpack.cp import shard
-from thdpack.layout import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
 from thdpack.models.transformer import Transformer
-from thdpack.packer import build_pack
+from thdpack.packing.layout import cp_multiple
+from thdpack.packing.packer import build_pack
 from thdpack.plan import plan_packs
 from thdpack.thd import THDBatch, thd_collate
 

@@ -9,7 +9,7 @@ import torch
 from _model_oracle import compare, oracle_step
 
 from thdpack.models import ModelConfig, Transformer
-from thdpack.models.exactness import (
+from thdpack.verify.exactness import (
     BASE_LENGTHS,
     RankGroups,
     StepLayout,

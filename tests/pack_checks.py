@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from thdpack import layout
+from thdpack.packing import layout
 
 N = layout.IGNORE_INDEX
 

@@ -32,8 +32,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from thdpack import layout
-from thdpack.packer import Pack, build_pack, read_sample
+from thdpack.packing import layout
+from thdpack.packing.packer import Pack, build_pack, read_sample
 from thdpack.plan import (
     ALGORITHMS,
     DEFAULT_WINDOW,

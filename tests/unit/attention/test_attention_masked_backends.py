@@ -1,4 +1,4 @@
-"""``sdpa`` and ``flex`` (document masks from thdpack.masks) against the ``math`` backend."""
+"""``sdpa`` and ``flex`` (document masks from thdpack.attention.masks) against the ``math`` backend."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ never calls ``.item()``.
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences in one row,
 ``T = B*L`` packed tokens, ``N`` sequences in the whole batch.
 
-The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd_format``.
+The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd.format``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack.thd_format import (
+from thdpack.thd.format import (
     INT_TOKEN_KEYS,
     LENGTH_KEYS,
     PACK_KEYS,
@@ -83,7 +83,7 @@ def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
 
 
 def to_thd(batch: Mapping[str, Any]) -> THDBatch:
-    """Flatten a collated BSHD batch into a THD batch (the table in ``thdpack.thd_format``).
+    """Flatten a collated BSHD batch into a THD batch (the table in ``thdpack.thd.format``).
 
     Args:
         batch: ``collate``'s output: (B, L) ``input_ids``, ``labels``, ``position_ids``;

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack import layout
-from thdpack.packer import Pack, SampleTokens, assemble_pack, read_sample
+from thdpack.packing import layout
+from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sample
 from thdpack.plan import OVERFLOWS, Overflow, PackingStats, l2_lower_bound
 from thdpack.plan.stats import weighted_percentiles
 

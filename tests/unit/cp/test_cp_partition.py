@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from thd_cases import C1_SECOND, P5, P6, S3, pack_batches
 
 from thdpack._optional import has_transformer_engine
+from thdpack.attention.masks import token_layout
 from thdpack.cp import partition_indices, shard, unshard
-from thdpack.masks import token_layout
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
 
 # (cu_seqlens_padded, total, cp_size, per-rank indices): rows 1-8 and 10-14 of the spec's table

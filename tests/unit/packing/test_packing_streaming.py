@@ -1,4 +1,4 @@
-"""thdpack.streaming: bounded-buffer best-fit packing of a stream, its stats, exact resume."""
+"""thdpack.packing.streaming: bounded-buffer best-fit packing of a stream, its stats, exact resume."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.streaming import StreamingPacker
+from thdpack.packing.streaming import StreamingPacker
 from thdpack.testing import assert_resumable
 
 

@@ -11,8 +11,7 @@ from hypothesis import given
 from thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 
 from thdpack._optional import has_flex_attention
-from thdpack.cp import partition_indices, shard
-from thdpack.masks import (
+from thdpack.attention.masks import (
     TokenLayout,
     block_causal_bias,
     block_causal_mask,
@@ -22,6 +21,7 @@ from thdpack.masks import (
     segment_ids,
     token_layout,
 )
+from thdpack.cp import partition_indices, shard
 from thdpack.thd import collate, thd_collate
 
 

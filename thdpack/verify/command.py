@@ -8,7 +8,7 @@ It starts ``dp_size * cp_size`` processes itself (no torchrun; a file:// rendezv
 GPU per rank when that many GPUs are visible, else gloo on the CPU. Every rank builds the same
 small decoder (``ModelConfig.preset``) and the same random sequences, then runs one optimizer
 step of 2 accumulation micro-steps on packed, CP-sharded THD batches with the global loss
-normalisation, and the same step on every sequence alone (``thdpack.models.exactness``). It
+normalisation, and the same step on every sequence alone (``thdpack.verify.exactness``). It
 prints the max abs difference of the loss, of every real token's logits and of every parameter's
 gradient, and exits 0 when all are within the dtype's tolerance (float64 1e-10, float32 1e-5;
 bfloat16: the packed error against an fp32 reference at most twice the error of the plain,
@@ -36,7 +36,9 @@ import torch.multiprocessing as mp
 from thdpack.attention.config import BACKENDS, CP_COMM_TYPES
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
-from thdpack.models.exactness import (
+from thdpack.models.transformer import Transformer
+from thdpack.thd import thd_to_device
+from thdpack.verify.exactness import (
     FAULTS,
     StepLayout,
     baseline_errors,
@@ -50,8 +52,6 @@ from thdpack.models.exactness import (
     sample_lengths,
     unpacked_step,
 )
-from thdpack.models.transformer import Transformer
-from thdpack.thd import thd_to_device
 
 VerifyDtype = Literal["float64", "float32", "bfloat16"]
 VERIFY_DTYPES: tuple[VerifyDtype, ...] = get_args(VerifyDtype)

@@ -25,7 +25,7 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from thdpack import layout
+from thdpack.packing import layout
 
 
 class Pack(TypedDict):

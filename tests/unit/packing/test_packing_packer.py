@@ -1,4 +1,4 @@
-"""thdpack.packer: samples -> packs from plan segments (every overflow policy, CP sizes, labels)."""
+"""thdpack.packing.packer: samples -> packs from plan segments (every overflow policy, CP sizes, labels)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.packer import SampleTokens, assemble_pack, build_pack, read_sample
+from thdpack.packing.packer import SampleTokens, assemble_pack, build_pack, read_sample
 from thdpack.plan import plan_packs
 
 N = -100

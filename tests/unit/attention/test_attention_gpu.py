@@ -13,8 +13,8 @@ from _attention_cases import make_thd, random_case
 from thdpack import _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
 from thdpack.attention.metadata import thd_meta
+from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
-from thdpack.cp.simulate import simulated_ring_attention
 
 pytestmark = [
     pytest.mark.gpu,

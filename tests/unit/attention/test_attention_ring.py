@@ -12,8 +12,8 @@ from _attention_cases import LENGTH_MIXES, autograd_results, global_errors, make
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from thdpack.cp import ring
-from thdpack.cp.simulate import simulated_ring_attention
+from thdpack.attention import ring
+from thdpack.attention.ring_simulation import simulated_ring_attention
 
 
 def _ring(thd, cp_size, causal):

@@ -1,7 +1,7 @@
 """A whole context-parallel ring in one process: ranks as threads, messages through mailboxes.
 
 :func:`simulated_ring_attention` takes the GLOBAL (unsharded) q/k/v of a THD batch, shards them
-with Transformer Engine's partition, runs :mod:`thdpack.cp.ring`'s forward and backward for every
+with Transformer Engine's partition, runs :mod:`thdpack.attention.ring`'s forward and backward for every
 rank concurrently (the same code the process-group path runs, talking to :class:`ThreadRing`
 instead of ``batch_isend_irecv``), and returns the global out / LSE, differentiable. It needs no
 process group, so exactness checks (gradcheck included) and single-GPU checks of the tile
@@ -21,8 +21,8 @@ import torch
 
 from thdpack.attention import math_kernel
 from thdpack.attention.metadata import ThdMeta, thd_meta
+from thdpack.attention.ring import TileKernel, ring_backward, ring_forward
 from thdpack.cp.partition import partition_indices
-from thdpack.cp.ring import TileKernel, ring_backward, ring_forward
 
 
 class _MailboxPending:
@@ -136,7 +136,7 @@ def simulated_ring_attention(
         q_TNH / k_TNH / v_TNH: (T, Nq, H) / (T, Nkv, H) / (T, Nkv, Hv), the GLOBAL batch in storage
             order; T a multiple of ``2*cp_size`` per sequence (``cu_seqlens_padded``).
         thd: the global batch's metadata (``cu_seqlens``, ``cu_seqlens_padded``).
-        cp_size, causal, softmax_scale, kernel: as for :func:`thdpack.cp.ring.ring_attention`.
+        cp_size, causal, softmax_scale, kernel: as for :func:`thdpack.attention.ring.ring_attention`.
 
     Returns:
         ``out_TNH`` (T, Nq, Hv) in q's dtype and ``lse_NT`` (Nq, T), in storage order, both

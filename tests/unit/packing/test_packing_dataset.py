@@ -1,4 +1,4 @@
-"""thdpack.packed_dataset: per-epoch re-planning and shuffling, DP shards, exact resume, errors."""
+"""thdpack.packing.dataset: per-epoch re-planning and shuffling, DP shards, exact resume, errors."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.packed_dataset import PackedDataset, epoch_seeds
+from thdpack.packing.dataset import PackedDataset, epoch_seeds
 from thdpack.testing import assert_resumable
 
 RNG = np.random.default_rng(0)
