@@ -86,7 +86,7 @@ _MOVED_MODULES = {
     "thdpack.streaming": "thdpack.packing.streaming",
     "thdpack.thd_format": "thdpack.thd.format",
     "thdpack.masks": "thdpack.attention.masks",
-    "thdpack.report": "thdpack.plan.report",
+    "thdpack.report": "thdpack.data.stats",
     "thdpack.models.exactness": "thdpack.verify.exactness",
     "thdpack.cp.ring": "thdpack.attention.ring",
     "thdpack.cp.allgather": "thdpack.attention.allgather",

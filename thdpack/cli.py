@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "stats": (
         "compare packing algorithms and pack sizes on a dataset's lengths",
-        "thdpack.plan.report",
+        "thdpack.data.stats",
         "add_stats_arguments",
         "run_stats",
     ),

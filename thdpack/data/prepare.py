@@ -253,7 +253,7 @@ def _write_plots(store: TokenStore, plan: Any, skip: bool, out: Path) -> None:
     if not has_module("matplotlib"):
         print("no plots: matplotlib is not installed (pip install 'thdpack[train]')")
         return
-    from thdpack.plan.report import Row, plot
+    from thdpack.data.stats import Row, plot
 
     for path in plot(store.lengths, [Row(plan.algorithm, plan.pack_size, 0.0, plan.stats)], out):
         print(f"wrote {path}")
