@@ -92,13 +92,21 @@ def time_backend(backend: str, thd: dict, qkv: tuple, repeats: int) -> dict:
     row: dict = {"backend": backend}
     try:
         row["forward_s"] = best_seconds(forward, repeats, device)
-    except (ImportError, ValueError) as err:
-        return {**row, "skipped": str(err)}
+    except Exception as err:  # one backend's failure is its row's result; the run goes on
+        return {**row, **outcome(err)}
     try:
         row["forward_backward_s"] = best_seconds(forward_backward, repeats, device)
-    except (ImportError, ValueError) as err:
-        row["backward_skipped"] = str(err)
+    except Exception as err:
+        row.update({f"backward_{key}": value for key, value in outcome(err).items()})
     return row
+
+
+def outcome(err: Exception) -> dict[str, str]:
+    """``skipped`` when the selector refuses the backend here (missing package, wrong device or
+    dtype), ``failed`` with the exception type for anything else (a kernel error, a bug)."""
+    if isinstance(err, (ImportError, ValueError)):
+        return {"skipped": str(err)}
+    return {"failed": f"{type(err).__name__}: {err}"}
 
 
 def bf16_errors(thd: dict, qkv32: tuple, attend: Callable, plain: dict | None) -> dict:
@@ -138,8 +146,8 @@ def accuracy_rows(thd: dict, qkv32: tuple) -> list[dict]:
     for backend in ("te", "flash", "varlen", "flex", "sdpa"):
         try:
             errors = bf16_errors(thd, qkv32, lambda q, k, v, b=backend: thd_attention(q, k, v, thd, backend=b), plain)
-        except (ImportError, ValueError) as err:
-            rows.append({"method": backend, "skipped": str(err)})
+        except Exception as err:  # reported in the row; the other backends still run
+            rows.append({"method": backend, **outcome(err)})
             continue
         rows.append({"method": backend, **errors})
     for cp_size in (2, 4):
@@ -147,22 +155,29 @@ def accuracy_rows(thd: dict, qkv32: tuple) -> list[dict]:
         def ring(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: int = cp_size) -> torch.Tensor:
             return simulated_ring_attention(q, k, v, thd, cp_size=cp, kernel="flash")[0]
 
-        rows.append({"method": f"ring cp={cp_size} (flash tiles)", **bf16_errors(thd, qkv32, ring, plain)})
+        method = f"ring cp={cp_size} (flash tiles)"
+        try:
+            rows.append({"method": method, **bf16_errors(thd, qkv32, ring, plain)})
+        except Exception as err:
+            rows.append({"method": method, **outcome(err)})
     return rows
 
 
 def print_timing(row: dict) -> None:
     fwd = f"{row['forward_s'] * 1e3:9.2f}" if "forward_s" in row else f"{'-':>9}"
     both = f"{row['forward_backward_s'] * 1e3:11.2f}" if "forward_backward_s" in row else f"{'-':>11}"
-    note = row.get("skipped") or row.get("backward_skipped") or ""
+    note = next(
+        (f"{key}: {row[key]}" for key in ("failed", "skipped", "backward_failed", "backward_skipped") if key in row), ""
+    )
     print(f"{row['pack_size']:>6} {row['sequences']:>5} {row['backend']:>8} {fwd} {both}  {note[:70]}")
 
 
 def print_accuracy(rows: list[dict]) -> None:
     print("\nbf16 max |error| vs fp32 reference (ratio to plain torch bf16 in brackets; target <= 2)")
     for row in rows:
-        if "skipped" in row:
-            print(f"{row['pack_size']:>6} {row['method']:>28}  skipped: {row['skipped'][:60]}")
+        if "skipped" in row or "failed" in row:
+            key = "failed" if "failed" in row else "skipped"
+            print(f"{row['pack_size']:>6} {row['method']:>28}  {key}: {row[key][:60]}")
             continue
         cells = []
         for name in ("out", "dq", "dk", "dv"):
@@ -171,7 +186,7 @@ def print_accuracy(rows: list[dict]) -> None:
         print(f"{row['pack_size']:>6} {row['method']:>28}  {'  '.join(cells)}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--pack-sizes", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -181,7 +196,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--backends", nargs="+", default=None, help="default: math sdpa flex (+ cuda kernels)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
-    args = parser.parse_args()
+    parser.add_argument("--tiny", action="store_true", help="one 256-token pack, 1 repeat (seconds; the tests)")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.pack_sizes, args.repeats = [256], 1
     device = torch.device(args.device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     backends = args.backends or (
