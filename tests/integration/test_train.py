@@ -82,9 +82,10 @@ def test_resume_gives_identical_losses(tmp_path, cache):
     straight, split = tmp_path / "straight", tmp_path / "split"
     torchrun(straight, cache, "train.steps=6", "train.checkpoint_every=3")
     torchrun(split, cache, "train.steps=6", "train.checkpoint_every=3", "train.stop_at=4")
-    # as if killed while saving step 4: the last complete checkpoint is step 3, step 4 is redone
-    (split / "checkpoints" / "latest").write_text("step_000003")
-    torchrun(split, cache, "train.steps=6", "train.checkpoint_every=3", "train.resume=true")
+    # as if killed while saving step 4 (its files written, not its manifest): resume from step 3
+    (split / "checkpoints" / "step_000004" / "checksums.json").unlink()
+    result = torchrun(split, cache, "train.steps=6", "train.checkpoint_every=3", "train.resume=true")
+    assert "step_000003 (step 3)" in result.stdout
     assert losses(split) == losses(straight)
 
 

@@ -2,18 +2,33 @@
 
 Layout of ``<output_dir>/checkpoints/``::
 
-    step_000020/dcp/        model + optimizer, torch.distributed.checkpoint (works for DDP and FSDP2)
-    step_000020/trainer.pt  scheduler, data stream, step, config (written by rank 0)
+    step_000020/dcp/          model + optimizer, torch.distributed.checkpoint (works for DDP and FSDP2)
+    step_000020/trainer.pt    scheduler, data stream, step, config (written by rank 0)
     step_000020/rng/rank_<r>.pt
-    latest                  the last complete checkpoint's folder name, written after every rank finished
+    step_000020/checksums.json  size and sha256 of every file above, written last
+    latest                    the newest complete checkpoint's folder name
+    damaged/step_000040/      a checkpoint that resume found damaged or unfinished, set aside
 
-A checkpoint counts only once ``latest`` names it, so a run killed while saving resumes from
-the previous one.
+A checkpoint is complete once its ``checksums.json`` exists: rank 0 writes it (atomically) after
+every rank finished writing, so a run killed while saving leaves a folder without it. ``latest``
+is rewritten (atomically) after each manifest and on resume; it is a pointer for people and
+tools: resume walks the checkpoints newest first, verifies every file against its manifest and
+falls back past damaged or unfinished ones with a warning naming the file
+(``verify_checkpoint(folder)`` runs the same check on its own).
+
+One output_dir holds the checkpoints of one run: a fresh run into a folder that holds
+checkpoints is refused unless it resumes them (``train.resume=true``) or clears them
+(``train.overwrite=true``), so pruning (keep the newest ``keep_checkpoints``) never mixes runs.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +40,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+log = logging.getLogger(__name__)
 LATEST = "latest"
+MANIFEST = "checksums.json"
+DAMAGED = "damaged"
+CHECKPOINT_FORMAT = "thdpack-checkpoint"
+CHECKPOINT_VERSION = 1
+REQUIRED_FILES = ("trainer.pt", "dcp/.metadata")
+"""Files every checkpoint's manifest lists (the rank files depend on the world size)."""
+_STEP_FOLDER = re.compile(r"step_(\d+)")
+_CHUNK = 1 << 20
 
 
 def rng_state() -> dict[str, Any]:
@@ -49,6 +73,131 @@ class Restored:
     trainer: dict[str, Any]
 
 
+# -- files, manifests, verification --------------------------------------------------------
+
+
+def file_digest(path: Path) -> dict[str, Any] | None:
+    """``{"size": bytes, "sha256": hex}`` of ``path``, or None when it is not a file."""
+    if not path.is_file():
+        return None
+    sha = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """A reader sees the old or the new content, never half (temp file + os.replace)."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """``root``'s ``step_<n>`` folders, oldest step first (complete or not)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_FOLDER.fullmatch(p.name)]
+    return sorted(found, key=_step_of)
+
+
+def _step_of(folder: Path) -> int:
+    return int(_STEP_FOLDER.fullmatch(folder.name).group(1))  # type: ignore[union-attr]
+
+
+def _read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) for a complete checkpoint, else (None, why it is not one)."""
+    file = folder / MANIFEST
+    if not file.is_file():
+        return None, f"{file} is missing (a save that did not finish)"
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return None, f"{file} is unreadable ({err})"
+    if not _is_manifest(manifest):
+        return None, f"{file} is not a {CHECKPOINT_FORMAT} v{CHECKPOINT_VERSION} manifest"
+    named = _STEP_FOLDER.fullmatch(folder.name)
+    if named and manifest["step"] != int(named.group(1)):
+        return None, f"{file} is for step {manifest['step']}, not {int(named.group(1))}"
+    files = manifest["files"]
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        return None, f"{file} does not list {', '.join(missing)}"
+    return manifest, None
+
+
+def _is_manifest(manifest: Any) -> bool:
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return False
+    entries_ok = all(
+        isinstance(e, dict) and isinstance(e.get("size"), int) and isinstance(e.get("sha256"), str)
+        for e in manifest["files"].values()
+    )
+    header_ok = manifest.get("format") == CHECKPOINT_FORMAT and manifest.get("version") == CHECKPOINT_VERSION
+    return entries_ok and header_ok and isinstance(manifest.get("step"), int)
+
+
+def _problems(folder: Path, manifest: dict[str, Any], digests: dict[str, dict[str, Any] | None]) -> list[str]:
+    problems = []
+    for name, expected in manifest["files"].items():
+        actual = digests[name]
+        path = folder / name
+        if actual is None:
+            problems.append(f"{path} is missing")
+        elif actual["size"] != expected["size"]:
+            problems.append(f"{path} has {actual['size']} bytes, {MANIFEST} says {expected['size']}")
+        elif actual["sha256"] != expected["sha256"]:
+            problems.append(f"{path} does not match its sha256 in {MANIFEST}")
+    return problems
+
+
+def verify_checkpoint(folder: str | os.PathLike[str]) -> list[str]:
+    """Problems of the checkpoint ``folder`` (``[]``: complete and intact), each naming a file.
+
+    Reads every file the manifest lists and compares its size and sha256; one process, no
+    ``torch.distributed`` needed.
+    """
+    folder = Path(folder)
+    manifest, why = _read_manifest(folder)
+    if manifest is None:
+        return [why]  # type: ignore[list-item]
+    return _problems(folder, manifest, {name: file_digest(folder / name) for name in manifest["files"]})
+
+
+def _digests_shared(folder: Path, names: list[str]) -> dict[str, dict[str, Any] | None]:
+    """``file_digest`` of ``folder / name`` for every name, the reading split over the ranks.
+
+    Collective; every rank passes the same ``names`` and gets every digest.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {name: file_digest(folder / name) for name in names[rank::world]}
+    parts: list[dict[str, Any] | None] = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {name: digest for part in parts for name, digest in part.items()}  # type: ignore[union-attr]
+
+
+def _broadcast(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (the file system is read once, every rank decides alike)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _remove(folder: Path) -> None:
+    """Delete a checkpoint folder, its manifest first: an interrupted removal leaves it incomplete."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+# -- save --------------------------------------------------------------------------------
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -58,9 +207,17 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int,
 ) -> Path:
-    """Save step ``step`` on every rank (collective); returns its folder."""
+    """Save step ``step`` on every rank (collective); returns its folder.
+
+    Order: every rank writes its files; rank 0 lists them, every rank hashes a share, rank 0
+    writes ``checksums.json`` then ``latest`` (both atomically) and prunes to the ``keep``
+    newest complete checkpoints up to ``step``, this one always included.
+    """
     folder = root / f"step_{step:06d}"
     rank = dist.get_rank()
+    if rank == 0 and folder.exists():  # not expected (resume sets later folders aside): never mix in its files
+        _remove(folder)
+    dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder / "dcp")
     (folder / "rng").mkdir(parents=True, exist_ok=True)
@@ -68,20 +225,128 @@ def save_checkpoint(
     if rank == 0:
         torch.save({"step": step, **trainer_state}, folder / "trainer.pt")
     dist.barrier()
+    names = _broadcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
+    digests = _digests_shared(folder, names)
     if rank == 0:
-        (root / LATEST).write_text(folder.name)
-        for old in sorted(root.glob("step_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        manifest = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "step": step,
+            "world_size": dist.get_world_size(),
+            "files": digests,
+        }
+        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+        _write_atomic(root / LATEST, folder.name)
+        _prune(root, step, keep)
     dist.barrier()
     return folder
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    marker = root / LATEST
-    if not marker.exists():
+def _prune(root: Path, step: int, keep: int) -> None:
+    """Keep the ``keep`` newest complete checkpoints up to ``step`` (``step`` itself always);
+    remove the older ones and unfinished leftovers. Later steps are not this run's to judge."""
+    kept = 0
+    for folder in reversed(_step_folders(root)):
+        if _step_of(folder) > step:
+            continue
+        if _step_of(folder) == step or (kept < keep and _read_manifest(folder)[0] is not None):
+            kept += 1
+        else:
+            _remove(folder)
+
+
+# -- resume ------------------------------------------------------------------------------
+
+
+def open_checkpoints(root: Path, *, resume: bool, overwrite: bool) -> Path | None:
+    """The verified checkpoint to resume from, or None to start at step 1 (collective).
+
+    - ``resume``: the newest complete checkpoint whose files all match their checksums. Damaged
+      or unfinished newer ones are skipped with a warning naming the file, then moved to
+      ``root/damaged/`` (the resumed run replaces them; pruning never counts them). ``ValueError``
+      naming every damaged file when ``root`` holds checkpoint folders but none is valid; None
+      when it holds none.
+    - otherwise ``root`` must be empty (another run's checkpoints would be mixed with this one's
+      and pruned away): ``ValueError`` naming the folder and the choices, unless ``overwrite``,
+      which deletes them.
+
+    On every rank the decision is the same: rank 0 reads the folder, the files are hashed by all.
+    """
+    rank = dist.get_rank()
+    entries, folders = _broadcast((_entries(root), _step_folders(root)) if rank == 0 else None)
+    if not resume:
+        if entries and not overwrite:
+            raise ValueError(
+                f"{root} holds the checkpoints of an earlier run ({_names(entries)}); continue it with "
+                "train.resume=true, write to a new train.output_dir, or delete them with train.overwrite=true"
+            )
+        if entries and rank == 0:
+            log.warning("train.overwrite=true: deleting %s (%s)", root, _names(entries))
+            for folder in folders:  # first: a removal cut short must not leave a complete checkpoint
+                (folder / MANIFEST).unlink(missing_ok=True)
+            shutil.rmtree(root)
+        dist.barrier()
         return None
-    folder = root / marker.read_text().strip()
-    return folder if folder.exists() else None
+    damaged: list[str] = []
+    skipped: list[Path] = []
+    for folder in reversed(folders):
+        manifest, why = _broadcast(_read_manifest(folder) if rank == 0 else None)
+        problems = [why] if manifest is None else _problems(folder, manifest, _digests_shared(folder, _files(manifest)))
+        if not problems:
+            if rank == 0:
+                _set_aside(root, skipped)
+                _point_latest_at(root, folder)
+            dist.barrier()
+            return folder
+        damaged.extend(problems)
+        skipped.append(folder)
+        _warn(f"skipping checkpoint {folder.name}: {'; '.join(problems)}")
+    if damaged:
+        raise ValueError(
+            f"no valid checkpoint in {root}: {'; '.join(damaged)}; restore the files, "
+            "or start over with train.overwrite=true or a new train.output_dir"
+        )
+    return None
+
+
+def _files(manifest: dict[str, Any]) -> list[str]:
+    return sorted(manifest["files"])
+
+
+def _entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
+
+
+def _warn(text: str) -> None:
+    if dist.get_rank() == 0:
+        log.warning(text)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _set_aside(root: Path, skipped: list[Path]) -> None:
+    """Move the skipped (damaged or unfinished) checkpoints to ``root/damaged/``, out of resume's
+    and pruning's way; a same-named older one there is replaced."""
+    if not skipped:
+        return
+    aside = root / DAMAGED
+    aside.mkdir(exist_ok=True)
+    for folder in skipped:
+        target = aside / folder.name
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(folder, target)
+    log.warning("moved %s to %s (inspect, then delete)", _names([f.name for f in skipped]), aside)
+
+
+def _point_latest_at(root: Path, folder: Path) -> None:
+    marker = root / LATEST
+    named = marker.read_text().strip() if marker.is_file() else None
+    if named != folder.name:
+        log.warning("%s named %r; it now names %s, the checkpoint this run resumes from", marker, named, folder.name)
+        _write_atomic(marker, folder.name)
 
 
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -138,14 +138,18 @@ class TrainConfig:
     output_dir: str = "outputs/train"
     """metrics.jsonl, checkpoints/, loss.png, config.yaml go here."""
     resume: bool = False
-    """Continue from the latest checkpoint in output_dir (the data and batch settings must match)."""
+    """Continue from the newest valid checkpoint in output_dir (the data and batch settings must
+    match); damaged checkpoints are skipped with a warning naming the file."""
+    overwrite: bool = False
+    """Delete the checkpoints an earlier run left in output_dir and start over (without it, a fresh
+    run into an output_dir that holds checkpoints is refused)."""
     stop_at: int | None = None
     """Stop after this step and checkpoint (the schedule still spans ``steps``): split a run over
     time-limited allocations, then continue with train.resume=true."""
     checkpoint_every: int = 20
     """Save a checkpoint every N steps and at the end (0: only at the end)."""
     keep_checkpoints: int = 2
-    """How many checkpoints to keep (oldest removed first)."""
+    """How many checkpoints to keep (the newest, the one just saved always among them)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
     plot: bool = True
@@ -160,6 +164,11 @@ class TrainConfig:
         _at_least("train.checkpoint_every", self.checkpoint_every, 0)
         _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("train.log_every", self.log_every, 1)
+        if self.resume and self.overwrite:
+            raise ValueError(
+                "train.resume=true and train.overwrite=true contradict each other: resume continues the "
+                "checkpoints in train.output_dir, overwrite deletes them; set one of them"
+            )
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"train.stop_at must be in [1, train.steps={self.steps}], got {self.stop_at}")
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:

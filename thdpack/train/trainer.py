@@ -30,7 +30,7 @@ from thdpack.models import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.thd import thd_collate, thd_to_device
-from thdpack.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.data import StepStream, open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
@@ -188,7 +188,7 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
 
     checkpoints = out / "checkpoints"
     first_step = 1
-    resumed_from = latest_checkpoint(checkpoints) if train.resume else None
+    resumed_from = open_checkpoints(checkpoints, resume=train.resume, overwrite=train.overwrite)
     if train.resume and resumed_from is None:
         _say(runtime, f"train.resume=true but {checkpoints} holds no checkpoint: starting from step 1")
     if resumed_from is not None:
