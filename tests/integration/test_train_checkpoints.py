@@ -256,3 +256,12 @@ def test_torchrun_resumes_past_a_damaged_shard(tmp_path, cache):
     assert f"resumed from {checkpoints / 'step_000002'} (step 2)" in result.stdout
     assert losses(tmp_path) == uninterrupted
     assert verify_checkpoint(checkpoints / "step_000003") == []
+
+
+def test_a_refused_fresh_run_leaves_the_earlier_config(stopped_copy, cache):
+    """The real entry: a fresh run into a used output_dir exits 2 and keeps the earlier config.yaml."""
+    (stopped_copy / "config.yaml").write_text("the earlier run's config\n")
+    result = entry(stopped_copy, cache, "train.steps=7")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "holds the checkpoints of an earlier run" in result.stderr
+    assert (stopped_copy / "config.yaml").read_text() == "the earlier run's config\n"

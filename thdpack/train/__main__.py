@@ -45,8 +45,12 @@ def main() -> None:
         except ValueError as err:
             print(f"thdpack.train: bad config: {err}", file=sys.stderr)
             sys.exit(2)
-        if is_main:
-            out = Path(config.train.output_dir)
+        out = Path(config.train.output_dir)
+        checkpoints = out / "checkpoints"
+        refused = (
+            checkpoints.is_dir() and any(checkpoints.iterdir()) and not (config.train.resume or config.train.overwrite)
+        )
+        if is_main and not refused:  # a run the trainer refuses must not overwrite the earlier run's config
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         try:
