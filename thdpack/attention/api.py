@@ -1,7 +1,7 @@
 """``thd_attention``: exact attention over a THD batch or a CP shard of one, any backend.
 
-Legend: ``T`` tokens on this rank, ``S`` sequences, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head
-dim.
+Legend: ``T`` tokens on this rank, ``S`` sequences, ``N`` heads (``Nq`` query, ``Nkv`` key/value),
+``H`` head dim.
 """
 
 from __future__ import annotations
@@ -111,25 +111,30 @@ def thd_attention(
 
 def _attention_config(config: AttentionConfig | None, keywords: Mapping[str, Any]) -> AttentionConfig:
     """``config``, or the one the shorthand keywords describe; a mix of both is refused."""
+    if not keywords:
+        if config is None:
+            return _DEFAULT_CONFIG
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(
+                f"config must be a thdpack.attention.AttentionConfig, got {type(config).__name__}; "
+                "e.g. config=AttentionConfig(backend='math', causal=False)"
+            )
+        return config
     unknown = sorted(set(keywords) - set(CONFIG_KEYWORDS))
     if unknown:
         raise TypeError(
             f"thd_attention() got unexpected keyword arguments {unknown}; it takes config, cp_group, return_lse "
             f"and, as a shorthand for config=AttentionConfig(...), {', '.join(CONFIG_KEYWORDS)}"
         )
-    if config is None:
-        return AttentionConfig(**keywords)
-    if not isinstance(config, AttentionConfig):
-        raise TypeError(
-            f"config must be a thdpack.attention.AttentionConfig, got {type(config).__name__}; "
-            "e.g. config=AttentionConfig(backend='math', causal=False)"
-        )
-    if keywords:
+    if config is not None:
         raise TypeError(
             f"thd_attention() got both config and the keywords {sorted(keywords)}; pass one of them, e.g. "
             f"config=dataclasses.replace(config, {', '.join(f'{name}=...' for name in sorted(keywords))})"
         )
-    return config
+    return AttentionConfig(**keywords)
+
+
+_DEFAULT_CONFIG = AttentionConfig()
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
