@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several machines, c10d rendezvous. Run the same command on every node:
-#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch/multi_node.sh parallel.cp_size=4 model=small train=gpu
-#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/multi_node.sh parallel.cp_size=4 model=small train=gpu
+#   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 bash launch/multi_node.sh parallel.cp_size=4 model=114m train=gpu
+#   NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 bash launch/multi_node.sh parallel.cp_size=4 model=114m train=gpu
 #   DRY_RUN=1 NNODES=2 MASTER_ADDR=node0 bash launch/multi_node.sh     # print the command only
 # CP groups are consecutive ranks, so keep cp_size <= NPROC_PER_NODE (CP talks every layer).
 set -euo pipefail

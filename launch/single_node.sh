@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One machine, NPROC processes (GPUs, or CPU processes with gloo).
 #   bash launch/single_node.sh                                  # 2 processes, cp_size 2 (the default run)
-#   NPROC=8 bash launch/single_node.sh parallel.cp_size=2 model=small train=gpu
+#   NPROC=8 bash launch/single_node.sh parallel.cp_size=2 model=114m train=gpu
 #   DRY_RUN=1 bash launch/single_node.sh                       # print the command, run nothing
 set -euo pipefail
 NPROC=${NPROC:-2}

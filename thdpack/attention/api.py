@@ -1,67 +1,41 @@
 """``thd_attention``: exact attention over a THD batch or a CP shard of one, any backend.
 
-Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.
+Legend: ``T`` tokens on this rank, ``S`` sequences, ``N`` heads (``Nq`` query, ``Nkv`` key/value),
+``H`` head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
 
-from thdpack.attention.backends import flash as flash_backend
-from thdpack.attention.backends import flex as flex_backend
-from thdpack.attention.backends import math as math_backend
-from thdpack.attention.backends import sdpa as sdpa_backend
-from thdpack.attention.backends import te as te_backend
-from thdpack.attention.backends import varlen as varlen_backend
-from thdpack.attention.config import AttentionConfig, Backend, CpCommType
+from thdpack.attention.backends.base import AttentionCall, Situation
+from thdpack.attention.config import AttentionConfig
 from thdpack.attention.metadata import ThdMeta, thd_meta
-from thdpack.attention.select import Situation, choose_backend, log_choice
+from thdpack.attention.select import attend_function, choose_backend, log_choice
+
+CONFIG_KEYWORDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
+"""The keywords ``thd_attention`` accepts as a shorthand for ``config=AttentionConfig(...)``."""
 
 
 @overload
-def thd_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    thd: Mapping[str, Any],
-    *,
-    causal: bool = ...,
-    backend: Backend = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    softmax_scale: float | None = ...,
-    return_lse: Literal[False] = ...,
-    cp_comm_type: CpCommType = ...,
-) -> torch.Tensor: ...
+def thd_attention(*args: Any, return_lse: Literal[False] = ..., **kwargs: Any) -> torch.Tensor: ...
 @overload
+def thd_attention(*args: Any, return_lse: Literal[True], **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 def thd_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     thd: Mapping[str, Any],
     *,
-    causal: bool = ...,
-    backend: Backend = ...,
-    cp_group: dist.ProcessGroup | None = ...,
-    softmax_scale: float | None = ...,
-    return_lse: Literal[True],
-    cp_comm_type: CpCommType = ...,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-def thd_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    thd: Mapping[str, Any],
-    *,
-    causal: bool = True,
-    backend: Backend = "auto",
+    config: AttentionConfig | None = None,
     cp_group: dist.ProcessGroup | None = None,
-    softmax_scale: float | None = None,
     return_lse: bool = False,
-    cp_comm_type: CpCommType = "p2p",
+    **keywords: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of every sequence of a packed THD batch to itself only, exactly.
 
@@ -70,22 +44,23 @@ def thd_attention(
             ``thdpack.cp.shard`` order under context parallelism.
         k: (T, Nkv, H) keys; ``Nq % Nkv == 0`` (GQA: query head h uses KV head ``h // (Nq/Nkv)``).
         v: (T, Nkv, Hv) values. q, k, v share one device and one float dtype.
-        thd: the batch's metadata: ``cu_seqlens`` ((N+1,) int32, GLOBAL real lengths, ``[0] == 0``,
-            non-decreasing), ``cu_seqlens_padded`` ((N+1,) int32, GLOBAL storage slots, each slot
+        thd: the batch's metadata: ``cu_seqlens`` ((S+1,) int32, GLOBAL real lengths, ``[0] == 0``,
+            non-decreasing), ``cu_seqlens_padded`` ((S+1,) int32, GLOBAL storage slots, each slot
             >= its real length, a multiple of ``2*cp_size`` under CP, ``[-1] == T * cp_size``),
             ``max_seqlen`` (Python int >= the widest slot) and, on a CP shard, ``cp_size`` /
             ``cp_rank``. Validated once per batch (cached), so every layer can pass it.
-        causal: decoder attention inside each sequence (``"padding_causal"``); False = every
-            real token of the sequence is visible (``"padding"``).
-        backend: ``"auto"`` (fastest available, logged on ``thdpack.attention``; the environment
-            variable ``THDPACK_ATTENTION_BACKEND`` forces one) or one of ``"te"``, ``"flash"``,
-            ``"varlen"``, ``"flex"``, ``"sdpa"``, ``"math"``.
+        config: how to attend (:class:`~thdpack.attention.AttentionConfig`): ``backend``
+            (``"auto"`` = fastest available, logged on ``thdpack.attention``; the environment
+            variable ``THDPACK_ATTENTION_BACKEND`` forces one), ``causal``, ``softmax_scale``
+            (default ``H ** -0.5``) and ``cp_comm_type`` (``"p2p"`` ring or ``"all_gather"``).
+            Default: ``AttentionConfig()``.
         cp_group: the context-parallel group when q/k/v are a CP shard (size must equal
             ``thd["cp_size"]``). ``te`` does CP itself; ``flash`` / ``varlen`` run thdpack's
-            ring with FlashAttention-2 tiles; ``math`` runs it with exact math tiles (CPU/gloo).
-        softmax_scale: default ``H ** -0.5``.
+            ring with FlashAttention-2 tiles; ``math`` runs it with exact math tiles (CPU/gloo),
+            or the all-gather of K/V.
         return_lse: also return the log-sum-exp (differentiable with ``math`` and the CP ring).
-        cp_comm_type: ``"p2p"`` (ring) or ``"all_gather"`` (Llama 3 style; math tiles or TE).
+        **keywords: ``causal``, ``backend``, ``softmax_scale``, ``cp_comm_type``: a shorthand for
+            ``config=AttentionConfig(**keywords)`` (not together with ``config``).
 
     Returns:
         ``out`` (T, Nq, Hv) in q's dtype, and with ``return_lse`` the ``lse`` (Nq, T), natural
@@ -101,15 +76,17 @@ def thd_attention(
     ...        "cu_seqlens_padded": torch.tensor([0, 2, 4], dtype=torch.int32), "max_seqlen": 2}
     >>> x = torch.ones(4, 1, 2)
     >>> v = torch.arange(4.0).view(4, 1, 1)
-    >>> thd_attention(x, x, v, thd, backend="math").flatten().tolist()  # token 1 averages 0 and 1
+    >>> config = AttentionConfig(backend="math")
+    >>> thd_attention(x, x, v, thd, config=config).flatten().tolist()  # token 1 averages 0 and 1
     [0.0, 0.5, 2.0, 2.0]
+    >>> thd_attention(x, x, v, thd, backend="math", causal=False).flatten().tolist()
+    [0.5, 0.5, 2.0, 2.0]
     """
-    config = AttentionConfig(backend=backend, causal=causal, softmax_scale=softmax_scale, cp_comm_type=cp_comm_type)
+    config = _attention_config(config, keywords)
     _check_qkv(q, k, v)
     meta = thd_meta(thd)
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     _check_layout(q, meta, cp_group, cp_size)
-    scale = q.shape[-1] ** -0.5 if config.softmax_scale is None else config.softmax_scale
     situation = Situation(
         device=q.device,
         dtype=q.dtype,
@@ -118,58 +95,46 @@ def thd_attention(
         need_lse=return_lse,
         need_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
     )
-    chosen, reason = choose_backend(config.backend, situation)
-    log_choice(chosen, reason, situation)
-    out, lse = _dispatch(chosen, q, k, v, thd, meta, config, scale, cp_group if cp_size > 1 else None, return_lse)
+    backend, reason = choose_backend(config.backend, situation)
+    log_choice(backend, reason, situation)
+    call = AttentionCall(
+        thd=thd,
+        meta=meta,
+        config=config,
+        scale=q.shape[-1] ** -0.5 if config.softmax_scale is None else config.softmax_scale,
+        cp_group=cp_group if cp_size > 1 else None,
+        return_lse=return_lse,
+    )
+    out, lse = attend_function(backend, situation)(q, k, v, call)
     return (out, lse) if return_lse else out
 
 
-def _dispatch(
-    backend: Backend,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    thd: Mapping[str, Any],
-    meta: ThdMeta,
-    config: AttentionConfig,
-    scale: float,
-    cp_group: dist.ProcessGroup | None,
-    return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    causal = config.causal
-    if backend == "te":
-        out = te_backend.attend(
-            q,
-            k,
-            v,
-            thd,
-            meta,
-            causal=causal,
-            scale=scale,
-            cp_group=cp_group,
-            cp_comm_type=config.cp_comm_type,
+def _attention_config(config: AttentionConfig | None, keywords: Mapping[str, Any]) -> AttentionConfig:
+    """``config``, or the one the shorthand keywords describe; a mix of both is refused."""
+    if not keywords:
+        if config is None:
+            return _DEFAULT_CONFIG
+        if not isinstance(config, AttentionConfig):
+            raise TypeError(
+                f"config must be a thdpack.attention.AttentionConfig, got {type(config).__name__}; "
+                "e.g. config=AttentionConfig(backend='math', causal=False)"
+            )
+        return config
+    unknown = sorted(set(keywords) - set(CONFIG_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"thd_attention() got unexpected keyword arguments {unknown}; it takes config, cp_group, return_lse "
+            f"and, as a shorthand for config=AttentionConfig(...), {', '.join(CONFIG_KEYWORDS)}"
         )
-        return out, None
-    if cp_group is not None:
-        # imported here: thdpack.attention.ring imports this package's kernels
-        from thdpack.attention.allgather import allgather_attention
-        from thdpack.attention.ring import ring_attention
+    if config is not None:
+        raise TypeError(
+            f"thd_attention() got both config and the keywords {sorted(keywords)}; pass one of them, e.g. "
+            f"config=dataclasses.replace(config, {', '.join(f'{name}=...' for name in sorted(keywords))})"
+        )
+    return AttentionConfig(**keywords)
 
-        if config.cp_comm_type == "all_gather":
-            return allgather_attention(q, k, v, meta, cp_group=cp_group, causal=causal, scale=scale)
-        kernel = "flash" if backend in ("flash", "varlen") else "math"
-        return ring_attention(q, k, v, meta, cp_group=cp_group, causal=causal, scale=scale, kernel=kernel)
-    if backend == "math":
-        return math_backend.attend(q, k, v, meta.local_side(q.device), causal=causal, scale=scale)
-    if backend == "flash":
-        return flash_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
-    if backend == "varlen":
-        return varlen_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
-    if backend == "flex":
-        return flex_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale, return_lse=return_lse)
-    if backend == "sdpa":
-        return sdpa_backend.attend(q, k, v, thd, meta, causal=causal, scale=scale), None
-    raise AssertionError(f"unhandled backend {backend!r}")
+
+_DEFAULT_CONFIG = AttentionConfig()
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

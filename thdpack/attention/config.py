@@ -32,7 +32,8 @@ def check_backend(backend: str, source: str = "attention backend") -> Backend:
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionConfig:
-    """How :func:`thdpack.attention.thd_attention` computes attention (Hydra: ``attention/``)."""
+    """How :func:`thdpack.attention.thd_attention` computes attention: its ``config`` argument and
+    ``ModelConfig.attention`` (Hydra: the ``attention`` group, which the trainer puts into the model)."""
 
     backend: Backend = "auto"
     """Kernel family; ``"auto"`` picks the fastest available one and logs why (also settable with

@@ -1,6 +1,10 @@
-"""Which backend runs a call: availability checks, the ``auto`` choice and its log line.
+"""Which backend runs a call: the backend table, the ``auto`` preferences and the log line.
 
-``auto`` walks a preference list for the situation (device, dtype, context parallelism, whether
+:data:`BACKEND_TABLE` holds one :class:`~thdpack.attention.backends.base.AttentionBackend` per
+backend (one module each in :mod:`thdpack.attention.backends`); :data:`CP_ALGORITHMS` holds
+thdpack's context-parallel algorithms, which a backend's ``cp`` names for a CP shard.
+
+``auto`` walks :data:`PREFERENCES` for the situation (device, dtype, context parallelism, whether
 the LSE or gradients are needed) and takes the first backend that can run; the choice and the
 reasons the faster ones were skipped are logged once per distinct outcome on the
 ``thdpack.attention`` logger (INFO). An explicit backend that cannot run raises: ``ImportError``
@@ -26,13 +30,22 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from thdpack import _optional
-from thdpack.attention import flash_kernel
-from thdpack.attention.config import Backend, CpCommType, check_backend
+from thdpack.attention.allgather import allgather_attention
+from thdpack.attention.backends import flash, flex, math, sdpa, te, varlen
+from thdpack.attention.backends.base import (
+    AttendFn,
+    AttentionBackend,
+    AttentionCall,
+    AttentionOutput,
+    CpAlgorithm,
+    Situation,
+)
+from thdpack.attention.config import Backend, check_backend
+from thdpack.attention.ring import TileKernel, ring_attention
 
 log = logging.getLogger("thdpack.attention")
 
@@ -40,128 +53,75 @@ ENV_VAR = "THDPACK_ATTENTION_BACKEND"
 _LOGGED: set[tuple[str, str]] = set()
 
 
-@dataclass(frozen=True, kw_only=True)
-class Situation:
-    """The facts of one call that decide which backends can run it."""
-
-    device: torch.device
-    dtype: torch.dtype
-    cp: bool
-    """A CP group of size > 1."""
-    cp_comm_type: CpCommType
-    need_lse: bool
-    need_grad: bool
-
-    @property
-    def cuda_half(self) -> bool:
-        return self.device.type == "cuda" and self.dtype in flash_kernel.HALF_DTYPES
+def _table(*rows: AttentionBackend) -> dict[Backend, AttentionBackend]:
+    table = {row.name: row for row in rows}
+    assert len(table) == len(rows), f"a backend is registered twice: {[row.name for row in rows]}"
+    return table
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
-    found = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
-    return found >= (major, minor)
+BACKEND_TABLE: dict[Backend, AttentionBackend] = _table(
+    te.BACKEND, flash.BACKEND, varlen.BACKEND, flex.BACKEND, sdpa.BACKEND, math.BACKEND
+)
+"""Every backend but ``"auto"``, by name."""
 
 
-def problem(backend: Backend, s: Situation) -> Exception | None:
-    """Why ``backend`` cannot run in situation ``s`` (an exception to raise), or None."""
-    if backend == "math":
-        return None
-    if backend == "te":
-        if not _optional.has_transformer_engine():
-            return ImportError(
-                "backend 'te' needs Transformer Engine with CUDA, which does not import here; "
-                "pip install 'thdpack[te]' on a CUDA machine, or use backend='varlen', 'flash' or 'math'"
-            )
-        if not s.cuda_half:
-            return ValueError(f"backend 'te' needs CUDA float16/bfloat16 tensors, got {s.device.type} {s.dtype}")
-        if s.need_lse:
-            return ValueError(
-                "backend 'te' does not return the LSE (DotProductAttention has no such output); "
-                "use backend='varlen' / 'flash' (CUDA) or 'math'"
-            )
-        return None
-    if s.cp:
-        if backend in ("sdpa", "flex"):
-            return ValueError(
-                f"backend {backend!r} has no context-parallel path; with a cp_group use 'math' (any "
-                "device), 'flash' / 'varlen' (CUDA fp16/bf16 ring) or 'te'"
-            )
-        if s.cp_comm_type == "all_gather":
-            return ValueError(
-                f"cp_comm_type='all_gather' runs math tiles; use backend='math' (or 'te'), or "
-                f"cp_comm_type='p2p' for the {backend!r} ring"
-            )
-        reason = flash_kernel.unavailable_reason(s.device, s.dtype)
-        if reason is not None:
-            return ValueError(f"backend {backend!r} under context parallelism: {reason}; use backend='math'")
-        return None
-    if backend == "flash":
-        if not _optional.has_flash_attn():
-            return ImportError(
-                "backend 'flash' needs flash-attn (flash_attn_varlen_func), which is not installed; "
-                "pip install 'thdpack[flash]', or use backend='varlen' (torch >= 2.10) or 'math'"
-            )
-        return _needs_cuda_half(backend, s)
-    if backend == "varlen":
-        if not _optional.has_varlen_attn():
-            return ImportError(
-                f"backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10), not in torch "
-                f"{torch.__version__}; upgrade torch, or use backend='flash' or 'math'"
-            )
-        return _needs_cuda_half(backend, s)
-    if backend == "flex":
-        if not _optional.has_flex_attention():
-            return ImportError(
-                f"backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5), not in torch "
-                f"{torch.__version__}; use backend='math'"
-            )
-        if s.device.type == "cpu" and s.need_grad and _torch_at_least(2, 11):
-            return ValueError(
-                "backend 'flex' has no backward on CPU (torch >= 2.11 raises NotImplementedError); "
-                "use backend='math' (exact, with backward) or run without gradients"
-            )
-        return None
-    if backend == "sdpa":
-        if s.need_lse:
-            return ValueError(
-                "backend 'sdpa' does not return the LSE (scaled_dot_product_attention has no such "
-                "output); use backend='math' or 'flex'"
-            )
-        return None
-    raise AssertionError(f"unhandled backend {backend!r}")
-
-
-def _needs_cuda_half(backend: str, s: Situation) -> Exception | None:
-    reason = flash_kernel.unavailable_reason(s.device, s.dtype)
-    if reason is None:
-        return None
-    return ValueError(f"backend {backend!r}: {reason}; use backend='math' (any device and dtype) or 'flex'")
-
-
-def _preferences(s: Situation) -> tuple[tuple[Backend, str], ...]:
-    if s.cuda_half and s.cp:
-        return (
-            ("te", "Transformer Engine's fused kernels and its own context parallelism"),
-            ("flash", "thdpack's ring with FlashAttention-2 tiles"),
-            ("math", "thdpack's ring with exact math tiles"),
+def _ring(kernel: TileKernel) -> AttendFn:
+    def ring(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
+        meta, group = call.meta, call.cp_group
+        return ring_attention(
+            q_TNH, k_TNH, v_TNH, meta, cp_group=group, causal=call.causal, scale=call.scale, kernel=kernel
         )
+
+    return ring
+
+
+def _all_gather(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
+    meta, group = call.meta, call.cp_group
+    return allgather_attention(q_TNH, k_TNH, v_TNH, meta, cp_group=group, causal=call.causal, scale=call.scale)
+
+
+CP_ALGORITHMS: dict[CpAlgorithm, AttendFn] = {
+    "ring_math": _ring("math"),
+    "ring_flash": _ring("flash"),
+    "all_gather": _all_gather,
+}
+"""thdpack's context-parallel algorithms (``"own"`` is the backend's own ``attend``)."""
+
+SituationKind = Literal["cuda half, cp", "cp", "cuda half", "cuda", "cpu"]
+Preference = tuple[Backend, str]
+"""A backend ``auto`` may pick and the reason it is the one to try at that place."""
+
+PREFERENCES: dict[SituationKind, tuple[Preference, ...]] = {
+    "cuda half, cp": (
+        ("te", "Transformer Engine's fused kernels and its own context parallelism"),
+        ("flash", "thdpack's ring with FlashAttention-2 tiles"),
+        ("math", "thdpack's ring with exact math tiles"),
+    ),
+    "cp": (("math", "thdpack's ring with exact math tiles (no CUDA fp16/bf16 kernels apply)"),),
+    "cuda half": (
+        ("te", "Transformer Engine's fused attention"),
+        ("flash", "flash-attn varlen kernel"),
+        ("varlen", "torch varlen_attn (FlashAttention-2)"),
+        ("flex", "FlexAttention with a block-sparse document mask"),
+        ("sdpa", "scaled_dot_product_attention with a dense mask"),
+        ("math", "exact tiled math kernel"),
+    ),
+    "cuda": (
+        ("flex", "FlexAttention, the fused kernel for fp32 on CUDA"),
+        ("math", "exact tiled math kernel"),
+    ),
+    "cpu": (("math", "exact tiled math kernel: per-sequence tiles, LSE and backward on CPU"),),
+}
+"""``auto``'s candidates per kind of situation, fastest first; each list ends with ``math``, which always runs."""
+
+
+def situation_kind(s: Situation) -> SituationKind:
+    """The row of :data:`PREFERENCES` that applies to ``s``."""
     if s.cp:
-        return (("math", "thdpack's ring with exact math tiles (no CUDA fp16/bf16 kernels apply)"),)
+        return "cuda half, cp" if s.cuda_half else "cp"
     if s.cuda_half:
-        return (
-            ("te", "Transformer Engine's fused attention"),
-            ("flash", "flash-attn varlen kernel"),
-            ("varlen", "torch varlen_attn (FlashAttention-2)"),
-            ("flex", "FlexAttention with a block-sparse document mask"),
-            ("sdpa", "scaled_dot_product_attention with a dense mask"),
-            ("math", "exact tiled math kernel"),
-        )
-    if s.device.type == "cuda":
-        return (
-            ("flex", "FlexAttention, the fused kernel for fp32 on CUDA"),
-            ("math", "exact tiled math kernel"),
-        )
-    return (("math", "exact tiled math kernel: per-sequence tiles, LSE and backward on CPU"),)
+        return "cuda half"
+    return "cuda" if s.device.type == "cuda" else "cpu"
 
 
 def choose_backend(requested: str, s: Situation) -> tuple[Backend, str]:
@@ -176,19 +136,27 @@ def choose_backend(requested: str, s: Situation) -> tuple[Backend, str]:
         backend = check_backend(os.environ[ENV_VAR], f"{ENV_VAR} value")
         reason = f"forced by {ENV_VAR}"
     if backend != "auto":
-        err = problem(backend, s)
+        err = BACKEND_TABLE[backend].problem(s)
         if err is not None:
             raise err
         return backend, reason
     skipped = []
-    for candidate, why in _preferences(s):
-        err = problem(candidate, s)
+    for candidate, why in PREFERENCES[situation_kind(s)]:
+        err = BACKEND_TABLE[candidate].problem(s)
         if err is None:
             if skipped:
                 why = f"{why}; skipped {'; '.join(skipped)}"
             return candidate, why
         skipped.append(f"{candidate} ({err})")
     raise AssertionError("the 'math' backend always runs")
+
+
+def attend_function(backend: Backend, s: Situation) -> AttendFn:
+    """What attends a call that ``backend`` runs: its kernel, or on a CP shard the algorithm its
+    ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``)."""
+    row = BACKEND_TABLE[backend]
+    algorithm = row.cp[s.cp_comm_type] if s.cp else "own"
+    return row.attend if algorithm == "own" else CP_ALGORITHMS[algorithm]
 
 
 def log_choice(backend: str, reason: str, s: Situation) -> None:

@@ -1,7 +1,14 @@
 """``ModelConfig``: the settings of thdpack's reference decoder, and its named presets.
 
+The attention settings are one :class:`~thdpack.attention.AttentionConfig` (``attention``),
+passed to every layer's ``thd_attention`` as it is. Presets: ``"tiny"`` (tests and ``thdpack
+verify``), ``"small"`` (the defaults, the CPU training model) and ``"114m"`` (the GPU model);
+``configs/model/<name>.yaml`` holds the same fields for the trainable ones.
+
 >>> ModelConfig.preset("tiny").head_dim
 8
+>>> ModelConfig.preset("tiny", attention=AttentionConfig(backend="math")).attention.backend
+'math'
 >>> ModelConfig(dim=96, n_heads=4, n_kv_heads=3)
 Traceback (most recent call last):
 ...
@@ -10,13 +17,12 @@ ValueError: n_heads=4 is not a multiple of n_kv_heads=3; grouped-query attention
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from thdpack.attention.config import CP_COMM_TYPES, Backend, CpCommType, check_backend
+from thdpack.attention.config import AttentionConfig
 
-ModelPreset = Literal["tiny", "small"]
+ModelPreset = Literal["tiny", "small", "114m"]
 MODEL_PRESETS: tuple[ModelPreset, ...] = get_args(ModelPreset)
 
 
@@ -46,12 +52,10 @@ class ModelConfig:
     init_std: float = 0.02
     """Standard deviation of the normal weight init; the residual output projections (``o_proj``,
     ``down_proj``) use ``init_std / sqrt(2 * n_layers)`` (GPT-2's scaling)."""
-    attention_backend: Backend = "auto"
-    """``thd_attention`` backend of every layer; ``"auto"`` picks the fastest available and logs why."""
-    causal: bool = True
-    """Decoder (causal) attention inside each sequence; False = bidirectional within each sequence."""
-    cp_comm_type: CpCommType = "p2p"
-    """Context-parallel K/V exchange: ``"p2p"`` ring or ``"all_gather"``."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """How every layer's ``thd_attention`` runs: backend (``"auto"`` picks the fastest available
+    and logs why), causal (decoder) or bidirectional within each sequence, softmax scale, and the
+    context-parallel K/V exchange."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
@@ -76,13 +80,13 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")
-        check_backend(self.attention_backend)
-        if self.cp_comm_type not in CP_COMM_TYPES:
-            valid = ", ".join(repr(c) for c in CP_COMM_TYPES)
-            raise ValueError(f"unknown cp_comm_type {self.cp_comm_type!r}; valid: {valid}")
-        for name in ("tie_embeddings", "causal"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if not isinstance(self.attention, AttentionConfig):
+            raise TypeError(
+                f"attention must be a thdpack.attention.AttentionConfig, got {type(self.attention).__name__}; "
+                "e.g. attention=AttentionConfig(backend='math', causal=False)"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -94,20 +98,35 @@ class ModelConfig:
         """A named configuration with some fields replaced.
 
         ``"tiny"``: vocab 64, dim 32, 2 layers, 4 heads / 2 KV heads, ffn 64 (tests, ``thdpack
-        verify``). ``"small"``: the defaults, the CPU training model.
+        verify``; too small a vocabulary for the GPT-2 tokenizer). ``"small"``: the defaults, the
+        CPU training model (6.8M parameters). ``"114m"``: dim 768, 12 layers, 12 heads / 4 KV heads,
+        ffn 2048 (114M parameters, a GPU node). The attention fields' old names ``attention_backend``,
+        ``causal`` and ``cp_comm_type`` are accepted as overrides of ``attention``.
 
-        >>> ModelConfig.preset("tiny", n_layers=1).n_layers
-        1
+        >>> ModelConfig.preset("tiny", n_layers=1, causal=False).attention.causal
+        False
         >>> ModelConfig.preset("huge")
         Traceback (most recent call last):
         ...
-        ValueError: unknown model preset 'huge'; valid: 'tiny', 'small'
+        ValueError: unknown model preset 'huge'; valid: 'tiny', 'small', '114m'
         """
         if name not in MODEL_PRESETS:
             valid = ", ".join(repr(p) for p in MODEL_PRESETS)
             raise ValueError(f"unknown model preset {name!r}; valid: {valid}")
-        base = _TINY if name == "tiny" else cls()
-        return dataclasses.replace(base, **overrides)
+        old_names = {key: overrides.pop(key) for key in list(overrides) if key in _OLD_ATTENTION_FIELDS}
+        if old_names:
+            if "attention" in overrides:
+                raise TypeError(
+                    f"got both attention and {sorted(old_names)}; set them inside attention=AttentionConfig(...)"
+                )
+            overrides["attention"] = AttentionConfig(**{_OLD_ATTENTION_FIELDS[k]: v for k, v in old_names.items()})
+        return cls(**{**_PRESETS[name], **overrides})
 
 
-_TINY = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+_PRESETS: dict[ModelPreset, dict[str, Any]] = {
+    "tiny": {"vocab_size": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 64},
+    "small": {},
+    "114m": {"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 4, "ffn_dim": 2048},
+}
+_OLD_ATTENTION_FIELDS = {"attention_backend": "backend", "causal": "causal", "cp_comm_type": "cp_comm_type"}
+"""ModelConfig's former attention fields -> the AttentionConfig field each one set."""

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack._optional import require
-from thdpack.attention import thd_attention
+from thdpack.attention import AttentionConfig, thd_attention
 
 THD_KWARG = "thdpack_thd"
 """Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""
@@ -164,9 +164,8 @@ def hf_attention_forward(
     thd = _metadata(kwargs, total_tokens=query.shape[2])
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_TNH, k_TNH, v_TNH = (t[0].transpose(0, 1) for t in (query, key, value))
-    out_TNH = thd_attention(
-        q_TNH, k_TNH, v_TNH, thd, causal=causal, softmax_scale=scaling, cp_group=kwargs.get(CP_GROUP_KWARG)
-    )
+    config = AttentionConfig(causal=causal, softmax_scale=scaling)
+    out_TNH = thd_attention(q_TNH, k_TNH, v_TNH, thd, config=config, cp_group=kwargs.get(CP_GROUP_KWARG))
     return out_TNH.unsqueeze(0), None
 
 

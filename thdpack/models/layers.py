@@ -104,16 +104,7 @@ class Attention(nn.Module):
         q_TNH = apply_rope(self.q_proj(x_TD).view(T, cfg.n_heads, H), *rope_TH)
         k_TNH = apply_rope(self.k_proj(x_TD).view(T, cfg.n_kv_heads, H), *rope_TH)
         v_TNH = self.v_proj(x_TD).view(T, cfg.n_kv_heads, H)
-        out_TNH = thd_attention(
-            q_TNH,
-            k_TNH,
-            v_TNH,
-            thd,
-            causal=cfg.causal,
-            backend=cfg.attention_backend,
-            cp_group=cp_group,
-            cp_comm_type=cfg.cp_comm_type,
-        )
+        out_TNH = thd_attention(q_TNH, k_TNH, v_TNH, thd, config=cfg.attention, cp_group=cp_group)
         return self.o_proj(out_TNH.reshape(T, cfg.n_heads * H))
 
 

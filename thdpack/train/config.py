@@ -25,8 +25,6 @@ DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 BALANCES = ("attention", "tokens", "none")
 DTYPES = ("float32", "float64", "bfloat16")
-# ModelConfig fields that the `attention` group sets
-MODEL_ATTENTION_FIELDS = ("attention_backend", "causal", "cp_comm_type")
 
 
 def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -177,7 +175,7 @@ class TrainConfig:
         _one_of("train.dtype", self.dtype, DTYPES)
 
 
-ModelNode = hydra_node(ModelConfig, exclude=MODEL_ATTENTION_FIELDS)
+ModelNode = hydra_node(ModelConfig, exclude=("attention",))  # the `attention` group sets it
 AttentionNode = hydra_node(AttentionConfig)
 
 
@@ -195,18 +193,10 @@ class Config:
     def __post_init__(self) -> None:
         check_pack_size(self.packing.pack_size, self.parallel.cp_size)
         self.model_config()  # validates the model and attention groups together
-        self.attention_config()
 
     def model_config(self) -> ModelConfig:
-        """The model's component config (model group + attention group)."""
-        attention = self.attention_config()
-        return build(
-            ModelConfig,
-            self.model,
-            attention_backend=attention.backend,
-            causal=attention.causal,
-            cp_comm_type=attention.cp_comm_type,
-        )
+        """The model's component config: the model group, with the attention group's config."""
+        return build(ModelConfig, self.model, attention=self.attention_config())
 
     def attention_config(self) -> AttentionConfig:
         return build(AttentionConfig, self.attention)

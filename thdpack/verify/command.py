@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from thdpack.attention.config import BACKENDS, CP_COMM_TYPES
+from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
@@ -136,7 +136,9 @@ def _job(args: argparse.Namespace) -> VerifyJob:
         reduction=args.reduction,
         fault=args.inject_fault,
     )
-    config = ModelConfig.preset(args.model, attention_backend=args.backend, cp_comm_type=args.cp_comm_type)
+    config = ModelConfig.preset(
+        args.model, attention=AttentionConfig(backend=args.backend, cp_comm_type=args.cp_comm_type)
+    )
     world = layout.world_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and gpus < world:

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import sys
+import types
 
 import pytest
 import torch
 from _attention_cases import make_thd, random_case, reference_results
 
 from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
+from thdpack.attention.backends import flash
+from thdpack.attention.backends.base import AttentionCall
+from thdpack.attention.metadata import thd_meta
 from thdpack.attention.select import ENV_VAR
 
 
@@ -128,8 +134,66 @@ def test_lengths_not_divisible_by_2cp_are_rejected():
         thd_attention(*_qkv(tokens=6), shard)
 
 
-def test_config_fields_mirror_the_keywords():
+def test_the_keywords_are_a_shorthand_for_the_config():
     config = AttentionConfig(backend="math", causal=False, softmax_scale=0.5, cp_comm_type="all_gather")
     q, k, v = _qkv()
-    out = thd_attention(q, k, v, THD, **vars(config))
+    out = thd_attention(q, k, v, THD, config=config)
+    assert torch.equal(out, thd_attention(q, k, v, THD, **dataclasses.asdict(config)))
     assert torch.equal(out, thd_attention(q, k, v, THD, backend="math", causal=False, softmax_scale=0.5))
+    assert not torch.equal(out, thd_attention(q, k, v, THD, config=AttentionConfig(backend="math")))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"config": AttentionConfig(backend="math"), "causal": False},
+            r"got both config and the keywords \['causal'\]; pass one of them, e.g. "
+            r"config=dataclasses.replace\(config, causal=...\)",
+        ),
+        ({"casual": False}, r"unexpected keyword arguments \['casual'\]; it takes config, cp_group, return_lse and"),
+        ({"config": {"backend": "math"}}, "config must be a thdpack.attention.AttentionConfig, got dict"),
+    ],
+)
+def test_config_and_keywords_misuse_is_rejected(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        thd_attention(*_qkv(), THD, **kwargs)
+
+
+def _fake_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale, causal, return_attn_probs):
+    """flash-attn's varlen contract in plain torch: sequence i = rows cu[i]:cu[i+1] of each side;
+    causal aligns the last query with the last key; returns (out, lse (Nq, Tq), None) with the LSE."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int) and isinstance(max_k, int)
+    assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
+    bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
+    for qa, qb, ka, kb in zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:], strict=False):
+        scores = torch.einsum("qnh,knh->nqk", q[qa:qb], k[ka:kb]) * softmax_scale
+        if causal:
+            rows, cols = torch.arange(qb - qa)[:, None], torch.arange(kb - ka)[None, :]
+            scores = scores.masked_fill(cols > rows + (kb - ka) - (qb - qa), float("-inf"))
+        lse[:, qa:qb] = scores.logsumexp(-1)
+        out[qa:qb] = torch.einsum("nqk,knh->qnh", scores.softmax(-1).nan_to_num(), v[ka:kb])
+    return (out, lse, None) if return_attn_probs else out
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_flash_adapter_feeds_the_kernel_padded_queries_and_real_keys(monkeypatch, causal):
+    # flash-attn needs CUDA; a plain-torch kernel with its contract checks the adapter around it
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=_fake_flash_attn_varlen_func)
+    )
+    thd = make_thd([7, 1, 12], multiple=4, tail=4)
+    case = random_case(thd, 4, 2, 8, torch.float64, seed=5)
+    config = AttentionConfig(backend="flash", causal=causal)
+    call = AttentionCall(thd=thd, meta=thd_meta(thd), config=config, scale=0.3, cp_group=None, return_lse=True)
+    q, k, v = (case[name].clone().requires_grad_() for name in ("q", "k", "v"))
+    out, lse = flash.attend(q, k, v, call)
+    want_out, want_lse = reference_attention(case["q"], case["k"], case["v"], thd, causal=causal, softmax_scale=0.3)
+    valid = case["valid"]
+    assert torch.allclose(out[valid], want_out[valid], atol=1e-12)
+    assert torch.allclose(lse[:, valid], want_lse[:, valid], atol=1e-12)
+    with pytest.raises(RuntimeError, match="ignores the LSE's gradient"):
+        lse[:, valid].sum().backward()

@@ -1,4 +1,4 @@
-"""Backend selection: the ``auto`` preferences, the log line, forcing, and unavailable backends."""
+"""Backend selection: the backend table, the ``auto`` preferences, the log line, forcing, and unavailable backends."""
 
 from __future__ import annotations
 
@@ -7,8 +7,10 @@ import logging
 import pytest
 import torch
 
-from thdpack.attention import select
-from thdpack.attention.select import Situation, choose_backend, log_choice
+from thdpack import _optional
+from thdpack.attention import BACKENDS, select
+from thdpack.attention.backends import flash, flex, math, sdpa, te, varlen
+from thdpack.attention.select import BACKEND_TABLE, CP_ALGORITHMS, PREFERENCES, Situation, choose_backend, log_choice
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -28,7 +30,7 @@ def installed(monkeypatch):
             ("has_varlen_attn", varlen),
             ("has_flex_attention", flex),
         ):
-            monkeypatch.setattr(select._optional, name, lambda value=value: value)
+            monkeypatch.setattr(_optional, name, lambda value=value: value)
 
     monkeypatch.delenv(select.ENV_VAR, raising=False)
     monkeypatch.setattr(select, "_LOGGED", set())  # "once" counts from this test on
@@ -139,3 +141,82 @@ def test_te_without_lse_support_is_refused_when_the_lse_is_asked_for(installed):
 def test_flex_forward_without_gradients_is_allowed_on_cpu(installed):
     installed()
     assert choose_backend("flex", _situation(grad=False))[0] == "flex"
+
+
+def test_every_backend_is_registered_once_under_its_name():
+    modules = {"te": te, "flash": flash, "varlen": varlen, "flex": flex, "sdpa": sdpa, "math": math}
+    assert list(BACKEND_TABLE) == [b for b in BACKENDS if b != "auto"] == list(modules)
+    for name, row in BACKEND_TABLE.items():
+        assert row.name == name and row is modules[name].BACKEND
+
+
+def test_a_backend_registered_twice_is_refused():
+    with pytest.raises(AssertionError, match="a backend is registered twice"):
+        select._table(math.BACKEND, flex.BACKEND, math.BACKEND)
+
+
+def test_preferences_name_registered_backends_and_end_with_math():
+    for kind, preferences in PREFERENCES.items():
+        names = [name for name, _ in preferences]
+        assert set(names) <= set(BACKEND_TABLE), kind
+        assert len(set(names)) == len(names) and names[-1] == "math", kind
+
+
+def test_every_cp_algorithm_a_backend_names_exists():
+    named = {algorithm for row in BACKEND_TABLE.values() for algorithm in row.cp.values()}
+    assert named - {"own"} == set(CP_ALGORITHMS)
+
+
+# (backend, situation, packages) -> None when it runs, else (error type, message); one column per backend
+_HALF, _HALF_CP = _situation(CUDA, torch.bfloat16), _situation(CUDA, torch.bfloat16, cp=True)
+_PROBLEMS = [
+    ("math", _situation(CPU, torch.float64, cp=True, comm="all_gather", lse=True), {}, None),
+    ("te", _HALF, {"te": True}, None),
+    ("te", _HALF, {}, (ImportError, "backend 'te' needs Transformer Engine")),
+    ("te", _situation(CUDA, torch.float32), {"te": True}, (ValueError, "needs CUDA float16/bfloat16 tensors")),
+    ("te", _situation(CUDA, torch.bfloat16, cp=True, comm="all_gather"), {"te": True}, None),  # TE's own CP
+    ("flash", _HALF, {"flash": True}, None),
+    ("flash", _HALF_CP, {}, None),  # the ring's FA2 tiles come with torch, not flash-attn
+    ("flash", _situation(CPU, torch.float16, cp=True), {}, (ValueError, "under context parallelism: FlashAttention")),
+    ("varlen", _HALF, {"varlen": True}, None),
+    ("varlen", _situation(CUDA, torch.float32), {"varlen": True}, (ValueError, "need float16 or bfloat16")),
+    (
+        "varlen",
+        _situation(CUDA, torch.float16, cp=True, comm="all_gather"),
+        {"varlen": True},
+        (ValueError, "runs math tiles"),
+    ),
+    ("flex", _situation(CUDA, torch.float32, lse=True), {}, None),
+    ("flex", _HALF, {"flex": False}, (ImportError, "backend 'flex' needs torch.nn.attention.flex_attention")),
+    ("flex", _HALF_CP, {}, (ValueError, "backend 'flex' has no context-parallel path")),
+    ("sdpa", _situation(grad=True), {}, None),
+    ("sdpa", _situation(CUDA, torch.float16, lse=True), {}, (ValueError, "backend 'sdpa' does not return the LSE")),
+]
+
+
+@pytest.mark.parametrize(("backend", "situation", "packages", "expected"), _PROBLEMS)
+def test_each_backend_states_its_problem(installed, backend, situation, packages, expected):
+    installed(**packages)
+    problem = BACKEND_TABLE[backend].problem(situation)
+    if expected is None:
+        assert problem is None
+    else:
+        assert isinstance(problem, expected[0]) and expected[1] in str(problem), problem
+
+
+@pytest.mark.parametrize(
+    ("backend", "situation", "runs"),
+    [
+        ("math", _situation(), math.BACKEND.attend),
+        ("math", _situation(cp=True), CP_ALGORITHMS["ring_math"]),
+        ("math", _situation(cp=True, comm="all_gather"), CP_ALGORITHMS["all_gather"]),
+        ("flash", _HALF, flash.BACKEND.attend),
+        ("flash", _HALF_CP, CP_ALGORITHMS["ring_flash"]),
+        ("varlen", _HALF_CP, CP_ALGORITHMS["ring_flash"]),
+        ("te", _HALF_CP, te.BACKEND.attend),  # TE exchanges K/V itself
+        ("te", _situation(CUDA, torch.bfloat16, cp=True, comm="all_gather"), te.BACKEND.attend),
+        ("sdpa", _situation(), sdpa.BACKEND.attend),
+    ],
+)
+def test_a_cp_shard_runs_the_algorithm_the_table_names(backend, situation, runs):
+    assert select.attend_function(backend, situation) is runs

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from thdpack.attention import AttentionConfig
 from thdpack.models import ModelConfig
 from thdpack.models.layers import Attention, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
@@ -68,8 +70,11 @@ def test_rope_scores_depend_only_on_the_distance(i, j, shift, seed):
     torch.testing.assert_close(apply_rope(q, cos, sin).norm(dim=-1), q.norm(dim=-1))  # a rotation
 
 
-def test_attention_equals_dense_causal_gqa_per_sequence():
-    config = ModelConfig.preset("tiny", attention_backend="math")  # 4 query heads share 2 KV heads
+@pytest.mark.parametrize(("causal", "scale"), [(True, None), (False, 0.3)])
+def test_attention_equals_dense_gqa_per_sequence_with_the_configured_attention(causal, scale):
+    # 4 query heads share 2 KV heads; every field of config.attention reaches thd_attention
+    attention = AttentionConfig(backend="math", causal=causal, softmax_scale=scale)
+    config = ModelConfig.preset("tiny", attention=attention)
     attn = Attention(config, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     for p in attn.parameters():
@@ -89,7 +94,7 @@ def test_attention_equals_dense_causal_gqa_per_sequence():
         q = apply_rope(attn.q_proj(xs).view(n, 4, H), cos, sin).transpose(0, 1)
         k = apply_rope(attn.k_proj(xs).view(n, 2, H), cos, sin).repeat_interleave(2, 1).transpose(0, 1)
         v = attn.v_proj(xs).view(n, 2, H).repeat_interleave(2, 1).transpose(0, 1)
-        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
         want = attn.o_proj(dense.transpose(0, 1).reshape(n, 4 * H))
         torch.testing.assert_close(out[start : start + n], want, rtol=0, atol=1e-12)
 

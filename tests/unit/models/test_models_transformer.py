@@ -9,11 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from thdpack.attention import AttentionConfig
 from thdpack.models import ModelConfig, Transformer
 from thdpack.packing.packer import assemble_pack, read_sample
 from thdpack.thd import thd_collate
 
-TINY = ModelConfig.preset("tiny", attention_backend="math")
+TINY = ModelConfig.preset("tiny", attention=AttentionConfig(backend="math"))
 
 
 def _thd(sequences: list[np.ndarray], pack_size: int) -> dict:
@@ -95,7 +96,9 @@ def test_config_must_be_a_model_config():
     seed=st.integers(0, 1000),
 )
 def test_packed_logits_and_gradients_equal_each_sequence_alone(lengths, tail, causal, seed):
-    model = Transformer(ModelConfig.preset("tiny", attention_backend="math", causal=causal), dtype=torch.float64)
+    model = Transformer(
+        ModelConfig.preset("tiny", attention=AttentionConfig(backend="math", causal=causal)), dtype=torch.float64
+    )
     rng = np.random.default_rng(seed)
     sequences = [rng.integers(0, 64, n) for n in lengths]
     pack = _thd(sequences, sum(lengths) + tail)

@@ -1,1 +1,2 @@
-"""One module per attention backend; :mod:`thdpack.attention.select` chooses between them."""
+"""One module per attention backend, each defining ``BACKEND`` (the contract: :mod:`.base`);
+:mod:`thdpack.attention.select` holds the table of them and chooses between them."""

@@ -3,7 +3,9 @@
 Any device, any float dtype (fp64 / fp32 on CPU included); memory O(sum of per-sequence squares).
 The custom ``autograd.Function`` recomputes tiles in the backward from the saved output and LSE
 (FlashAttention's scheme), so the activation memory is O(T), and the returned LSE is
-differentiable (its gradient enters through ``delta = rowsum(dO * O) - dLSE``).
+differentiable (its gradient enters through ``delta = rowsum(dO * O) - dLSE``). Under context
+parallelism the same tiles run inside thdpack's ring (``cp_comm_type="p2p"``) or after an
+all-gather of K/V (``"all_gather"``).
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -15,6 +17,7 @@ from typing import Any
 import torch
 
 from thdpack.attention import math_kernel
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation
 from thdpack.attention.metadata import Side
 
 
@@ -61,3 +64,17 @@ def attend(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention of one device's packed tokens (``side`` describes them); ``(out, lse)``."""
     return TiledAttention.apply(q_TNH, k_TNH, v_TNH, side, side, causal, scale)
+
+
+def kernel_problem(s: Situation) -> None:
+    """None: exact math runs on any device, in any float dtype, with the LSE and its gradient."""
+    return None
+
+
+def _attend_call(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
+    return attend(q_TNH, k_TNH, v_TNH, call.meta.local_side(q_TNH.device), causal=call.causal, scale=call.scale)
+
+
+BACKEND = AttentionBackend(
+    name="math", cp={"p2p": "ring_math", "all_gather": "all_gather"}, kernel_problem=kernel_problem, attend=_attend_call
+)

@@ -3,42 +3,43 @@
 The mask is :func:`thdpack.attention.masks.block_causal_mask`: same sequence, real key, and (causal) key
 not after the query. It costs O(T^2) memory, and with a mask CUDA SDPA falls back from the flash
 kernel to the efficient / math kernels, so this backend is for small packs and cross-checks. SDPA
-returns no LSE. Padding rows see the real tokens of their sequence, so no row is empty.
+returns no LSE. Padding rows see the real tokens of their sequence, so no row is empty. No
+context-parallel path.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation, to_1NTH, to_TNH
 from thdpack.attention.masks import block_causal_mask
-from thdpack.attention.metadata import ThdMeta
 
 
-def attend(
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    thd: Mapping[str, Any],
-    meta: ThdMeta,
-    *,
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    """(T, Nq, Hv) attention output of one device's tokens (the mask is built once per batch)."""
-    device = q_TNH.device
-    mask_TT = meta.cached(("sdpa mask", causal, device), lambda: block_causal_mask(thd, causal=causal).to(device))
+def kernel_problem(s: Situation) -> Exception | None:
+    if s.need_lse:
+        return ValueError(
+            "backend 'sdpa' does not return the LSE (scaled_dot_product_attention has no such "
+            "output); use backend='math' or 'flex'"
+        )
+    return None
+
+
+def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
+    """``(out (T, Nq, Hv), None)`` for one device's tokens (the mask is built once per batch)."""
+    device, causal = q_TNH.device, call.causal
+    mask_TT = call.meta.cached(
+        ("sdpa mask", causal, device), lambda: block_causal_mask(call.thd, causal=causal).to(device)
+    )
     out_1NTH = F.scaled_dot_product_attention(
-        q_TNH.transpose(0, 1).unsqueeze(0),
-        k_TNH.transpose(0, 1).unsqueeze(0),
-        v_TNH.transpose(0, 1).unsqueeze(0),
+        *to_1NTH(q_TNH, k_TNH, v_TNH),
         attn_mask=mask_TT,
-        scale=scale,
+        scale=call.scale,
         enable_gqa=q_TNH.shape[1] != k_TNH.shape[1],
     )
-    return out_1NTH[0].transpose(0, 1)
+    return to_TNH(out_1NTH), None
+
+
+BACKEND = AttentionBackend(name="sdpa", cp={}, kernel_problem=kernel_problem, attend=attend)

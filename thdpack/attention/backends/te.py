@@ -3,34 +3,49 @@
 A thin adapter, true to TE's documented API (research/nemo_te_spec.md 1.8, 2.5): local q/k/v,
 GLOBAL ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``, ``qkv_format="thd"``,
 ``attn_mask_type="padding_causal"`` (or ``"padding"``), and under CP
-``set_context_parallel_group(group, ranks, stream, cp_comm_type)``. ``pad_between_seqs=True`` is
-passed whenever slots hold padding: TE's auto-detection path without it drops real keys
-(TE issue #3331). TE returns no LSE.
+``set_context_parallel_group(group, ranks, stream, cp_comm_type)``: TE runs both CP exchanges
+itself. ``pad_between_seqs=True`` is passed whenever slots hold padding: TE's auto-detection
+path without it drops real keys (TE issue #3331). TE returns no LSE.
 
 Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from thdpack._optional import require
-from thdpack.attention.metadata import ThdMeta, kernel_cu_seqlens
+from thdpack import _optional
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation
 
 # DotProductAttention modules hold no weights (vanilla softmax); one per configuration
 _MODULES: dict[tuple[Any, ...], Any] = {}
 _CP_STREAMS: dict[torch.device, Any] = {}
 
 
+def kernel_problem(s: Situation) -> Exception | None:
+    if not _optional.has_transformer_engine():
+        return ImportError(
+            "backend 'te' needs Transformer Engine with CUDA, which does not import here; "
+            "pip install 'thdpack[te]' on a CUDA machine, or use backend='varlen', 'flash' or 'math'"
+        )
+    if not s.cuda_half:
+        return ValueError(f"backend 'te' needs CUDA float16/bfloat16 tensors, got {s.device.type} {s.dtype}")
+    if s.need_lse:
+        return ValueError(
+            "backend 'te' does not return the LSE (DotProductAttention has no such output); "
+            "use backend='varlen' / 'flash' (CUDA) or 'math'"
+        )
+    return None
+
+
 def _module(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, **settings: Any) -> Any:
     key = (q_TNH.shape[1:], k_TNH.shape[1:], v_TNH.shape[-1], q_TNH.device, *sorted(settings.items()))
     if key in _MODULES:
         return _MODULES[key]
-    te = require("transformer_engine.pytorch", "the 'te' attention backend")
+    te = _optional.require("transformer_engine.pytorch", "the 'te' attention backend")
     head_dim, head_dim_v = q_TNH.shape[-1], v_TNH.shape[-1]
     dpa = te.DotProductAttention(
         num_attention_heads=q_TNH.shape[1],
@@ -54,43 +69,24 @@ def _module(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, **set
     return dpa
 
 
-def attend(
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    thd: Mapping[str, Any],
-    meta: ThdMeta,
-    *,
-    causal: bool,
-    scale: float,
-    cp_group: dist.ProcessGroup | None,
-    cp_comm_type: str,
-) -> torch.Tensor:
-    """(T, Nq, Hv) attention output of this rank's tokens (TE does the CP exchange itself)."""
-    cu_seqlens = kernel_cu_seqlens(thd, "cu_seqlens", "te", q_TNH.device)
-    cu_seqlens_padded = kernel_cu_seqlens(thd, "cu_seqlens_padded", "te", q_TNH.device)
-    mask_type = "padding_causal" if causal else "padding"
+def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
+    """``(out (T, Nq, Hv), None)`` for this rank's tokens (TE does the CP exchange itself)."""
+    cu_seqlens = call.cu_seqlens("cu_seqlens", "te", q_TNH.device)
+    cu_seqlens_padded = call.cu_seqlens("cu_seqlens_padded", "te", q_TNH.device)
+    mask_type = "padding_causal" if call.causal else "padding"
     dpa = _module(
-        q_TNH,
-        k_TNH,
-        v_TNH,
-        attn_mask_type=mask_type,
-        softmax_scale=scale,
-        cp_group=cp_group,
-        cp_comm_type=cp_comm_type,
-    )
+        q_TNH, k_TNH, v_TNH, attn_mask_type=mask_type, softmax_scale=call.scale,
+        cp_group=call.cp_group, cp_comm_type=call.config.cp_comm_type,
+    )  # fmt: skip
     out = dpa(
-        q_TNH,
-        k_TNH,
-        v_TNH,
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        cu_seqlens_q_padded=cu_seqlens_padded,
-        cu_seqlens_kv_padded=cu_seqlens_padded,
-        max_seqlen_q=meta.max_seqlen,
-        max_seqlen_kv=meta.max_seqlen,
-        attn_mask_type=mask_type,
-        pad_between_seqs=meta.has_padding,
-    )
-    return out.view(q_TNH.shape[0], q_TNH.shape[1], v_TNH.shape[-1])
+        q_TNH, k_TNH, v_TNH, qkv_format="thd", attn_mask_type=mask_type,
+        cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=call.meta.max_seqlen, max_seqlen_kv=call.meta.max_seqlen, pad_between_seqs=call.meta.has_padding,
+    )  # fmt: skip
+    return out.view(q_TNH.shape[0], q_TNH.shape[1], v_TNH.shape[-1]), None
+
+
+BACKEND = AttentionBackend(
+    name="te", cp={"p2p": "own", "all_gather": "own"}, kernel_problem=kernel_problem, attend=attend
+)

@@ -8,8 +8,9 @@ comes from ``return_aux=AuxRequest(lse=True)`` with layout ``(Nq, T)`` fp32 (the
 docstring's ``(T, H)`` is wrong); its ``+inf`` empty-row sentinel becomes ``-inf``, and since the
 op's backward ignores the LSE's gradient, a loss using it raises instead of training wrongly.
 
-Padding: as for the ``flash`` backend (causal over padded slots is exact for real tokens;
-non-causal feeds only the real keys).
+Padding: as for the ``flash`` backend
+(:meth:`~thdpack.attention.backends.base.AttentionCall.varlen_operands`); under context
+parallelism thdpack's ring with FlashAttention-2 tiles runs instead.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from thdpack import _optional
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation, needs_cuda_half
 from thdpack.attention.merge import no_lse_gradient, normalize_lse
-from thdpack.attention.metadata import ThdMeta, kernel_cu_seqlens
 
 
 @functools.cache
@@ -34,31 +35,30 @@ def _parameters() -> frozenset[str]:
     return frozenset(inspect.signature(varlen.varlen_attn).parameters)
 
 
-def attend(
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    thd: Mapping[str, Any],
-    meta: ThdMeta,
-    *,
-    causal: bool,
-    scale: float,
-    return_lse: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def kernel_problem(s: Situation) -> Exception | None:
+    if not _optional.has_varlen_attn():
+        return ImportError(
+            f"backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10), not in torch "
+            f"{torch.__version__}; upgrade torch, or use backend='flash' or 'math'"
+        )
+    return needs_cuda_half("varlen", s)
+
+
+def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
     """``(out (T, Nq, H), lse (Nq, T) fp32 or None)``; the LSE is not differentiable (guarded)."""
     from torch.nn.attention import varlen
 
     params = _parameters()
     kwargs: dict[str, Any] = {}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        kwargs["window_size"] = (-1, 0) if call.causal else (-1, -1)
     else:
-        kwargs["is_causal"] = causal
+        kwargs["is_causal"] = call.causal
     if "scale" in params:
-        kwargs["scale"] = scale
-    elif scale != q_TNH.shape[-1] ** -0.5:
+        kwargs["scale"] = call.scale
+    elif call.scale != q_TNH.shape[-1] ** -0.5:
         raise ValueError(
-            f"torch {torch.__version__}'s varlen_attn has no scale argument, so softmax_scale={scale} "
+            f"torch {torch.__version__}'s varlen_attn has no scale argument, so softmax_scale={call.scale} "
             "cannot apply; use the default scale, backend='flash' / 'math', or torch >= 2.11"
         )
     group = q_TNH.shape[1] // k_TNH.shape[1]
@@ -67,17 +67,14 @@ def attend(
             kwargs["enable_gqa"] = True
         else:
             k_TNH, v_TNH = k_TNH.repeat_interleave(group, 1), v_TNH.repeat_interleave(group, 1)
-    if return_lse:
+    if call.return_lse:
         kwargs["return_aux"] = varlen.AuxRequest(lse=True)
-    cu_q = kernel_cu_seqlens(thd, "cu_seqlens_padded", "varlen", q_TNH.device)
-    if causal or not meta.has_padding:
-        cu_k, max_k = cu_q, meta.max_seqlen
-    else:
-        keep = meta.local_side(q_TNH.device).valid_index
-        k_TNH, v_TNH = k_TNH.index_select(0, keep), v_TNH.index_select(0, keep)
-        cu_k, max_k = kernel_cu_seqlens(thd, "cu_seqlens", "varlen", q_TNH.device), max(meta.lengths)
-    result = varlen.varlen_attn(q_TNH, k_TNH, v_TNH, cu_q, cu_k, meta.max_seqlen, max_k, **kwargs)
-    if not return_lse:
+    k_TNH, v_TNH, cu_q, cu_k, max_q, max_k = call.varlen_operands(k_TNH, v_TNH, "varlen")
+    result = varlen.varlen_attn(q_TNH, k_TNH, v_TNH, cu_q, cu_k, max_q, max_k, **kwargs)
+    if not call.return_lse:
         return result, None
     out_TNH, lse_NT = result
     return out_TNH, no_lse_gradient(normalize_lse(lse_NT), "torch varlen_attn")
+
+
+BACKEND = AttentionBackend(name="varlen", cp={"p2p": "ring_flash"}, kernel_problem=kernel_problem, attend=attend)

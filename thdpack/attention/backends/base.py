@@ -1,0 +1,167 @@
+"""The contract every attention backend meets, and the record a call hands it.
+
+A backend is one row of :data:`thdpack.attention.select.BACKEND_TABLE`, an
+:class:`AttentionBackend`: its ``name``, ``kernel_problem(situation)`` (why its own kernel cannot
+run: a missing package, the device, the dtype, a needed LSE), ``attend(q, k, v, call)`` and
+``cp``, how it runs a context-parallel shard. ``problem(situation)`` combines the two: a call
+without CP needs the kernel; a call with CP needs the algorithm ``cp`` names for its
+``cp_comm_type``:
+
+==================  ===========================================================================
+``"own"``           the backend exchanges K/V itself (Transformer Engine); its kernel must run
+``"ring_math"``     thdpack's P2P ring (:mod:`thdpack.attention.ring`) with exact math tiles
+``"ring_flash"``    the same ring with PyTorch's FlashAttention-2 tiles (CUDA fp16 / bf16)
+``"all_gather"``    thdpack's all-gather of K/V (:mod:`thdpack.attention.allgather`), math tiles
+==================  ===========================================================================
+
+:class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
+validated :class:`~thdpack.attention.metadata.ThdMeta`, the :class:`AttentionConfig`, the
+resolved softmax scale and the CP group.
+
+Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+
+from thdpack.attention import flash_kernel
+from thdpack.attention.config import AttentionConfig, Backend, CpCommType
+from thdpack.attention.metadata import ThdMeta, kernel_cu_seqlens
+
+CpAlgorithm = Literal["own", "ring_math", "ring_flash", "all_gather"]
+CP_ALGORITHM_NAMES: tuple[CpAlgorithm, ...] = get_args(CpAlgorithm)
+AttentionOutput = tuple[torch.Tensor, torch.Tensor | None]
+"""``(out (T, Nq, Hv) in q's dtype, lse (Nq, T) natural log, or None)``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Situation:
+    """The facts of one call that decide which backends can run it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    cp: bool
+    """A CP group of size > 1."""
+    cp_comm_type: CpCommType
+    need_lse: bool
+    need_grad: bool
+
+    @property
+    def cuda_half(self) -> bool:
+        return self.device.type == "cuda" and self.dtype in flash_kernel.HALF_DTYPES
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionCall:
+    """Everything a backend needs besides q/k/v; built once per ``thd_attention`` call."""
+
+    thd: Mapping[str, Any]
+    """The batch's metadata mapping (``cu_seqlens``, ``cu_seqlens_padded``, ...), for kernels and masks."""
+    meta: ThdMeta
+    """Its validated host-side record."""
+    config: AttentionConfig
+    scale: float
+    """The softmax scale (``config.softmax_scale`` or ``H ** -0.5``)."""
+    cp_group: dist.ProcessGroup | None
+    """The context-parallel group, or None when the call is not sharded (CP size 1)."""
+    return_lse: bool
+
+    @property
+    def causal(self) -> bool:
+        return self.config.causal
+
+    def cu_seqlens(self, key: str, backend: str, device: torch.device) -> torch.Tensor:
+        """``thd[key]`` as a CUDA kernel reads it (int32, on ``device``), else the error naming the fix."""
+        return kernel_cu_seqlens(self.thd, key, backend, device)
+
+    def varlen_operands(
+        self, k_TNH: torch.Tensor, v_TNH: torch.Tensor, backend: str
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+        """``(k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for a varlen kernel.
+
+        Queries run over the padded slots. Causal attention is exact over them for every real
+        token (its slot's padding follows it), so the keys are the same slots; non-causal
+        attention feeds only the real keys (a prefix of every slot) with the real ``cu_seqlens``,
+        because FlashAttention-style kernels cannot mask keys inside a sequence.
+        """
+        device = k_TNH.device
+        cu_q = self.cu_seqlens("cu_seqlens_padded", backend, device)
+        if self.causal or not self.meta.has_padding:
+            return k_TNH, v_TNH, cu_q, cu_q, self.meta.max_seqlen, self.meta.max_seqlen
+        keep = self.meta.local_side(device).valid_index
+        cu_k = self.cu_seqlens("cu_seqlens", backend, device)
+        return (
+            k_TNH.index_select(0, keep),
+            v_TNH.index_select(0, keep),
+            cu_q,
+            cu_k,
+            self.meta.max_seqlen,
+            max(self.meta.lengths),
+        )
+
+
+AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionCall], AttentionOutput]
+"""``(q (T, Nq, H), k (T, Nkv, H), v (T, Nkv, Hv), call) -> AttentionOutput``; ``Nq % Nkv == 0``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionBackend:
+    """One attention backend: availability, the kernel call, and its context-parallel support."""
+
+    name: Backend
+    cp: Mapping[CpCommType, CpAlgorithm]
+    """The algorithm that attends a CP shard, per ``cp_comm_type``; a missing type is refused."""
+    kernel_problem: Callable[[Situation], Exception | None]
+    """Why this backend's own kernel cannot run in a situation (the exception to raise), or None."""
+    attend: AttendFn
+    """The kernel call on one device (with ``cp == "own"`` also on a CP shard)."""
+
+    def __post_init__(self) -> None:
+        for comm, algorithm in self.cp.items():
+            assert algorithm in CP_ALGORITHM_NAMES, f"{self.name}: unknown CP algorithm {algorithm!r} for {comm!r}"
+
+    def problem(self, s: Situation) -> Exception | None:
+        """Why this backend cannot run a call in situation ``s`` (an exception to raise), or None."""
+        if not s.cp:
+            return self.kernel_problem(s)
+        algorithm = self.cp.get(s.cp_comm_type)
+        if algorithm == "own":
+            return self.kernel_problem(s)
+        if not self.cp:
+            return ValueError(
+                f"backend {self.name!r} has no context-parallel path; with a cp_group use 'math' (any "
+                "device), 'flash' / 'varlen' (CUDA fp16/bf16 ring) or 'te'"
+            )
+        if algorithm is None:
+            return ValueError(
+                f"cp_comm_type={s.cp_comm_type!r} runs math tiles; use backend='math' (or 'te'), or "
+                f"cp_comm_type='p2p' for the {self.name!r} ring"
+            )
+        reason = flash_kernel.unavailable_reason(s.device, s.dtype) if algorithm == "ring_flash" else None
+        if reason is not None:
+            return ValueError(f"backend {self.name!r} under context parallelism: {reason}; use backend='math'")
+        return None
+
+
+def needs_cuda_half(backend: str, s: Situation) -> Exception | None:
+    """The error for a FlashAttention-family kernel outside CUDA fp16 / bf16, or None."""
+    reason = flash_kernel.unavailable_reason(s.device, s.dtype)
+    if reason is None:
+        return None
+    return ValueError(f"backend {backend!r}: {reason}; use backend='math' (any device and dtype) or 'flex'")
+
+
+def to_1NTH(*tensors_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(T, N, H) -> (1, N, T, H) views, the batch-first layout of SDPA and FlexAttention."""
+    return tuple(t.transpose(0, 1).unsqueeze(0) for t in tensors_TNH)
+
+
+def to_TNH(out_1NTH: torch.Tensor) -> torch.Tensor:
+    """(1, N, T, H) -> (T, N, H), the inverse of :func:`to_1NTH`."""
+    return out_1NTH[0].transpose(0, 1)
