@@ -1,7 +1,7 @@
 """Packed cross-entropy normalised over the whole global batch: DP ranks, CP ranks, micro-steps.
 
 Legend: ``T`` tokens of this rank's micro-batch (a CP shard: the global pack's T / cp_size),
-``V`` vocabulary, ``N`` sequences of a THD batch.
+``V`` vocabulary, ``S`` sequences of a THD batch.
 
 The loss of an optimizer step must equal the unpacked token mean over the global batch,
 
@@ -69,6 +69,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.thd.meta import cu_lengths
+from thdpack.thd.tokens import TokenPlacement
 
 LossReduction = Literal["token_mean", "sequence_mean"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
@@ -85,7 +87,7 @@ def loss_weights(
 
     Args:
         labels_T: (T,) integer labels, already next-token shifted; ``ignore_index`` = no loss.
-        cu_seqlens_padded: (N+1,) integer, ``[0] == 0``, non-decreasing, ``[-1] == T``: the
+        cu_seqlens_padded: (S+1,) integer, ``[0] == 0``, non-decreasing, ``[-1] == T``: the
             sequences' storage slots (``thd["cu_seqlens_padded"]``; with no padding the plain
             ``cu_seqlens``). Only used by ``"sequence_mean"``.
         reduction: ``"token_mean"``: 1 for every loss token. ``"sequence_mean"``: ``1 / n_s`` for
@@ -105,11 +107,16 @@ def loss_weights(
     valid_T = (labels_T != ignore_index).to(torch.float64)
     if reduction == "token_mean":
         return valid_T
-    lengths = _sequence_lengths(cu_seqlens_padded, len(labels_T)).to(labels_T.device)
-    seq_of_token_T = torch.repeat_interleave(torch.arange(len(lengths), device=labels_T.device), lengths)
-    loss_tokens_N = torch.zeros(len(lengths), dtype=torch.float64, device=labels_T.device)
-    loss_tokens_N.index_add_(0, seq_of_token_T, valid_T)
-    return valid_T / loss_tokens_N.clamp_min(1.0)[seq_of_token_T]
+    slots_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
+    if int(slots_S.sum()) != len(labels_T):
+        raise ValueError(
+            f"cu_seqlens_padded ends at {int(slots_S.sum())} but labels has T={len(labels_T)} tokens; pass the "
+            "GLOBAL batch's labels and cu_seqlens_padded (before cp.shard)"
+        )
+    seg_T = TokenPlacement(tuple(slots_S.tolist()), tuple(slots_S.tolist()), device=labels_T.device).seg_T
+    loss_tokens_S = torch.zeros(len(slots_S), dtype=torch.float64, device=labels_T.device)
+    loss_tokens_S.index_add_(0, seg_T, valid_T)
+    return valid_T / loss_tokens_S.clamp_min(1.0)[seg_T]
 
 
 def global_loss_denominator(
@@ -273,18 +280,6 @@ def _check_labels(labels_T: torch.Tensor) -> None:
         raise ValueError(f"labels must be 1-D (T,), got shape {tuple(labels_T.shape)}")
     if labels_T.dtype.is_floating_point or labels_T.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels_T.dtype}")
-
-
-def _sequence_lengths(cu_seqlens_padded: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    cu = torch.as_tensor(cu_seqlens_padded).detach().to("cpu", torch.int64)
-    if cu.dim() != 1 or len(cu) < 2:
-        raise ValueError(f"cu_seqlens_padded must be (N+1,) with N >= 1, got shape {tuple(cu.shape)}")
-    lengths = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0 or bool((lengths < 0).any()) or int(cu[-1]) != total_tokens:
-        raise ValueError(
-            f"cu_seqlens_padded must start at 0, never decrease and end at T={total_tokens}, got {cu.tolist()}"
-        )
-    return lengths
 
 
 def _all_reduce_sum(total: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -16,10 +16,10 @@ from _attention_cases import LENGTH_MIXES, make_thd, max_errors, random_case, re
 
 from thdpack.attention import ring as ring_module
 from thdpack.attention import thd_attention
-from thdpack.attention.metadata import thd_meta
 from thdpack.cp import shard
 from thdpack.testing import run_distributed
 from thdpack.thd import thd_collate
+from thdpack.thd.meta import thd_meta
 
 pytestmark = pytest.mark.distributed
 

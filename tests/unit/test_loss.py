@@ -129,8 +129,10 @@ def test_bad_inputs_raise_with_the_values():
         cross_entropy_sum(logits, labels.float())
     with pytest.raises(ValueError, match=r"unknown reduction 'mean'; use one of \['token_mean', 'sequence_mean'\]"):
         loss_weights(labels, torch.tensor([0, 3]), reduction="mean")
-    with pytest.raises(ValueError, match=r"end at T=3, got \[0, 2\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded ends at 2 but labels has T=3 tokens"):
         loss_weights(labels, torch.tensor([0, 2]), reduction="sequence_mean")
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded must be non-decreasing; it drops at entry 2 \(3 -> 1\)"):
+        loss_weights(labels, torch.tensor([0, 3, 1]), reduction="sequence_mean")
     with pytest.raises(ValueError, match="micro_batch_weights is empty"):
         global_loss_denominator([])
     with pytest.raises(ValueError, match=r"a process group was given but torch\.distributed is not initialised"):

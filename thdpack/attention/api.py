@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from thdpack.attention.backends.base import AttentionCall, Situation
 from thdpack.attention.config import AttentionConfig
-from thdpack.attention.metadata import ThdMeta, thd_meta
 from thdpack.attention.select import attend_function, choose_backend, log_choice
+from thdpack.thd.meta import ThdMeta, thd_meta
 
 CONFIG_KEYWORDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
 """The keywords ``thd_attention`` accepts as a shorthand for ``config=AttentionConfig(...)``."""

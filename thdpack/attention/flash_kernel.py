@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from thdpack.attention.merge import normalize_lse
-from thdpack.attention.metadata import Side
+from thdpack.thd.tokens import TokenPlacement
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -37,7 +37,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _keys(k: Side, causal: bool) -> tuple[torch.Tensor | None, torch.Tensor, int]:
+def _keys(k: TokenPlacement, causal: bool) -> tuple[torch.Tensor | None, torch.Tensor, int]:
     """(rows to keep or None, cu_seqlens_k, max_seqlen_k) for the key side of a tile."""
     if causal or not k.has_padding:
         # causal: padding follows every real token, so no real query ever sees a padded key
@@ -49,8 +49,8 @@ def tile_forward(
     q_TNH: torch.Tensor,
     k_TNH: torch.Tensor,
     v_TNH: torch.Tensor,
-    q: Side,
-    k: Side,
+    q: TokenPlacement,
+    k: TokenPlacement,
     *,
     causal: bool,
     scale: float,
@@ -88,8 +88,8 @@ def tile_backward(
     v_TNH: torch.Tensor,
     out_TNH: torch.Tensor,
     lse_NT: torch.Tensor,
-    q: Side,
-    k: Side,
+    q: TokenPlacement,
+    k: TokenPlacement,
     *,
     causal: bool,
     scale: float,

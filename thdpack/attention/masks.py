@@ -1,63 +1,66 @@
 """Attention masks for backends without varlen kernels, all from the same THD metadata.
 
-Every mask here is ``layout_mask``: query token ``q`` may attend key token ``k`` iff both belong
-to the same sequence, ``k`` is not after ``q`` (when causal) and ``k`` is a real token. The
-per-token ``TokenLayout`` (sequence index, position in the padded slot, real or padding) is
-computed from ``cu_seqlens`` / ``cu_seqlens_padded`` alone, so it is correct in any storage
-order: a global batch, a CP shard (chunks ``r`` and ``2W-1-r`` of every sequence), or a shard's
+Every mask here is :func:`visible`, the one mask rule: query token ``q`` may attend key token
+``k`` iff both belong to the same sequence, ``k`` is not after ``q`` (when causal) and ``k`` is a
+real token. The per-token :class:`~thdpack.thd.tokens.TokenPlacement` (sequence index, position
+in the padded slot, real or padding) comes from the batch's validated record alone, so it is
+correct in any storage order: a global batch, a CP shard (chunks ``r`` and ``2W-1-r`` of every sequence), or a shard's
 queries against all-gathered keys.
 
 Padding queries attend the real tokens of their own sequence (never an empty row, so no NaN);
 padding keys are never attended, so padding cannot reach a real token.
 
-Legend: ``T`` tokens of a batch or shard (``Tq`` queries, ``Tk`` keys), ``N`` sequences,
+Legend: ``T`` tokens of a batch or shard (``Tq`` queries, ``Tk`` keys), ``S`` sequences,
 ``B`` rows and ``L`` row length of a BSHD batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from thdpack._optional import has_flex_attention
-from thdpack.cp.partition import partition_indices
-from thdpack.thd import SEQ_LENS_SENTINEL, sequence_lengths
+from thdpack.cp import local_placement
+from thdpack.thd.format import SEQ_LENS_SENTINEL, bshd_meta
+from thdpack.thd.meta import thd_meta
+from thdpack.thd.tokens import TokenPlacement, global_placement
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
 
-@dataclass(frozen=True)
-class TokenLayout:
-    """Where each token of a (global or CP-sharded) THD batch sits, in its storage order.
+TokenLayout = TokenPlacement
+"""The per-token view of a batch (``seg``, ``pos``, ``valid``): :class:`thdpack.thd.tokens.TokenPlacement`."""
 
-    Attributes:
-        seg: (T,) int64, the sequence index ``0..N-1``.
-        pos: (T,) int64, the position inside the sequence's padded slot (0-based).
-        valid: (T,) bool, ``pos < real length`` (False = padding).
+
+def visible(
+    q_seg: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_seg: torch.Tensor,
+    k_pos: torch.Tensor,
+    k_valid: torch.Tensor,
+    causal: bool,
+) -> torch.Tensor:
+    """THE mask rule, elementwise (broadcasting): query (q_seg, q_pos) may attend key (k_seg, k_pos)
+    iff both are in the same sequence, the key is a real token and, when ``causal``, the key is
+    not after the query. The dense masks, FlexAttention's ``mask_mod`` and the math kernel's
+    tiles all call it.
+
+    >>> seg, pos = torch.tensor([0, 0, 1]), torch.tensor([0, 1, 0])
+    >>> visible(seg[:, None], pos[:, None], seg[None], pos[None], torch.tensor([True, True, False])[None], True).int()
+    tensor([[1, 0, 0],
+            [1, 1, 0],
+            [0, 0, 0]], dtype=torch.int32)
     """
-
-    seg: torch.Tensor
-    pos: torch.Tensor
-    valid: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if not (self.seg.dim() == 1 and self.seg.shape == self.pos.shape == self.valid.shape):
-            raise ValueError(
-                f"TokenLayout needs three (T,) tensors, got seg {tuple(self.seg.shape)}, "
-                f"pos {tuple(self.pos.shape)}, valid {tuple(self.valid.shape)}"
-            )
+    allowed = (q_seg == k_seg) & k_valid
+    return allowed & (q_pos >= k_pos) if causal else allowed
 
 
-def token_layout(thd: Mapping[str, Any]) -> TokenLayout:
-    """The ``TokenLayout`` of a THD batch, or of a CP shard (``thd["cp_size"]``, ``thd["cp_rank"]``).
-
-    Reads only ``cu_seqlens`` ((N+1,) real boundaries), ``cu_seqlens_padded`` ((N+1,) slot
-    boundaries, ``[-1] == T`` global) and, for a shard, ``cp_size`` / ``cp_rank``. The result
-    is on ``cu_seqlens_padded``'s device, ``T / cp_size`` long for a shard.
+def token_layout(thd: Mapping[str, Any]) -> TokenPlacement:
+    """The :class:`TokenPlacement` of a THD batch, or of a CP shard (``thd["cp_size"]``, ``thd["cp_rank"]``),
+    on ``cu_seqlens_padded``'s device (``T / cp_size`` rows for a shard).
 
     >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     >>> cu_padded = torch.tensor([0, 4, 8], dtype=torch.int32)
@@ -73,36 +76,16 @@ def token_layout(thd: Mapping[str, Any]) -> TokenLayout:
     for key in ("cu_seqlens", "cu_seqlens_padded"):
         if key not in thd:
             raise ValueError(f"token_layout needs {key}; build the batch with thdpack.to_thd")
-    cu_padded_N1 = thd["cu_seqlens_padded"].to(torch.int64)
-    real_N = thd["cu_seqlens"].to(torch.int64).diff()
-    padded_N = cu_padded_N1.diff()
-    if real_N.shape != padded_N.shape:
-        raise ValueError(
-            f"cu_seqlens has {real_N.numel() + 1} entries but cu_seqlens_padded has {padded_N.numel() + 1}"
-        )
-    T = int(cu_padded_N1[-1])
-    device = cu_padded_N1.device
-    seg_T = torch.repeat_interleave(torch.arange(padded_N.numel(), device=device), padded_N, output_size=T)
-    pos_T = torch.arange(T, device=device) - cu_padded_N1[:-1][seg_T]
-    valid_T = pos_T < real_N[seg_T]
-    cp_size, cp_rank = thd.get("cp_size", 1), thd.get("cp_rank", 0)
-    if cp_size > 1:
-        local_T = partition_indices(thd["cu_seqlens_padded"], T, cp_size, cp_rank)
-        seg_T, pos_T, valid_T = seg_T[local_T], pos_T[local_T], valid_T[local_T]
-    return TokenLayout(seg=seg_T, pos=pos_T, valid=valid_T)
+    return local_placement(thd_meta(thd), thd["cu_seqlens_padded"].device)
 
 
-def layout_mask(q: TokenLayout, k: TokenLayout, *, causal: bool = True) -> torch.Tensor:
-    """(Tq, Tk) bool, True = query ``i`` may attend key ``j``.
+def layout_mask(q: TokenPlacement, k: TokenPlacement, *, causal: bool = True) -> torch.Tensor:
+    """(Tq, Tk) bool, True = query ``i`` may attend key ``j`` (:func:`visible` of every pair).
 
-    ``q.seg[i] == k.seg[j]`` and ``k.valid[j]``, and ``q.pos[i] >= k.pos[j]`` when ``causal``.
     With ``q`` and ``k`` from the same batch (or ``q`` a shard and ``k`` its global batch), no
     row is empty as long as every sequence has at least one real token.
     """
-    allowed_QK = (q.seg[:, None] == k.seg[None, :]) & k.valid[None, :]
-    if causal:
-        allowed_QK &= q.pos[:, None] >= k.pos[None, :]
-    return allowed_QK
+    return visible(q.seg_T[:, None], q.pos_T[:, None], k.seg_T[None, :], k.pos_T[None, :], k.valid_T[None, :], causal)
 
 
 def block_causal_mask(thd: Mapping[str, Any], *, causal: bool = True) -> torch.Tensor:
@@ -170,23 +153,21 @@ def segment_ids(batch: Mapping[str, Any]) -> torch.Tensor:
     >>> segment_ids(batch).tolist()
     [[1, 1, 2, 2, 2, 0]]
     """
-    real_N, padded_N = sequence_lengths(batch)
+    meta = bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
     B, L = batch["input_ids"].shape
+    rows = global_placement(meta, batch["input_ids"].device)
     present_BS = batch["seq_lens_padded"] != SEQ_LENS_SENTINEL
-    S = present_BS.shape[1]
-    ordinal_N = (torch.arange(1, S + 1, device=present_BS.device).expand(B, S))[present_BS]
-    seg_T = torch.repeat_interleave(ordinal_N, padded_N, output_size=B * L)
-    starts_N = torch.cumsum(padded_N, 0) - padded_N
-    pos_T = torch.arange(B * L, device=seg_T.device) - torch.repeat_interleave(starts_N, padded_N, output_size=B * L)
-    real_T = torch.repeat_interleave(real_N, padded_N, output_size=B * L)
-    return seg_T.masked_fill_(pos_T >= real_T, 0).view(B, L)
+    # each row's sequences count 1, 2, ...: the global sequence index minus the row's first one, plus 1
+    first_B = torch.cumsum(present_BS.sum(1), 0) - present_BS.sum(1)
+    ordinal_T = rows.seg_T - first_B.to(rows.device).repeat_interleave(L) + 1
+    return ordinal_T.masked_fill_(~rows.valid_T, 0).view(B, L)
 
 
 def flex_block_mask(
     thd: Mapping[str, Any],
     *,
     causal: bool = True,
-    kv_layout: TokenLayout | None = None,
+    kv_layout: TokenPlacement | None = None,
     block_size: int = 128,
 ) -> BlockMask:
     """A FlexAttention ``BlockMask`` equal to ``layout_mask(token_layout(thd), kv_layout)``.
@@ -210,14 +191,9 @@ def flex_block_mask(
     k = q if kv_layout is None else kv_layout
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
-        allowed = (q.seg[q_idx] == k.seg[kv_idx]) & k.valid[kv_idx]
-        if causal:
-            allowed = allowed & (q.pos[q_idx] >= k.pos[kv_idx])
-        return allowed
+        return visible(q.seg_T[q_idx], q.pos_T[q_idx], k.seg_T[kv_idx], k.pos_T[kv_idx], k.valid_T[kv_idx], causal)
 
-    return create_block_mask(
-        mask_mod, None, None, q.seg.numel(), k.seg.numel(), device=q.seg.device, BLOCK_SIZE=block_size
-    )
+    return create_block_mask(mask_mod, None, None, q.num_rows, k.num_rows, device=q.device, BLOCK_SIZE=block_size)
 
 
 def mask_to_ascii(mask_QK: torch.Tensor) -> str:

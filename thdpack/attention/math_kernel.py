@@ -1,6 +1,6 @@
 """Exact attention tiles in plain PyTorch: any device, any float dtype, bounded memory.
 
-A tile is "the rows of side Q attend to the rows of side K" (:class:`~thdpack.attention.metadata.Side`:
+A tile is "the rows of side Q attend to the rows of side K" (:class:`~thdpack.thd.tokens.TokenPlacement`:
 rows grouped by sequence, with positions and real-token flags). Row i sees key j iff both belong
 to the same sequence, key j is a real token and, when causal, ``pos[i] >= pos[j]``. The mask comes
 from those per-token facts, never from the tile's shape, so the same kernel serves the
@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from thdpack.attention.masks import visible
 from thdpack.attention.merge import accumulation_dtype
-from thdpack.attention.metadata import Side
+from thdpack.thd.tokens import TokenPlacement
 
 # score-matrix elements (Nq * rows * keys) per block: 4M -> 32 MiB per fp64 temporary
 _SCORE_BUDGET = 1 << 22
@@ -33,8 +34,8 @@ _GROUP_BUDGET = 1 << 16
 
 
 def plan_blocks(
-    q: Side,
-    k: Side,
+    q: TokenPlacement,
+    k: TokenPlacement,
     num_heads: int,
     budget: int = _SCORE_BUDGET,
     group_budget: int = _GROUP_BUDGET,
@@ -47,7 +48,7 @@ def plan_blocks(
     ``min(group_budget, budget)``; a sequence over ``budget`` on its own is split into query-row
     blocks. Sequences with no rows or no keys get no rectangle (their rows stay empty: out 0,
     LSE -inf). ``causal_self``: ``q`` and ``k`` are the same side under a causal mask, whose rows
-    are in increasing position within each sequence (true of every Side thdpack builds), so a row
+    are in increasing position within each sequence (true of every TokenPlacement thdpack builds), so a row
     block of one sequence needs no key after its last row: the keys are cut there.
     """
     group_budget = min(group_budget, budget)
@@ -68,12 +69,12 @@ def plan_blocks(
     return blocks
 
 
-def _visible(q: Side, k: Side, qa: int, qb: int, ka: int, kb: int, causal: bool) -> torch.Tensor:
-    """(rows, keys) bool: same sequence, real key, and (causal) key not in the future."""
-    mask = (q.seg_T[qa:qb, None] == k.seg_T[None, ka:kb]) & k.valid_T[None, ka:kb]
-    if causal:
-        mask &= q.pos_T[qa:qb, None] >= k.pos_T[None, ka:kb]
-    return mask
+def _visible(q: TokenPlacement, k: TokenPlacement, qa: int, qb: int, ka: int, kb: int, causal: bool) -> torch.Tensor:
+    """(rows, keys) bool of one block: :func:`thdpack.attention.masks.visible` over its pairs."""
+    return visible(
+        q.seg_T[qa:qb, None], q.pos_T[qa:qb, None], k.seg_T[None, ka:kb], k.pos_T[None, ka:kb], k.valid_T[None, ka:kb],
+        causal,
+    )  # fmt: skip
 
 
 def _scores(
@@ -90,8 +91,8 @@ def tile_forward(
     q_TNH: torch.Tensor,
     k_TNH: torch.Tensor,
     v_TNH: torch.Tensor,
-    q: Side,
-    k: Side,
+    q: TokenPlacement,
+    k: TokenPlacement,
     *,
     causal: bool,
     scale: float,
@@ -146,8 +147,8 @@ def tile_backward(
     v_TNH: torch.Tensor,
     lse_NT: torch.Tensor,
     delta_NT: torch.Tensor,
-    q: Side,
-    k: Side,
+    q: TokenPlacement,
+    k: TokenPlacement,
     *,
     causal: bool,
     scale: float,

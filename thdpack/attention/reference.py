@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from thdpack.attention.metadata import thd_meta
+from thdpack.thd.meta import thd_meta
 
 
 def reference_attention(

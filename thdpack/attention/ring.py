@@ -32,8 +32,10 @@ import torch.distributed as dist
 
 from thdpack.attention import flash_kernel, math_kernel
 from thdpack.attention.merge import accumulation_dtype, merge_partials
-from thdpack.attention.metadata import Side, ThdMeta
+from thdpack.cp import local_placement
 from thdpack.cp.comm import Ring, RingComm
+from thdpack.thd.meta import ThdMeta
+from thdpack.thd.tokens import TokenPlacement
 
 Section = Literal["all", "front", "back"]
 TileKernel = Literal["math", "flash"]
@@ -55,8 +57,8 @@ def tile_sections(step: int, rank: int, causal: bool) -> tuple[Section, Section,
     return "back", "all", False
 
 
-def _rows(side: Side, section: Section) -> tuple[torch.Tensor | None, Side]:
-    """(row indices into the full local block, or None for all rows; the section's Side)."""
+def _rows(side: TokenPlacement, section: Section) -> tuple[torch.Tensor | None, TokenPlacement]:
+    """(row indices into the full local block, or None for all rows; the section's TokenPlacement)."""
     if section == "all":
         return None, side
     back = section == "back"
@@ -69,8 +71,8 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 def _tile_plan(meta: ThdMeta, ring: Ring, step: int, causal: bool, device: torch.device) -> tuple[Any, ...]:
     q_section, kv_section, tile_causal = tile_sections(step, ring.rank, causal)
-    q_rows, q_side = _rows(meta.local_side(device, ring.rank), q_section)
-    kv_rows, kv_side = _rows(meta.local_side(device, (ring.rank - step) % ring.size), kv_section)
+    q_rows, q_side = _rows(local_placement(meta, device, ring.rank), q_section)
+    kv_rows, kv_side = _rows(local_placement(meta, device, (ring.rank - step) % ring.size), kv_section)
     return q_rows, q_side, kv_rows, kv_side, tile_causal
 
 
@@ -231,7 +233,7 @@ def ring_attention(
     Args:
         q_TNH: (T, Nq, H) this rank's queries in ``thdpack.cp.shard`` order.
         k_TNH / v_TNH: (T, Nkv, H) / (T, Nkv, Hv), ``Nq % Nkv == 0``.
-        meta: :func:`thdpack.attention.metadata.thd_meta` of the shard (global cu_seqlens,
+        meta: :func:`thdpack.thd.meta.thd_meta` of the shard (global cu_seqlens,
             ``cp_size == cp_group``'s size, ``cp_rank`` == this rank in it).
         cp_group: the context-parallel group (None: the default group).
         causal, scale: attention mask type and softmax scale.

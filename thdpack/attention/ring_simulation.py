@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from thdpack.attention import math_kernel
-from thdpack.attention.metadata import ThdMeta, thd_meta
 from thdpack.attention.ring import TileKernel, ring_backward, ring_forward
 from thdpack.cp.partition import partition_indices
+from thdpack.thd.meta import ThdMeta, thd_meta
 
 
 class _MailboxPending:

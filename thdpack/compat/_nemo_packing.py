@@ -13,16 +13,18 @@ from typing import Any
 import torch
 
 from thdpack._optional import has_module
+from thdpack.attention.masks import block_causal_mask
 from thdpack.packing import layout
+from thdpack.packing.layout import IGNORE_INDEX
 from thdpack.packing.packer import SampleTokens, assemble_pack, read_sample
 from thdpack.plan import plan_packs
-from thdpack.thd.format import SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
+from thdpack.thd import collate
+from thdpack.thd.format import PACK_KEYS, SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
 
 log = logging.getLogger(__name__)
 
 PAD_TOKEN_IDS_KEY = "___PAD_TOKEN_IDS___"
 """Item key through which NeMo datasets pass per-key pad ids to the collater."""
-PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 
 
 def _select_split(dataset: Any, split: str) -> Any:
@@ -76,42 +78,43 @@ def pack_dataset(
         raise ValueError(f"max_packs must be None or >= 1, got {max_packs}")
     dataset = _select_split(dataset, split)
     # next fit never looks back: the first max_packs packs hold at most max_packs * size samples,
-    # and one more sample proves the last of them closed
+    # and one more sample proves the last of them closed (long samples do not count: they are dropped)
     limit = None if max_packs is None else max_packs * size + 1
-    kept: list[SampleTokens] = []
-    dropped, dropped_tokens = 0, 0
+    read: list[SampleTokens] = []
+    fitting = 0
     for index, sample in enumerate(dataset):
-        tokens = _read_for_nemo(sample, index)
-        if len(tokens) > size:
-            if not drop_long_samples:
-                raise ValueError(
-                    f"Dataset sample {index} is too long ({len(tokens)} > {size}). Please increase "
-                    "`packed_sequence_size`, or pass drop_long_samples=True to skip such samples."
-                )
-            dropped += 1
-            dropped_tokens += len(tokens)
-            continue
-        kept.append(tokens)
-        if limit is not None and len(kept) >= limit:
+        read.append(_read_for_nemo(sample, index))
+        fitting += len(read[-1]) <= size
+        if limit is not None and fitting >= limit:
             break
+    if not read:
+        raise ValueError("No packs were produced: the dataset is empty")
+    lengths = [len(t) for t in read]
+    if drop_long_samples and all(n > size for n in lengths):
+        raise ValueError(f"No packs were produced: all of its samples ({len(lengths)}) are longer than {size}")
+    try:
+        plan = plan_packs(
+            lengths, size, algorithm="sequential", cp_size=cp_size, overflow="drop" if drop_long_samples else "error"
+        )
+    except ValueError as err:  # overflow="error": NeMo's words, thdpack's check
+        first = next(i for i, n in enumerate(lengths) if n > size)
+        raise ValueError(
+            f"Dataset sample {first} is too long ({lengths[first]} > {size}). Please increase "
+            "`packed_sequence_size`, or pass drop_long_samples=True to skip such samples."
+        ) from err
+    dropped = plan.stats.dropped_sequences
     if dropped:
         log.warning(
             "pack_dataset dropped %d samples longer than packed_sequence_size=%d (%d tokens); "
             "pass drop_long_samples=False to raise instead",
             dropped,
             size,
-            dropped_tokens,
+            plan.stats.dropped_tokens,
         )
-    if not kept:
-        raise ValueError(
-            "No packs were produced: the dataset is empty"
-            + (f" or all of its samples ({dropped}) are longer than {size}" if dropped else "")
-        )
-    plan = plan_packs([len(t) for t in kept], size, algorithm="sequential", cp_size=cp_size)
     count = len(plan) if max_packs is None else min(max_packs, len(plan))
     columns: dict[str, list[list[int]]] = {key: [] for key in PACK_KEYS}
     for i in range(count):
-        pack = assemble_pack([kept[j] for j in plan[i]], size, cp_size=cp_size, pad_id=padding_idx)
+        pack = assemble_pack([read[j] for j in plan[i]], size, cp_size=cp_size, pad_id=padding_idx)
         for key in PACK_KEYS:
             columns[key].append(pack[key].tolist())
     if has_module("datasets"):
@@ -121,25 +124,40 @@ def pack_dataset(
     return [{key: columns[key][i] for key in PACK_KEYS} for i in range(count)]
 
 
-def _pad_rows(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
-    """Right-pad integer rows to the longest with ``value``: (B, max_len) int64."""
-    width = max(len(r) for r in rows)
-    out = torch.full((len(rows), width), value, dtype=torch.int64)
-    for b, row in enumerate(rows):
-        out[b, : len(row)] = torch.as_tensor(row, dtype=torch.int64)
-    return out
+def _single_sequence_pack(item: Mapping[str, Any], index: int, width: int, input_pad: int) -> dict[str, Any]:
+    """A non-pack item as a one-sequence pack of ``width`` tokens (NeMo pads each to the batch's longest)."""
+    if "labels" not in item:
+        raise ValueError(f"item {index} has no 'labels' (keys: {sorted(item)})")
+    ids = torch.as_tensor(item["input_ids"], dtype=torch.int64).reshape(-1)
+    labels = torch.as_tensor(item["labels"], dtype=torch.int64).reshape(-1)
+    if labels.shape != ids.shape:
+        raise ValueError(
+            f"item {index} has labels of shape {tuple(labels.shape)} but input_ids of shape {tuple(ids.shape)}; "
+            "give one (already shifted) label per token"
+        )
+    mask = item.get("attention_mask")
+    real = int(torch.as_tensor(mask).sum()) if mask is not None else len(ids)
+    tail = width - len(ids)
+    return {
+        "input_ids": torch.cat([ids, ids.new_full((tail,), input_pad)]),
+        "labels": torch.cat([labels, labels.new_full((tail,), IGNORE_INDEX)]),
+        "position_ids": torch.arange(width),
+        "seq_lens": [real],
+        "seq_lens_padded": [width],
+    }
 
 
 def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """NeMo AutoModel's ``packed_sequence_thd_collater``: stack packs into a BSHD batch.
+    """NeMo AutoModel's ``packed_sequence_thd_collater``: ``thdpack.collate`` plus NeMo's names.
 
-    Packs (items with ``seq_lens``) are stacked: ``input_ids``, ``labels``, ``position_ids``
-    become (B, S) int64; ``seq_lens`` and ``seq_lens_padded`` (B, max N) int64 right-padded
-    with -1000. Items without ``seq_lens`` are single sequences: each is padded to the longest
-    (``input_ids`` with the pad id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with
-    -100), real length = ``sum(attention_mask)`` or the length. Returns those five keys plus
+    Packs (items with ``seq_lens``) are stacked by ``thdpack.collate``: ``input_ids``, ``labels``,
+    ``position_ids`` become (B, S) int64; ``seq_lens`` and ``seq_lens_padded`` (B, max N) int64
+    right-padded with -1000; every width is checked against ``input_ids``. Items without
+    ``seq_lens`` are single sequences: each is padded to the longest (``input_ids`` with the pad
+    id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with -100), real length =
+    ``sum(attention_mask)`` or the length, then collated the same way. Returns those five keys plus
     ``qkv_format="thd"``; ``{}`` for an empty batch. Items are not modified. Packs of different
-    lengths raise ``ValueError``.
+    lengths, and a batch mixing packs with single sequences, raise ``ValueError``.
 
     >>> a = {"input_ids": [1, 2, 3, 0], "labels": [2, 3, -100, -100], "position_ids": [0, 1, 2, 3],
     ...      "seq_lens": [3], "seq_lens_padded": [4]}
@@ -151,40 +169,24 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
     """
     if len(batch) == 0:
         return {}
-    pad_ids = batch[0].get(PAD_TOKEN_IDS_KEY) or {}
-    if "seq_lens" in batch[0]:
-        input_ids = [item["input_ids"] for item in batch]
-        labels = [item["labels"] for item in batch]
-        position_ids = [item["position_ids"] for item in batch]
-        seq_lens = [torch.as_tensor(item["seq_lens"]).tolist() for item in batch]
-        seq_lens_padded = [torch.as_tensor(item["seq_lens_padded"]).tolist() for item in batch]
-        widths = [len(x) for x in input_ids]
+    kinds = ["pack" if "seq_lens" in item else "sequence" for item in batch]
+    if len(set(kinds)) > 1:
+        other = kinds.index("sequence" if kinds[0] == "pack" else "pack")
+        raise ValueError(
+            f"item 0 is a {kinds[0]} but item {other} is a {kinds[other]}; a batch holds either packs (items with "
+            "seq_lens, from pack_dataset) or single sequences, never both: collate them in separate batches"
+        )
+    if kinds[0] == "pack":
+        widths = [len(item["input_ids"]) for item in batch]
         if len(set(widths)) > 1:
             raise ValueError(f"packs must all have the same length (pack_size) to stack; got {widths}")
+        packs = [{key: item[key] for key in PACK_KEYS if key in item} for item in batch]
     else:
-        input_pad = pad_ids.get("input_ids")
-        input_pad = 0 if input_pad is None else input_pad
+        pad_ids = batch[0].get(PAD_TOKEN_IDS_KEY) or {}
+        input_pad = 0 if pad_ids.get("input_ids") is None else pad_ids["input_ids"]
         width = max(len(item["input_ids"]) for item in batch)
-        input_ids, labels, position_ids, seq_lens, seq_lens_padded = [], [], [], [], []
-        for i, item in enumerate(batch):
-            if "labels" not in item:
-                raise ValueError(f"item {i} has no 'labels' (keys: {sorted(item)})")
-            ids = torch.as_tensor(item["input_ids"]).tolist()
-            mask = item.get("attention_mask")
-            seq_lens.append([int(torch.as_tensor(mask).sum()) if mask is not None else len(ids)])
-            seq_lens_padded.append([width])
-            input_ids.append(ids + [input_pad] * (width - len(ids)))
-            lab = torch.as_tensor(item["labels"]).tolist()
-            labels.append(lab + [layout.IGNORE_INDEX] * (width - len(lab)))
-            position_ids.append(list(range(width)))
-    return {
-        "input_ids": torch.stack([torch.as_tensor(x, dtype=torch.int64) for x in input_ids]),
-        "labels": torch.stack([torch.as_tensor(x, dtype=torch.int64) for x in labels]),
-        "position_ids": torch.stack([torch.as_tensor(x, dtype=torch.int64) for x in position_ids]),
-        "seq_lens": _pad_rows(seq_lens, SEQ_LENS_SENTINEL),
-        "seq_lens_padded": _pad_rows(seq_lens_padded, SEQ_LENS_SENTINEL),
-        "qkv_format": "thd",
-    }
+        packs = [_single_sequence_pack(item, i, width, input_pad) for i, item in enumerate(batch)]
+    return {**collate(packs), "qkv_format": "thd"}
 
 
 def create_block_causal_mask(seq_lens: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
@@ -212,12 +214,11 @@ def create_block_causal_mask(seq_lens: Sequence[torch.Tensor] | torch.Tensor) ->
             f"rows sum to different lengths {totals}; every row must cover the same pack size "
             "(pass seq_lens_padded, which sums to the pack size, not seq_lens)"
         )
-    total = totals[0]
-    causal_SS = torch.ones(total, total, dtype=torch.bool).tril()
     masks = []
-    for lengths in rows:
-        doc_S = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
-        masks.append((doc_S[:, None] == doc_S[None, :]) & causal_SS)
+    for lengths in rows:  # each row as a THD batch without padding: thdpack's one mask rule
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        masks.append(block_causal_mask({"cu_seqlens": cu, "cu_seqlens_padded": cu}))
     return torch.stack(masks)[:, None]
 
 

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from thdpack.compat._nemo_packing import SEQ_LENS_SENTINEL
-from thdpack.cp import partition_indices
-from thdpack.packing import layout
+from thdpack.cp import shard
+from thdpack.thd.format import SEQ_LENS_SENTINEL, bshd_meta
+from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.thd.tokens import real_rows
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")
 
@@ -34,29 +35,54 @@ def _cu(lengths: np.ndarray) -> np.ndarray:
     return np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
 
 
-def _valid(lengths: torch.Tensor, sentinel: int) -> np.ndarray:
-    """Row-major flattened lengths without the sentinel filler."""
-    flat = lengths.detach().cpu().reshape(-1).numpy().astype(np.int64)
-    return flat[flat != sentinel]
-
-
-def _check_rows(seq_lens: torch.Tensor, seq_lens_padded: torch.Tensor | None, width: int, sentinel: int) -> None:
-    """Each row lists as many padded as real lengths, and covers its ``width`` tokens exactly
-    (only the very last row may end in unlisted padding, which the layout marks as padding)."""
-    if seq_lens.dim() != 2:
-        raise ValueError(f"seq_lens must be (B, N), got shape {tuple(seq_lens.shape)}")
-    slots = seq_lens if seq_lens_padded is None else seq_lens_padded
-    if slots.shape[0] != seq_lens.shape[0] or (slots != sentinel).sum(1).tolist() != (
-        (seq_lens != sentinel).sum(1).tolist()
+def _check_widths(batch: Mapping[str, Any]) -> tuple[int, int]:
+    """(B, S) of ``input_ids``; every per-token key must match it (NeMo reshapes blindly)."""
+    input_ids = batch["input_ids"]
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (2, 3):
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a (B, S) tensor of ids or (B, S, H) embeddings, got {shape}")
+    rows, width = input_ids.shape[:2]
+    labels, position_ids = batch.get("labels"), batch.get("position_ids")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (rows, width):
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(
+            f"labels has shape {shape} but input_ids is ({rows}, {width}, ...); give one (already shifted) label "
+            "per token: labels must be (B, S) like input_ids"
+        )
+    if position_ids is not None and not (
+        tuple(position_ids.shape) == (rows, width)
+        or (position_ids.dim() == 3 and position_ids.shape[1:] == (rows, width))
     ):
-        raise ValueError("seq_lens and seq_lens_padded must list the same number of sequences in every row")
-    totals = torch.where(slots == sentinel, 0, slots).sum(1).tolist()
-    for b, total in enumerate(totals):
-        if total > width or (total < width and b < len(totals) - 1):
+        raise ValueError(
+            f"position_ids has shape {tuple(position_ids.shape)} but input_ids is ({rows}, {width}, ...); "
+            "position_ids must be (B, S), or (R, B, S) for mRoPE, or None"
+        )
+    for key in ("seq_lens", "seq_lens_padded"):
+        value = batch.get(key)
+        if value is not None and (value.dim() != 2 or value.shape[0] != rows):
             raise ValueError(
-                f"row {b}'s sequences take {total} tokens but rows hold {width}; every row's "
-                "seq_lens_padded must sum to the row length (only the last row may end in unlisted padding)"
+                f"{key} has shape {tuple(value.shape)} but input_ids has B={rows} rows; {key} must be (B, N)"
             )
+    return rows, width
+
+
+def _record(batch: Mapping[str, Any], width: int, sentinel: int) -> tuple[ThdMeta, int]:
+    """The batch's validated THD record (``thdpack.thd.format.bshd_meta``), and the tokens of
+    padding at the end of the LAST row that its ``seq_lens_padded`` leave unlisted (NeMo allows
+    that there only; the record counts them in the last slot, as thdpack's packs do)."""
+    seq_lens = batch["seq_lens"]
+    slots = batch.get("seq_lens_padded")
+    slots = seq_lens if slots is None else slots
+    if sentinel != SEQ_LENS_SENTINEL:  # the core's filler is NeMo's default, -1000
+        seq_lens = torch.where(seq_lens == sentinel, SEQ_LENS_SENTINEL, seq_lens)
+        slots = torch.where(slots == sentinel, SEQ_LENS_SENTINEL, slots)
+    slots = slots.detach().cpu().clone().to(torch.int64)
+    listed = torch.where(slots == SEQ_LENS_SENTINEL, 0, slots).sum(1)
+    unlisted = width - int(listed[-1])
+    last = int((slots[-1] != SEQ_LENS_SENTINEL).sum()) - 1
+    if unlisted > 0 and last >= 0:
+        slots[-1, last] += unlisted
+    return bshd_meta(seq_lens, slots, width), max(unlisted, 0)
 
 
 def process_input_for_thd(
@@ -64,14 +90,15 @@ def process_input_for_thd(
 ) -> dict[str, Any]:
     """NeMo's ``process_input_for_thd`` (current generation): a collated BSHD batch -> THD.
 
+    The lengths are validated by thdpack's THD record (``thdpack.thd.format.bshd_meta``, the check
+    ``thdpack.to_thd`` runs) and ``padding_mask`` is its layout; what remains is NeMo's format.
+
     Args:
         batch: ``input_ids`` (B, S) (or (B, S, H) embeddings), ``labels`` (B, S),
             ``position_ids`` (B, S), (R, B, S) for mRoPE, or None, ``seq_lens`` and
             ``seq_lens_padded`` (B, N) with ``seq_lens_padding_value`` as filler.
         seq_lens_padding_value: the filler, -1000.
-        padding_token_id: accepted for signature compatibility and unused: ``padding_mask``
-            comes from the layout, never from token values (a pad id that is also content, such
-            as an EOS used as pad, would otherwise be masked).
+        padding_token_id: see the module docstring of ``thdpack.compat.nemo`` (unused).
 
     Returns a dict, keys in NeMo's order: ``input_ids`` (T,) / (T, H), ``position_ids`` (T,) /
     (R, 1, T), ``cu_seqlens`` (N+1,) int32 from real lengths, ``labels`` (T,),
@@ -80,7 +107,8 @@ def process_input_for_thd(
     every other key of ``batch`` except ``seq_lens`` / ``seq_lens_padded``. When the only
     padding is at the very end, the last boundary absorbs it (``cu_seqlens[-1] = T``) and no
     ``cu_seqlens_padded`` is emitted. Raises ``ValueError`` for a missing ``seq_lens`` (NeMo
-    falls back to token values) and for lengths that do not match the rows.
+    falls back to token values), for any width other than ``input_ids``' and for lengths that do
+    not match the rows.
 
     >>> batch = {"input_ids": torch.tensor([[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11]]),
     ...          "labels": torch.tensor([[2, 3, 99, 4, 5, 6], [7, 8, 9, 10, 11, 12]]),
@@ -93,34 +121,35 @@ def process_input_for_thd(
     >>> out["padding_mask"].nonzero().flatten().tolist()
     [3]
     """
-    input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
-    seq_lens, seq_lens_padded = batch.get("seq_lens"), batch.get("seq_lens_padded")
-    if seq_lens is None:
+    if batch.get("seq_lens") is None:
         raise ValueError(
             "batch['seq_lens'] is missing or None: thdpack derives cu_seqlens and padding_mask from the pack "
             "layout, never from token values; collate with packed_sequence_thd_collater"
         )
-    rows, width = input_ids.shape[0], input_ids.shape[1]
+    rows, width = _check_widths(batch)
     total = rows * width
-    _check_rows(seq_lens, seq_lens_padded, width, seq_lens_padding_value)
-    real = _valid(seq_lens, seq_lens_padding_value)
-    padded = None if seq_lens_padded is None else _valid(seq_lens_padded, seq_lens_padding_value)
-    cu = _cu(real)
-    cu_padded = None if padded is None else _cu(padded)
+    meta, unlisted = _record(batch, width, seq_lens_padding_value)
+    input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
+    cu = _cu(meta.lengths_S)
+    listed_S = meta.lengths_padded_S.copy()
+    if unlisted and len(listed_S):
+        listed_S[-1] -= unlisted  # NeMo's cu_seqlens_padded ends where the listed slots end
+    cu_padded = None if batch.get("seq_lens_padded") is None else _cu(listed_S)
     if cu_padded is not None and len(cu) > 1 and np.array_equal(cu[:-1], cu_padded[:-1]) and cu[-1] < total:
         cu[-1] = total  # only the last sequence has padding: let it absorb the pad (TE's cheaper path)
         cu_padded = cu.copy()
-    device = seq_lens.device
+    device = batch["seq_lens"].device
     if position_ids is not None:
         position_ids = (
             position_ids.reshape(position_ids.shape[0], 1, -1) if position_ids.dim() == 3 else position_ids.reshape(-1)
         )
+    padding_mask = torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S))
     out: dict[str, Any] = {
         "input_ids": input_ids.reshape(total, -1).squeeze(-1),
         "position_ids": position_ids,
         "cu_seqlens": torch.from_numpy(cu).to(device),
-        "labels": labels.reshape(total, -1).squeeze(-1),
-        "padding_mask": torch.from_numpy(layout.padding_mask(real, padded, total)).to(input_ids.device),
+        "labels": labels.reshape(total),
+        "padding_mask": padding_mask.to(input_ids.device),
     }
     if cu_padded is not None and not np.array_equal(cu_padded, cu):
         out["cu_seqlens_padded"] = torch.from_numpy(cu_padded).to(device)
@@ -205,36 +234,46 @@ def split_batch_into_thd_chunks(
 def _shard_for_te(
     batch: Mapping[str, Any], cp_size: int, cp_rank: int, qkv_format: str, sentinel: int
 ) -> tuple[dict[str, Any], torch.Tensor]:
-    """One THD chunk -> this rank's tokens (TE's partition), padded cu_seqlens as ``cu_seqlens``."""
+    """One THD chunk -> this rank's tokens by ``thdpack.cp.shard``; NeMo's names on the way out
+    (padded cu_seqlens as ``cu_seqlens``, a 0-dim int32 ``max_seqlen``, no ``cu_seqlens_padded``)."""
+    cu = batch["cu_seqlens"]
+    cu = cu[cu != sentinel].to(torch.int32)
     cu_padded = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
-    kept = cu_padded[cu_padded != sentinel]
+    cu_padded = cu_padded[cu_padded != sentinel].to(torch.int32)
     total = batch["input_ids"].shape[0]
-    if "padding_mask" not in batch:  # a THD batch made elsewhere: derive the mask from its layout
-        real = torch.diff(batch["cu_seqlens"][batch["cu_seqlens"] != sentinel]).cpu().numpy()
-        batch = {
-            **batch,
-            "padding_mask": torch.from_numpy(layout.padding_mask(real, torch.diff(kept).cpu().numpy(), total)),
-        }
-    index = partition_indices(kept, total, cp_size, cp_rank).to(torch.int64)
-    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "cu_seqlens_padded")}
+    position_ids = batch.get("position_ids")
+    mrope = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3  # (R, 1, T): tokens last
+    tokens: dict[str, Any] = {
+        "cu_seqlens": cu,
+        "cu_seqlens_padded": cu_padded,
+        "local_index": torch.arange(total, device=batch["input_ids"].device),
+    }
     for key in TOKEN_KEYS:
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
-            dim = value.dim() - 1 if key == "position_ids" and value.dim() == 3 else 0
-            out[key] = value.index_select(dim, index.to(value.device)).contiguous()
+            tokens[key] = value.permute(2, 0, 1) if key == "position_ids" and mrope else value
+    if "padding_mask" not in tokens:  # a THD batch made elsewhere: the mask comes from its layout
+        meta = thd_meta({"cu_seqlens": cu, "cu_seqlens_padded": cu_padded})
+        tokens["padding_mask"] = torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S))
+    local = shard(tokens, cp_size, cp_rank)
+    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "cu_seqlens_padded")}
+    for key in TOKEN_KEYS:
+        if key in local:
+            value = local[key]
+            out[key] = value.permute(1, 2, 0).contiguous() if key == "position_ids" and mrope else value.contiguous()
     for key in ("input_ids", "labels", "position_ids"):
         value = out.get(key)
         if isinstance(value, torch.Tensor) and not value.is_floating_point():  # embeddings keep their dtype
             out[key] = value.to(torch.int64)
     out["padding_mask"] = out["padding_mask"].bool()
     out.update(
-        cu_seqlens=cu_padded.to(torch.int32).contiguous(),
-        max_seqlen=torch.diff(kept).max().to(torch.int32),
+        cu_seqlens=cu_padded.contiguous(),
+        max_seqlen=torch.tensor(local["max_seqlen"], dtype=torch.int32, device=cu_padded.device),
         qkv_format=qkv_format,
         cp_size=cp_size,
         cp_rank=cp_rank,
     )
-    return out, index
+    return out, local["local_index"]
 
 
 def make_cp_batch_for_te(

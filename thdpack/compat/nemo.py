@@ -15,6 +15,20 @@ size that is not a multiple of ``2*cp_size``, a batch that does not split evenly
 sequence lengths that do not match the rows, and a missing ``seq_lens`` (NeMo then guesses
 padding from token values). Long samples that ``drop_long_samples=True`` skips are logged as a
 WARNING with their count. Each function's docstring lists its differences.
+
+Each drop-in is a thdpack core call plus NeMo's names and quirks: ``pack_dataset`` is
+``plan_packs(algorithm="sequential", overflow="drop" | "error")`` + ``assemble_pack``,
+``packed_sequence_thd_collater`` is ``thdpack.collate``, ``process_input_for_thd`` checks its
+lengths with the THD record ``thdpack.to_thd`` builds (``bshd_meta``) and takes its
+``padding_mask`` from that layout, ``make_cp_batch_for_te`` shards with ``thdpack.cp.shard``, and
+``create_block_causal_mask`` is ``thdpack.attention.masks.block_causal_mask``. A fix in the core
+fixes the drop-in.
+
+``padding_token_id`` (``process_input_for_thd``, ``split_batch_into_thd_chunks``,
+``make_cp_batch_for_te``) is accepted for NeMo's signatures and not used: NeMo reads padding
+from token values equal to it, which masks real tokens whenever the pad id also occurs as
+content (an EOS used as pad); thdpack reads padding from the pack layout (``seq_lens`` /
+``seq_lens_padded``) only.
 """
 
 from __future__ import annotations
@@ -27,8 +41,9 @@ from thdpack.compat._nemo_packing import (
     packed_sequence_thd_collater,
 )
 from thdpack.compat._nemo_thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
+from thdpack.packing.layout import IGNORE_INDEX
 
-CROSS_ENTROPY_IGNORE_IDX = -100
+CROSS_ENTROPY_IGNORE_IDX = IGNORE_INDEX
 
 __all__ = [
     "CROSS_ENTROPY_IGNORE_IDX",

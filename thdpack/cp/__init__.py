@@ -8,9 +8,9 @@ of THD batches, and the ring / row communication (``comm``) that the CP attentio
 
 from __future__ import annotations
 
-from thdpack.cp.partition import gather, partition_indices, shard, unshard
+from thdpack.cp.partition import gather, local_placement, partition_indices, shard, unshard
 
-__all__ = ["gather", "partition_indices", "shard", "unshard"]
+__all__ = ["gather", "local_placement", "partition_indices", "shard", "unshard"]
 
 # CP attention lives with the other attention algorithms (thdpack.attention) since the package
 # was split by pipeline stage; the old names resolve there, without an import cycle at load time.

@@ -23,42 +23,24 @@ import torch.distributed as dist
 
 from thdpack._optional import has_transformer_engine, require
 from thdpack.thd.format import THD_METADATA_KEYS, THDBatch
+from thdpack.thd.meta import ThdMeta, check_cp, check_cp_multiple, cu_lengths, register, thd_meta
+from thdpack.thd.tokens import TokenPlacement, global_placement
 
 PartitionImpl = Literal["auto", "te", "torch", "numpy"]
 _IMPLS = ("auto", "te", "torch", "numpy")
 
 
-def _check_cu_seqlens_padded(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int) -> np.ndarray:
-    """Validate on the host, once (one device-to-host copy); return the host copy as int64 numpy."""
-    if not isinstance(cu_seqlens_padded, torch.Tensor):
-        raise TypeError(f"cu_seqlens_padded must be a torch.Tensor, got {type(cu_seqlens_padded).__name__}")
-    if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 2:
+def _checked_lengths(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int) -> np.ndarray:
+    """The slots of ``cu_seqlens_padded``, checked once on the host by the THD record's validator,
+    plus what TE's kernel needs beyond it: ``cu_seqlens_padded[-1] == total_tokens``."""
+    lengths_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
+    check_cp_multiple(lengths_S, cp_size)
+    if int(lengths_S.sum()) != total_tokens:
         raise ValueError(
-            f"cu_seqlens_padded must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens_padded.shape)}"
-        )
-    if cu_seqlens_padded.dtype.is_floating_point or cu_seqlens_padded.dtype == torch.bool:
-        raise TypeError(f"cu_seqlens_padded must be an integer tensor, got {cu_seqlens_padded.dtype}")
-    cu_host = cu_seqlens_padded.detach().cpu().numpy().astype(np.int64, copy=False)
-    lengths = np.diff(cu_host)
-    if cu_host[0] != 0:
-        raise ValueError(f"cu_seqlens_padded[0] must be 0, got {cu_host[0]}")
-    if (lengths < 0).any():
-        i = int(np.argmax(lengths < 0))
-        raise ValueError(f"cu_seqlens_padded must be non-decreasing; it drops at entry {i + 1}")
-    step = 2 * cp_size
-    bad = lengths % step != 0
-    if bad.any():
-        i = int(np.argmax(bad))
-        raise ValueError(
-            f"sequence {i} has padded length {lengths[i]}, not a multiple of 2*cp_size={step}; "
-            f"pad every sequence to a multiple of {step} (plan_packs(..., cp_size={cp_size}) does)"
-        )
-    if cu_host[-1] != total_tokens:
-        raise ValueError(
-            f"total_tokens={total_tokens} but cu_seqlens_padded[-1]={cu_host[-1]}; they must be equal "
+            f"total_tokens={total_tokens} but cu_seqlens_padded[-1]={int(lengths_S.sum())}; they must be equal "
             "(Transformer Engine silently duplicates or drops tokens otherwise)"
         )
-    return cu_host
+    return lengths_S
 
 
 def partition_indices(
@@ -97,12 +79,9 @@ def partition_indices(
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1 (an int), got {cp_size!r}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must be in [0, {cp_size}), got {cp_rank!r}")
+    check_cp(cp_size, cp_rank)
     total_tokens = int(total_tokens)
-    cu_host = _check_cu_seqlens_padded(cu_seqlens_padded, total_tokens, cp_size)
+    lengths_S = _checked_lengths(cu_seqlens_padded, total_tokens, cp_size)
     if impl == "auto":
         if cu_seqlens_padded.device.type == "cpu":
             impl = "numpy"
@@ -117,22 +96,49 @@ def partition_indices(
         tex = require("transformer_engine_torch", "partition_indices(impl='te')")
         return tex.thd_get_partitioned_indices(cu_seqlens_padded.to(torch.int32), total_tokens, cp_size, cp_rank)
     if impl == "numpy":
-        index = _partition_indices_numpy(cu_host, total_tokens, cp_size, cp_rank)
+        index = partition_from_lengths(lengths_S, cp_size, cp_rank)
         return torch.from_numpy(index).to(cu_seqlens_padded.device)
     return _partition_indices_torch(cu_seqlens_padded, total_tokens, cp_size, cp_rank)
 
 
-def _partition_indices_numpy(cu_N1: np.ndarray, total_tokens: int, cp_size: int, cp_rank: int) -> np.ndarray:
-    """The numpy twin of ``_partition_indices_torch`` (same formula), for validated host input."""
-    starts_N = cu_N1[:-1]
-    chunk_N = np.diff(cu_N1) // (2 * cp_size)
-    local_starts_N = 2 * (np.cumsum(chunk_N) - chunk_N)
-    base_N = starts_N - local_starts_N
-    offset_N2 = np.stack((base_N + cp_rank * chunk_N, base_N + (2 * cp_size - 2 - cp_rank) * chunk_N), 1)
-    local_T = total_tokens // cp_size
-    index_T = np.repeat(offset_N2.reshape(-1).astype(np.int32), np.repeat(chunk_N, 2))
+def partition_from_lengths(lengths_padded_S: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
+    """(T / cp_size,) int32 global token indices of ``cp_rank``, from validated host slot lengths.
+
+    The numpy twin of ``_partition_indices_torch`` (same formula); every other view of TE's
+    dual-chunk layout (a shard's token placement, the all-gather order) derives from it.
+    """
+    lengths_S = np.asarray(lengths_padded_S, dtype=np.int64)
+    starts_S = np.cumsum(lengths_S) - lengths_S
+    chunk_S = lengths_S // (2 * cp_size)
+    local_starts_S = 2 * (np.cumsum(chunk_S) - chunk_S)
+    base_S = starts_S - local_starts_S
+    offset_S2 = np.stack((base_S + cp_rank * chunk_S, base_S + (2 * cp_size - 2 - cp_rank) * chunk_S), 1)
+    local_T = int(lengths_S.sum()) // cp_size
+    index_T = np.repeat(offset_S2.reshape(-1).astype(np.int32), np.repeat(chunk_S, 2))
     index_T += np.arange(local_T, dtype=np.int32)
     return index_T
+
+
+def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None = None) -> TokenPlacement:
+    """The rows CP rank ``rank`` (default: the record's) holds, in ``shard`` order: the global
+    placement taken at ``partition_indices`` (chunk ``r`` then chunk ``2W-1-r`` of every sequence).
+    Cached on ``meta`` per (rank, device)."""
+    rank = meta.cp_rank if rank is None else rank
+    device = torch.device(device)
+
+    def build() -> TokenPlacement:
+        if meta.cp_size == 1:
+            return global_placement(meta, device)
+        index_T = partition_from_lengths(np.asarray(meta.lengths_padded), meta.cp_size, rank)
+        whole = global_placement(meta, "cpu")
+        valid_T = whole.valid_T.numpy()[index_T]
+        seg_T = whole.seg_T.numpy()[index_T]
+        valid_S = np.bincount(seg_T, weights=valid_T, minlength=meta.num_sequences).astype(np.int64)
+        counts = tuple(n // meta.cp_size for n in meta.lengths_padded)
+        pos_T = whole.pos_T[torch.from_numpy(index_T).long()]
+        return TokenPlacement(counts, tuple(valid_S.tolist()), pos_T.to(device))
+
+    return meta.cached(("local placement", rank, device), build)
 
 
 def _partition_indices_torch(
@@ -188,16 +194,19 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
     >>> rank1["cu_seqlens"].tolist(), rank1["cu_seqlens_padded"].tolist(), rank1["max_seqlen"]
     ([0, 3, 5, 6], [0, 4, 8, 20], 12)
     """
-    if thd.get("cp_size", 1) != 1:
-        raise ValueError(
-            f"this THD batch is already CP rank {thd.get('cp_rank')}'s shard of cp_size={thd['cp_size']}; "
-            "shard the global batch (unshard / gather restores it)"
-        )
     T = _num_tokens(thd, "the THD batch")
-    if cp_size == 1 and cp_rank == 0:
+    meta = thd_meta(thd)
+    if meta.cp_size == 1 and cp_size == 1 and cp_rank == 0:
         # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
         return {**thd, "cp_size": 1, "cp_rank": 0}
-    index_T = partition_indices(thd["cu_seqlens_padded"], T, cp_size, cp_rank)
+    local = meta.for_rank(cp_size, cp_rank)
+    if meta.total_tokens != T:
+        raise ValueError(
+            f"the THD batch's tokens number {T} but cu_seqlens_padded[-1]={meta.total_tokens}; they must be equal "
+            "(Transformer Engine silently duplicates or drops tokens otherwise)"
+        )
+    # computed on the host from the validated record (no device read), then moved with the tokens
+    index_T = torch.from_numpy(partition_from_lengths(np.asarray(meta.lengths_padded), cp_size, cp_rank))
     out: THDBatch = {}
     for key, value in thd.items():
         if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
@@ -205,6 +214,7 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
         else:
             out[key] = value.index_select(0, index_T.to(value.device))
     out["cp_size"], out["cp_rank"] = cp_size, cp_rank
+    register(out, local)
     return out
 
 

@@ -5,8 +5,12 @@ Data flow: ``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> 
 (including the Python-int ``max_seqlen``) is computed on the host, once, and the forward pass
 never calls ``.item()``.
 
-Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences in one row,
-``T = B*L`` packed tokens, ``N`` sequences in the whole batch.
+Every builder validates the batch's lengths once (``thdpack.thd.meta``) and registers the
+record for the batch it returns, so attention, masks and the loss look it up instead of
+re-validating.
+
+Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``T = B*L`` packed tokens, ``S``
+sequences (of the whole batch; the (B, S) length matrices have as many columns as the fullest row).
 
 The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd.format``.
 """
@@ -26,10 +30,12 @@ from thdpack.thd.format import (
     SEQ_LENS_SENTINEL,
     THD_METADATA_KEYS,
     THDBatch,
+    bshd_meta,
     check_bshd,
-    flat_sequence_lengths,
     validate_thd,
 )
+from thdpack.thd.meta import ThdMeta, register, thd_meta
+from thdpack.thd.tokens import real_rows
 
 __all__ = [
     "PACK_KEYS",
@@ -78,7 +84,7 @@ def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     ([[3, 5, -1000], [3, 2, 1]], [[4, 12, -1000], [4, 4, 8]])
     """
     batch = _stack_packs(packs)
-    flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
     return batch
 
 
@@ -113,8 +119,7 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
     [0, 0, 0, 1, 0, 0, 1, 1]
     """
     check_bshd(batch)
-    real_N, padded_N = flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
-    return _flatten(batch, real_N, padded_N)
+    return _flatten(batch, bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]))
 
 
 def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
@@ -125,20 +130,24 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
     ``thd_to_device`` moves the batch without a host sync.
     """
     batch = _stack_packs(packs)
-    real_N, padded_N = flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
-    return _flatten(batch, real_N, padded_N)
+    return _flatten(batch, bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]))
 
 
 def thd_to_device(thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True) -> THDBatch:
     """Move every tensor of a THD batch to ``device``; ``max_seqlen`` and other ints stay Python ints.
 
     ``non_blocking`` copies overlap with compute when the batch is in pinned memory
-    (``DataLoader(pin_memory=True)``).
+    (``DataLoader(pin_memory=True)``). The batch's validated record moves along (registered for
+    the moved tensors), so nothing on the device is read back to validate it again.
     """
-    return {
+    meta = thd_meta(thd) if "cu_seqlens" in thd else None
+    moved = {
         key: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
         for key, value in thd.items()
     }
+    if meta is not None:
+        register(moved, meta)
+    return moved
 
 
 def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -197,8 +206,8 @@ def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tens
     (tensor([1, 2, 3]), tensor([2, 2, 4]))
     """
     check_bshd(batch)
-    real_N, padded_N = flat_sequence_lengths(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
-    return torch.from_numpy(real_N), torch.from_numpy(padded_N)
+    meta = bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    return torch.tensor(meta.lengths, dtype=torch.int64), torch.tensor(meta.lengths_padded, dtype=torch.int64)
 
 
 def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
@@ -271,24 +280,14 @@ def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
         raise TypeError(f"pack {pack_index} has {key} of type {type(value).__name__}, not a tensor: {err}") from err
 
 
-def _cumsum_from_zero(lengths_N: np.ndarray) -> torch.Tensor:
-    """(N+1,) int32 ``[0] + cumsum(lengths)``."""
-    cu = np.zeros(len(lengths_N) + 1, dtype=np.int32)
-    np.cumsum(lengths_N, out=cu[1:])
+def _cumsum_from_zero(lengths_S: np.ndarray) -> torch.Tensor:
+    """(S+1,) int32 ``[0] + cumsum(lengths)``."""
+    cu = np.zeros(len(lengths_S) + 1, dtype=np.int32)
+    np.cumsum(lengths_S, out=cu[1:])
     return torch.from_numpy(cu)
 
 
-def _layout_padding_mask(real_N: np.ndarray, padded_N: np.ndarray) -> torch.Tensor:
-    """(T,) bool, True past each slot's real length: runs of (real: False, padding: True), slot by slot."""
-    runs_2N = np.empty(2 * len(real_N), dtype=np.int64)
-    runs_2N[0::2] = real_N
-    runs_2N[1::2] = padded_N - real_N
-    is_padding_2N = np.zeros(2 * len(real_N), dtype=bool)
-    is_padding_2N[1::2] = True
-    return torch.from_numpy(np.repeat(is_padding_2N, runs_2N))
-
-
-def _flatten(batch: Mapping[str, Any], real_N: np.ndarray, padded_N: np.ndarray) -> THDBatch:
+def _flatten(batch: Mapping[str, Any], meta: ThdMeta) -> THDBatch:
     """The THD batch of a checked BSHD batch; metadata computed on the host, moved to the batch's device."""
     B, L = batch["input_ids"].shape
     T = B * L
@@ -297,13 +296,15 @@ def _flatten(batch: Mapping[str, Any], real_N: np.ndarray, padded_N: np.ndarray)
         "input_ids": batch["input_ids"].reshape(T),
         "labels": batch["labels"].reshape(T),
         "position_ids": batch["position_ids"].reshape(T),
-        "cu_seqlens": _cumsum_from_zero(real_N).to(device),
-        "cu_seqlens_padded": _cumsum_from_zero(padded_N).to(device),
-        "max_seqlen": int(padded_N.max()) if len(padded_N) else 0,
-        "padding_mask": _layout_padding_mask(real_N, padded_N).to(device),
+        "cu_seqlens": _cumsum_from_zero(meta.lengths_S).to(device),
+        "cu_seqlens_padded": _cumsum_from_zero(meta.lengths_padded_S).to(device),
+        "max_seqlen": meta.max_seqlen,
+        # TokenPlacement's rule for real rows (a prefix of each slot), without building the placement
+        "padding_mask": torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S)).to(device),
     }
     for key, value in batch.items():
         if key in thd or key in LENGTH_KEYS:
             continue
         thd[key] = value.reshape(T, *value.shape[2:]) if isinstance(value, torch.Tensor) else value
+    register(thd, meta)
     return thd

@@ -14,8 +14,8 @@ from _attention_cases import make_thd, random_case, reference_results
 from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
 from thdpack.attention.backends import flash
 from thdpack.attention.backends.base import AttentionCall
-from thdpack.attention.metadata import thd_meta
 from thdpack.attention.select import ENV_VAR
+from thdpack.thd.meta import thd_meta
 
 
 @pytest.fixture(autouse=True)

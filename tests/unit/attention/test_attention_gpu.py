@@ -12,9 +12,10 @@ from _attention_cases import make_thd, random_case
 
 from thdpack import _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
-from thdpack.attention.metadata import thd_meta
 from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
+from thdpack.cp import local_placement
+from thdpack.thd.meta import thd_meta
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +52,7 @@ def test_flash_tiles_match_math_tiles(causal):
     thd = make_thd([16, 3, 40, 9], 2)
     for rank in range(2):
         meta = thd_meta({**thd, "cp_size": 2, "cp_rank": rank})
-        mine, other = meta.local_side(CUDA, rank), meta.local_side(CUDA, 1 - rank)
+        mine, other = local_placement(meta, CUDA, rank), local_placement(meta, CUDA, 1 - rank)
         tiles = [(mine, mine, causal)]
         if causal:
             tiles += [(mine, other.half(back=False), False), (mine.half(back=True), other, False)]
@@ -81,7 +82,7 @@ def test_flash_tiles_match_math_tiles(causal):
 def test_an_empty_key_set_gives_zero_output_and_minus_inf_lse():
     i32 = torch.int32
     thd = {"cu_seqlens": torch.tensor([0, 0, 8], dtype=i32), "cu_seqlens_padded": torch.tensor([0, 8, 16], dtype=i32)}
-    side = thd_meta(thd).local_side(CUDA)  # the first slot holds padding only
+    side = local_placement(thd_meta(thd), CUDA)  # the first slot holds padding only
     q = torch.randn(16, 2, 64, device=CUDA, dtype=torch.bfloat16)
     out, lse = flash_kernel.tile_forward(q, q, q, side, side, causal=False, scale=0.125)
     assert out[:8].eq(0).all() and torch.isneginf(lse[:, :8]).all() and torch.isfinite(lse[:, 8:]).all()

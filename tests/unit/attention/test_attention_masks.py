@@ -106,8 +106,10 @@ def test_token_layout_needs_cu_seqlens():
 
 
 def test_token_layout_rejects_mismatched_tensors():
-    with pytest.raises(ValueError, match=r"TokenLayout needs three \(T,\) tensors, got seg \(3,\), pos \(2,\)"):
-        TokenLayout(seg=torch.zeros(3), pos=torch.zeros(2), valid=torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"pos_T has shape \(2,\), but the counts describe 3 rows"):
+        TokenLayout((3,), (2,), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"valid_counts \(4,\) must be <= counts \(3,\)"):
+        TokenLayout((3,), (4,))
 
 
 def test_mask_to_ascii_rejects_1d():
@@ -199,3 +201,16 @@ def test_flex_block_mask_of_a_shard_against_gathered_keys():
 def test_flex_block_mask_rejects_bad_block_size():
     with pytest.raises(ValueError, match="block_size must be a positive int, got 0"):
         flex_block_mask(thd_collate([P5]), block_size=0)
+
+
+def test_the_mask_rule_truth_table():
+    """visible(): same sequence AND real key AND (not causal OR key not after query)."""
+    from itertools import product
+
+    from thdpack.attention.masks import visible
+
+    for same, real, after, causal in product((False, True), repeat=4):
+        q_seg, k_seg = torch.tensor(0), torch.tensor(0 if same else 1)
+        q_pos, k_pos = torch.tensor(3), torch.tensor(4 if after else 2)
+        got = bool(visible(q_seg, q_pos, k_seg, k_pos, torch.tensor(real), causal))
+        assert got == (same and real and (not causal or not after)), (same, real, after, causal)

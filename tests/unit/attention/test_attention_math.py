@@ -12,14 +12,16 @@ from thdpack.attention import math_kernel
 from thdpack.attention.backends.math import TiledAttention
 from thdpack.attention.backends.math import attend as attend_math
 from thdpack.attention.merge import merge_partials
-from thdpack.attention.metadata import Side, thd_meta
+from thdpack.cp import local_placement
+from thdpack.thd.meta import thd_meta
+from thdpack.thd.tokens import TokenPlacement
 
 CPU = torch.device("cpu")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def _math_results(case, thd, causal, *, with_dlse=True):
-    side = thd_meta(thd).local_side(CPU)
+    side = local_placement(thd_meta(thd), CPU)
 
     def attend(q, k, v):
         return attend_math(q, k, v, side, causal=causal, scale=q.shape[-1] ** -0.5)
@@ -66,7 +68,7 @@ def _key_tiles(meta, cuts_per_seq):
             pos.append(torch.arange(lo, hi))
             counts.append(hi - lo)
             valid.append(min(max(meta.lengths[i] - lo, 0), hi - lo))
-        tiles.append((torch.cat(rows), Side(tuple(counts), tuple(valid), torch.cat(pos))))
+        tiles.append((torch.cat(rows), TokenPlacement(tuple(counts), tuple(valid), torch.cat(pos))))
     return tiles
 
 
@@ -80,7 +82,7 @@ def test_tile_gradients_with_the_global_lse_sum_to_the_full_gradient(causal):
     for slot in meta.lengths_padded:
         inner = sorted(torch.randint(0, slot + 1, (2,), generator=g).tolist())
         cuts.append([0, *inner, slot])  # three tiles per sequence, some possibly empty
-    q_side, scale = meta.local_side(CPU), 8**-0.5
+    q_side, scale = local_placement(meta, CPU), 8**-0.5
     out = torch.zeros(case["q"].shape, dtype=torch.float64)
     lse = torch.full((4, len(case["valid"])), float("-inf"), dtype=torch.float64)
     tiles = _key_tiles(meta, cuts)
@@ -116,8 +118,8 @@ def test_tile_gradients_with_the_global_lse_sum_to_the_full_gradient(causal):
 )
 def test_blocks_cover_each_sequence_once_within_the_budget(q_counts, heads, budget):
     k_counts = [(3 * n) % 31 for n in q_counts]
-    q = Side(tuple(q_counts), tuple(q_counts), torch.zeros(sum(q_counts), dtype=torch.int64))
-    k = Side(tuple(k_counts), tuple(k_counts), torch.zeros(sum(k_counts), dtype=torch.int64))
+    q = TokenPlacement(tuple(q_counts), tuple(q_counts), torch.zeros(sum(q_counts), dtype=torch.int64))
+    k = TokenPlacement(tuple(k_counts), tuple(k_counts), torch.zeros(sum(k_counts), dtype=torch.int64))
     covered = torch.zeros(sum(q_counts), sum(k_counts), dtype=torch.int64)
     for qa, qb, ka, kb in math_kernel.plan_blocks(q, k, heads, budget):
         assert qb > qa and kb > ka
@@ -130,7 +132,7 @@ def test_blocks_cover_each_sequence_once_within_the_budget(q_counts, heads, budg
 
 @given(counts=st.lists(st.integers(0, 30), min_size=1, max_size=8), budget=st.integers(1, 3000))
 def test_causal_self_blocks_cover_every_visible_pair(counts, budget):
-    side = Side(tuple(counts), tuple(counts), torch.zeros(sum(counts), dtype=torch.int64))
+    side = TokenPlacement(tuple(counts), tuple(counts), torch.zeros(sum(counts), dtype=torch.int64))
     covered = torch.zeros(sum(counts), sum(counts), dtype=torch.int64)
     for qa, qb, ka, kb in math_kernel.plan_blocks(side, side, 2, budget, causal_self=True):
         covered[qa:qb, ka:kb] += 1
@@ -151,7 +153,7 @@ def test_small_blocks_give_the_same_result(monkeypatch):
 
 def test_gradcheck_fp64():
     thd = make_thd([3, 5], multiple=4)
-    side = thd_meta(thd).local_side(CPU)
+    side = local_placement(thd_meta(thd), CPU)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(12, 2, 3, dtype=torch.float64, generator=g, requires_grad=True)
     k = torch.randn(12, 1, 3, dtype=torch.float64, generator=g, requires_grad=True)
@@ -167,7 +169,7 @@ def test_gradcheck_fp64():
 
 def test_views_and_shared_storage_are_accepted():
     thd = make_thd([6, 10])
-    side = thd_meta(thd).local_side(CPU)
+    side = local_placement(thd_meta(thd), CPU)
     qkv = torch.randn(16, 3, 4, 8, dtype=torch.float64, requires_grad=True)  # packed (T, 3, N, H)
     q, k, v = qkv.unbind(1)
     out, _ = attend_math(q, k, v, side, causal=True, scale=0.3)
@@ -188,7 +190,7 @@ def test_repeated_runs_are_bitwise_equal():
 def test_bf16_inputs_accumulate_in_fp32():
     thd = make_thd([9, 4, 30], multiple=4)
     case = random_case(thd, 4, 2, 8, torch.bfloat16, seed=2)
-    side = thd_meta(thd).local_side(CPU)
+    side = local_placement(thd_meta(thd), CPU)
     out, lse = attend_math(case["q"], case["k"], case["v"], side, causal=True, scale=8**-0.5)
     assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
     want = reference_results(case, thd, True)
@@ -201,8 +203,8 @@ def test_the_padding_key_mask_matters_only_without_causality():
     thd = make_thd([5, 2, 9], multiple=8)
     meta = thd_meta(thd)
     case = random_case(thd, 2, 2, 8, torch.float64, seed=6)
-    masked = meta.local_side(CPU)
-    unmasked = Side(masked.counts, masked.counts, masked.pos_T)  # padding treated as real keys
+    masked = local_placement(meta, CPU)
+    unmasked = TokenPlacement(masked.counts, masked.counts, masked.pos_T)  # padding treated as real keys
     valid = case["valid"]
     for causal in (True, False):
         with_mask, _ = attend_math(case["q"], case["k"], case["v"], masked, causal=causal, scale=0.3)
@@ -213,7 +215,7 @@ def test_the_padding_key_mask_matters_only_without_causality():
 
 def test_gradients_flow_to_whichever_inputs_require_them():
     thd = make_thd([6, 10])
-    side = thd_meta(thd).local_side(CPU)
+    side = local_placement(thd_meta(thd), CPU)
     q = torch.randn(16, 2, 4, dtype=torch.float64, requires_grad=True)
     k, v = torch.randn(16, 2, 4, dtype=torch.float64), torch.randn(16, 2, 4, dtype=torch.float64)
     out, _ = attend_math(q, k, v, side, causal=True, scale=0.5)

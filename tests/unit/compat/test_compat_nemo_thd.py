@@ -136,7 +136,7 @@ def t6_batch(row2_padded):
 def test_t6_split_into_chunks():
     # NeMo's own test lists row 2 (6 tokens) with seq_lens_padded [4]: its last 2 tokens belong to
     # no sequence, so every later boundary of the chunk points 2 tokens early. thdpack refuses that ...
-    with pytest.raises(ValueError, match=r"chunk 1 \(rows 2-3\): row 0's sequences take 4 tokens but rows hold 6"):
+    with pytest.raises(ValueError, match=r"chunk 1 \(rows 2-3\): pack 0: seq_lens_padded=\[4\] sums to 4, not the pack length 6"):
         split_batch_into_thd_chunks(t6_batch(row2_padded=4), 2)
     # ... and with the row's padding listed, the real boundaries are NeMo's, the padded ones correct
     out = split_batch_into_thd_chunks(t6_batch(row2_padded=6), 2)
@@ -189,13 +189,13 @@ def test_bad_batches():
     ):
         process_input_for_thd({**t3_batch(), "seq_lens": None})
     bad = {**t3_batch(), "seq_lens": torch.tensor([[5, 2], [6, -1000]])}
-    with pytest.raises(ValueError, match="sequence 0 has seq_lens=5 over its seq_lens_padded=4"):
+    with pytest.raises(ValueError, match="pack 0: sequence 0 has 5 real tokens but a padded slot of 4"):
         process_input_for_thd(bad)
     bad = {**t3_batch(), "seq_lens_padded": torch.tensor([[4, -1000], [6, -1000]])}
-    with pytest.raises(ValueError, match="must list the same number of sequences in every row"):
+    with pytest.raises(ValueError, match=r"pack 0: seq_lens\[1\]=2 but seq_lens_padded\[1\]=-1000"):
         process_input_for_thd(bad)
     bad = {**t3_batch(), "seq_lens_padded": torch.tensor([[4, 4], [6, -1000]])}
-    with pytest.raises(ValueError, match="row 0's sequences take 8 tokens but rows hold 6"):
+    with pytest.raises(ValueError, match=r"pack 0: seq_lens_padded=\[4, 4\] sums to 8, not the pack length 6"):
         process_input_for_thd(bad)
     with pytest.raises(
         ValueError, match=r"batch has 3 rows, not divisible by num_chunks=2; NeMo would silently drop 1"

@@ -85,8 +85,8 @@ def test_rejects_total_mismatch():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (([0, 8], 8, 0, 0), "cp_size must be >= 1"),
-        (([0, 8], 8, 2, 2), r"cp_rank must be in \[0, 2\)"),
+        (([0, 8], 8, 0, 0), "cp_size must be an int >= 1"),
+        (([0, 8], 8, 2, 2), r"cp_rank must be an int in \[0, 2\)"),
         (([4, 8], 8, 2, 0), r"cu_seqlens_padded\[0\] must be 0"),
         (([0, 8, 4], 4, 2, 0), "non-decreasing"),
         (([0], 0, 1, 0), "at least 2 entries"),

@@ -234,7 +234,7 @@ def test_thd_invariants(case):
         (
             [P5, dict(P5, seq_lens=torch.tensor([3, 13]))],
             ValueError,
-            r"pack 1: sequence 1 has seq_lens=13 > seq_lens_padded=12",
+            r"pack 1: sequence 1 has 13 real tokens but a padded slot of 12",
         ),
         (
             [dict(P5, seq_lens=torch.tensor([3]))],

@@ -39,7 +39,7 @@ def _thd(**changes):
         (
             _thd(cu_seqlens_padded=torch.tensor([32], dtype=torch.int32)),
             ValueError,
-            r"cu_seqlens_padded must be 1-D with N\+1 >= 2 entries, got shape \(1,\)",
+            r"cu_seqlens_padded must be 1-D with at least 2 entries \(S\+1\), got shape \(1,\)",
         ),
         (
             _thd(cu_seqlens=torch.tensor([1, 3, 8, 11, 13, 14], dtype=torch.int32)),
@@ -83,7 +83,7 @@ def _thd(**changes):
         (
             _thd(cp_size=4, cp_rank=0),
             ValueError,
-            r"sequence 0 has padded width 4, not a multiple of 2\*cp_size=8",
+            r"sequence 0 has padded length 4, not a multiple of 2\*cp_size=8",
         ),
         (
             _thd(cp_size=2, cp_rank=0),

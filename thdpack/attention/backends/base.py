@@ -15,7 +15,7 @@ without CP needs the kernel; a call with CP needs the algorithm ``cp`` names for
 ==================  ===========================================================================
 
 :class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
-validated :class:`~thdpack.attention.metadata.ThdMeta`, the :class:`AttentionConfig`, the
+validated :class:`~thdpack.thd.meta.ThdMeta`, the :class:`AttentionConfig`, the
 resolved softmax scale and the CP group.
 
 Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.
@@ -32,7 +32,8 @@ import torch.distributed as dist
 
 from thdpack.attention import flash_kernel
 from thdpack.attention.config import AttentionConfig, Backend, CpCommType
-from thdpack.attention.metadata import ThdMeta, kernel_cu_seqlens
+from thdpack.cp import local_placement
+from thdpack.thd.meta import ThdMeta
 
 CpAlgorithm = Literal["own", "ring_math", "ring_flash", "all_gather"]
 CP_ALGORITHM_NAMES: tuple[CpAlgorithm, ...] = get_args(CpAlgorithm)
@@ -94,7 +95,7 @@ class AttentionCall:
         cu_q = self.cu_seqlens("cu_seqlens_padded", backend, device)
         if self.causal or not self.meta.has_padding:
             return k_TNH, v_TNH, cu_q, cu_q, self.meta.max_seqlen, self.meta.max_seqlen
-        keep = self.meta.local_side(device).valid_index
+        keep = local_placement(self.meta, device).valid_index
         cu_k = self.cu_seqlens("cu_seqlens", backend, device)
         return (
             k_TNH.index_select(0, keep),
@@ -104,6 +105,25 @@ class AttentionCall:
             self.meta.max_seqlen,
             max(self.meta.lengths),
         )
+
+
+def kernel_cu_seqlens(thd: Mapping[str, Any], key: str, backend: str, device: torch.device) -> torch.Tensor:
+    """``thd[key]`` (``cu_seqlens_padded`` falls back to ``cu_seqlens``) checked for a CUDA kernel.
+
+    FlashAttention / cuDNN kernels read cu_seqlens as int32 on the tensors' device; anything else
+    is a ``TypeError`` / ``ValueError`` here rather than a kernel error (or silent misreads) later.
+    """
+    cu = thd.get(key)
+    if cu is None:
+        cu = thd["cu_seqlens"]
+    if cu.dtype != torch.int32:
+        raise TypeError(
+            f"{key} has dtype {cu.dtype}, but the {backend!r} backend's kernels need int32; "
+            "thdpack.to_thd produces int32 (or convert with .to(torch.int32))"
+        )
+    if cu.device != device:
+        raise ValueError(f"{key} is on {cu.device} but q/k/v are on {device}; move the batch to {device}")
+    return cu
 
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionCall], AttentionOutput]

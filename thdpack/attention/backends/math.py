@@ -18,7 +18,8 @@ import torch
 
 from thdpack.attention import math_kernel
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation
-from thdpack.attention.metadata import Side
+from thdpack.cp import local_placement
+from thdpack.thd.tokens import TokenPlacement
 
 
 class TiledAttention(torch.autograd.Function):
@@ -30,8 +31,8 @@ class TiledAttention(torch.autograd.Function):
         q_TNH: torch.Tensor,
         k_TNH: torch.Tensor,
         v_TNH: torch.Tensor,
-        q_side: Side,
-        k_side: Side,
+        q_side: TokenPlacement,
+        k_side: TokenPlacement,
         causal: bool,
         scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def attend(
     q_TNH: torch.Tensor,
     k_TNH: torch.Tensor,
     v_TNH: torch.Tensor,
-    side: Side,
+    side: TokenPlacement,
     *,
     causal: bool,
     scale: float,
@@ -72,7 +73,7 @@ def kernel_problem(s: Situation) -> None:
 
 
 def _attend_call(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
-    return attend(q_TNH, k_TNH, v_TNH, call.meta.local_side(q_TNH.device), causal=call.causal, scale=call.scale)
+    return attend(q_TNH, k_TNH, v_TNH, local_placement(call.meta, q_TNH.device), causal=call.causal, scale=call.scale)
 
 
 BACKEND = AttentionBackend(

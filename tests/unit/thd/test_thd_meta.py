@@ -8,7 +8,10 @@ from _attention_cases import make_thd, shard_of
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thdpack.attention.metadata import kernel_cu_seqlens, thd_meta
+from thdpack.attention.backends.base import kernel_cu_seqlens
+from thdpack.cp import local_placement
+from thdpack.thd.meta import thd_meta
+from thdpack.thd.tokens import global_placement
 
 CPU = torch.device("cpu")
 
@@ -25,7 +28,7 @@ def _i32(values):
         ({"cu_seqlens": torch.tensor([0.0, 4.0])}, TypeError, "must be an integer tensor"),
         ({"cu_seqlens": _i32([3, 4])}, ValueError, r"cu_seqlens\[0\] must be 0, got 3"),
         ({"cu_seqlens": _i32([0, 5, 4])}, ValueError, r"non-decreasing; it drops at entry 2 \(5 -> 4\)"),
-        ({"cu_seqlens": _i32([[0, 4]])}, ValueError, r"1-D with at least 2 entries, got shape \(1, 2\)"),
+        ({"cu_seqlens": _i32([[0, 4]])}, ValueError, r"1-D with at least 2 entries \(S\+1\), got shape \(1, 2\)"),
         (
             {"cu_seqlens": _i32([0, 3, 9]), "cu_seqlens_padded": _i32([0, 4, 8])},
             ValueError,
@@ -34,7 +37,7 @@ def _i32(values):
         (
             {"cu_seqlens": _i32([0, 3]), "cu_seqlens_padded": _i32([0, 4, 8])},
             ValueError,
-            "cu_seqlens has 2 entries and cu_seqlens_padded 3",
+            "cu_seqlens has 2 entries but cu_seqlens_padded has 3",
         ),
         (
             {
@@ -49,7 +52,7 @@ def _i32(values):
         (
             {"cu_seqlens": _i32([0, 4]), "cp_size": 2, "cp_rank": 2},
             ValueError,
-            r"cp_rank must be in \[0, 2\)",
+            r"cp_rank must be an int in \[0, 2\)",
         ),
         ({"cu_seqlens": _i32([0, 4, 16]), "max_seqlen": 8}, ValueError, r"max_seqlen=8 is below the widest"),
         (
@@ -92,7 +95,7 @@ def test_local_sides_describe_the_partition(lengths, cp_size, tail):
     real = pos < torch.tensor(lengths)[seg]
     for rank in range(cp_size):
         shard, index = shard_of(thd, cp_size, rank)
-        side = thd_meta(shard).local_side(CPU)
+        side = local_placement(thd_meta(shard), CPU)
         assert torch.equal(side.pos_T, pos[index])
         assert torch.equal(side.seg_T, seg[index])
         assert torch.equal(side.valid_T, real[index])  # real tokens are a prefix of each sequence's rows
@@ -105,7 +108,7 @@ def test_local_sides_describe_the_partition(lengths, cp_size, tail):
                 torch.tensor(thd_meta(thd).lengths_padded)[seg[index][rows]] // (2 * cp_size)
             )
             assert chunk_ids.eq(2 * cp_size - 1 - rank if back else rank).all()  # TE's chunk r / 2cp-1-r
-    assert torch.equal(thd_meta(thd).global_side(CPU).valid_T, real)
+    assert torch.equal(global_placement(thd_meta(thd), CPU).valid_T, real)
 
 
 def test_kernel_cu_seqlens_requires_int32_on_the_device():
@@ -119,3 +122,89 @@ def test_kernel_cu_seqlens_requires_int32_on_the_device():
         kernel_cu_seqlens(thd, "cu_seqlens_padded", "te", torch.device("meta"))
     no_padding = {"cu_seqlens": _i32([0, 4])}
     assert kernel_cu_seqlens(no_padding, "cu_seqlens_padded", "te", CPU) is no_padding["cu_seqlens"]
+
+
+def _pack(seq_lens, seq_lens_padded):
+    total = sum(seq_lens_padded)
+    return {
+        "input_ids": torch.arange(1, total + 1),
+        "labels": torch.arange(2, total + 2),
+        "position_ids": torch.zeros(total, dtype=torch.long),
+        "seq_lens": torch.tensor(seq_lens),
+        "seq_lens_padded": torch.tensor(seq_lens_padded),
+    }
+
+
+def test_the_record_is_built_once_where_the_batch_is_made(monkeypatch):
+    """thd_collate validates; shard, thd_to_device, masks, the loss and every attention layer of a
+    2-layer model look the record up instead of validating again."""
+    from thdpack.attention.masks import block_causal_mask
+    from thdpack.cp import shard
+    from thdpack.loss import loss_weights
+    from thdpack.models import ModelConfig, Transformer
+    from thdpack.thd import meta as meta_module
+    from thdpack.thd import thd_collate, thd_to_device
+
+    calls = []
+    real_from_lengths = meta_module.ThdMeta.from_lengths.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(kwargs.get("cp_size", 1))
+        return real_from_lengths(cls, *args, **kwargs)
+
+    monkeypatch.setattr(meta_module.ThdMeta, "from_lengths", classmethod(counting))
+    thd = thd_collate([_pack([3, 5], [4, 12]), _pack([2, 2, 8], [4, 4, 8])])
+    assert calls == [1]
+    local = thd_to_device(shard(thd, 2, 1), "cpu")
+    model = Transformer(ModelConfig.preset("tiny", n_layers=2, attention_backend="math"), seed=0)
+    model(thd_to_device(thd, "cpu"))
+    block_causal_mask(local)
+    loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction="token_mean")
+    assert calls == [1]  # nothing was validated a second time
+
+
+def test_a_replaced_or_modified_cu_seqlens_is_validated_again():
+    from thdpack.thd import thd_collate
+
+    thd = thd_collate([_pack([3, 5], [4, 12])])
+    made = thd_meta(thd)
+    assert thd_meta(dict(thd)) is made
+    whole = torch.tensor([0, 16], dtype=torch.int32)  # a planted fault: one sequence over the pack
+    replaced = thd_meta({**thd, "cu_seqlens": whole, "cu_seqlens_padded": whole, "max_seqlen": 16})
+    assert replaced.lengths == (16,) and replaced is not made
+    thd["cu_seqlens"][1] = 5  # in place: 5 real tokens in a slot of 4
+    with pytest.raises(ValueError, match="sequence 0 has 5 real tokens but a padded slot of 4"):
+        thd_meta(thd)
+
+
+def test_one_fault_one_message_at_every_entry_point():
+    """A slot that is not a multiple of 2*cp_size, caught by shard, partition_indices, thd_meta,
+    validate_thd and thd_attention: the same words everywhere."""
+    from thdpack.attention import thd_attention
+    from thdpack.cp import partition_indices, shard
+    from thdpack.thd import thd_collate, validate_thd
+
+    thd = thd_collate([_pack([3, 5], [6, 10])])
+    message = r"sequence 0 has padded length 6, not a multiple of 2\*cp_size=4; pad every sequence to a multiple of 4"
+    shard_view = {**thd, "cp_size": 2, "cp_rank": 0}
+    q = torch.zeros(8, 1, 2)
+    for check in (
+        lambda: shard(thd, 2, 0),
+        lambda: partition_indices(thd["cu_seqlens_padded"], 16, 2, 0),
+        lambda: thd_meta(shard_view),
+        lambda: validate_thd(shard_view),
+        lambda: thd_attention(q, q, q, shard_view, backend="math"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            check()
+
+
+def test_the_record_survives_pickling_without_its_cache():
+    import pickle
+
+    from thdpack.thd import thd_collate
+
+    meta = thd_meta(thd_collate([_pack([3, 5], [4, 12])]))
+    global_placement(meta, CPU)
+    again = pickle.loads(pickle.dumps(meta))
+    assert again == meta and again._cache == {}
