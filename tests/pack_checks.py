@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from thdpack.packing import layout
+from thdpack.thd.tokens import real_rows
 
 N = layout.IGNORE_INDEX
 
@@ -52,7 +53,7 @@ def check_pack(pack, samples, pack_size: int, cp_size: int, pad_id: int) -> Coun
     assert (padded % multiple == 0).all()
     assert (padded[:-1] == layout.round_up_to_cp(seq_lens[:-1], cp_size)).all()  # tail padding only at the end
     assert pack["position_ids"].tolist() == layout.position_ids(padded).tolist()  # restart per sequence
-    pad = layout.padding_mask(seq_lens, padded, pack_size)
+    pad = ~real_rows(padded, seq_lens)
     assert (pack["input_ids"].numpy()[pad] == pad_id).all() and (pack["labels"].numpy()[pad] == N).all()
     starts = np.cumsum(np.concatenate(([0], samples_lengths(samples))))
     ids, labels = pack["input_ids"].numpy()[~pad], pack["labels"].numpy()[~pad]

@@ -35,7 +35,6 @@ __all__ = [
     "cp_multiple",
     "next_token_labels",
     "pack_seq_lens_padded",
-    "padding_mask",
     "position_ids",
     "round_up_to_cp",
 ]
@@ -128,38 +127,3 @@ def apply_loss_mask(labels: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     [-100, 8, 9]
     """
     return np.where(np.asarray(loss_mask) == 0, IGNORE_INDEX, np.asarray(labels, dtype=np.int64))
-
-
-def padding_mask(seq_lens: np.ndarray, seq_lens_padded: np.ndarray | None, total: int) -> np.ndarray:
-    """True where a token is padding, from the layout alone (never from token values).
-
-    Args:
-        seq_lens: (N,) real lengths.
-        seq_lens_padded: (N,) slot widths (>= seq_lens), or None when slots are the real lengths.
-        total: T, the stream length; tokens past ``sum(seq_lens_padded)`` are trailing padding.
-
-    Returns:
-        (T,) bool.
-
-    >>> padding_mask(np.array([3, 3]), np.array([4, 4]), 8).astype(int).tolist()
-    [0, 0, 0, 1, 0, 0, 0, 1]
-    >>> padding_mask(np.array([3]), None, 6).astype(int).tolist()
-    [0, 0, 0, 1, 1, 1]
-    """
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    slots = seq_lens if seq_lens_padded is None else np.asarray(seq_lens_padded, dtype=np.int64)
-    if slots.shape != seq_lens.shape:
-        raise ValueError(f"seq_lens has {len(seq_lens)} entries but seq_lens_padded has {len(slots)}")
-    short = slots < seq_lens
-    if short.any():
-        i = int(np.argmax(short))
-        raise ValueError(f"sequence {i} has seq_lens={int(seq_lens[i])} over its seq_lens_padded={int(slots[i])}")
-    used = int(slots.sum())
-    if used > total:
-        raise ValueError(f"seq_lens_padded sum to {used}, over the {total} tokens of the stream")
-    mask = np.ones(total, dtype=bool)
-    starts = np.cumsum(slots) - slots
-    real = np.arange(int(seq_lens.sum()), dtype=np.int64)
-    real += np.repeat(starts - (np.cumsum(seq_lens) - seq_lens), seq_lens)
-    mask[real] = False
-    return mask

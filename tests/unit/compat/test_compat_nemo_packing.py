@@ -304,3 +304,33 @@ def test_returns_an_hf_dataset_when_datasets_is_installed(monkeypatch):
     assert isinstance(made, FakeDataset)
     assert made.columns["seq_lens"] == [[3, 4, 2], [5]]
     assert list(made.columns) == ["input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded"]
+
+
+# -- issue 9: the collater checks widths and refuses mixed batches -----------------------------
+def test_collater_checks_label_width_and_mixed_items():
+    (pack,) = packs_of(rows([[1, 2, 3], [4, 5]]), "train", 8)
+    short = {**pack, "labels": pack["labels"][:5]}
+    with pytest.raises(ValueError, match=r"pack 0 has labels of shape \(5,\) but pack 0 has 8 tokens"):
+        packed_sequence_thd_collater([short])
+    single = {"input_ids": [1, 2, 3], "labels": [2, 3, -100]}
+    with pytest.raises(ValueError, match="item 0 is a sequence but item 1 is a pack; a batch holds either packs"):
+        packed_sequence_thd_collater([single, pack])
+    with pytest.raises(ValueError, match="item 0 is a pack but item 1 is a sequence"):
+        packed_sequence_thd_collater([pack, single])
+    no_positions = {k: v for k, v in pack.items() if k != "position_ids"}
+    with pytest.raises(ValueError, match=r"pack 0 lacks \['position_ids'\]"):
+        packed_sequence_thd_collater([no_positions])
+    with pytest.raises(ValueError, match=r"item 0 has labels of shape \(2,\) but input_ids of shape \(3,\)"):
+        packed_sequence_thd_collater([{"input_ids": [1, 2, 3], "labels": [2, 3]}])
+
+
+def test_collater_is_thdpack_collate(monkeypatch):
+    import thdpack.compat._nemo_packing as nemo_packing
+
+    calls = []
+    real = nemo_packing.collate
+    monkeypatch.setattr(nemo_packing, "collate", lambda packs: calls.append(len(packs)) or real(packs))
+    (pack,) = packs_of(rows([[1, 2, 3], [4, 5]]), "train", 8)
+    packed_sequence_thd_collater([pack, pack])
+    packed_sequence_thd_collater([{"input_ids": [1, 2], "labels": [2, -100]}])
+    assert calls == [2, 1]

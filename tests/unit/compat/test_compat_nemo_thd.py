@@ -136,7 +136,9 @@ def t6_batch(row2_padded):
 def test_t6_split_into_chunks():
     # NeMo's own test lists row 2 (6 tokens) with seq_lens_padded [4]: its last 2 tokens belong to
     # no sequence, so every later boundary of the chunk points 2 tokens early. thdpack refuses that ...
-    with pytest.raises(ValueError, match=r"chunk 1 \(rows 2-3\): pack 0: seq_lens_padded=\[4\] sums to 4, not the pack length 6"):
+    with pytest.raises(
+        ValueError, match=r"chunk 1 \(rows 2-3\): pack 0: seq_lens_padded=\[4\] sums to 4, not the pack length 6"
+    ):
         split_batch_into_thd_chunks(t6_batch(row2_padded=4), 2)
     # ... and with the row's padding listed, the real boundaries are NeMo's, the padded ones correct
     out = split_batch_into_thd_chunks(t6_batch(row2_padded=6), 2)
@@ -234,3 +236,54 @@ def test_make_cp_batch_for_te_size_one_mesh_and_errors():
         make_cp_batch_for_te(None, c1(), qkv_format="bshd")
     with pytest.raises(ValueError, match="num_chunks > 1 needs the collated BSHD batch"):
         make_cp_batch_for_te(None, process_input_for_thd(c1()), num_chunks=2)
+
+
+# -- issue 9: every width is checked against input_ids ------------------------------------------
+class _FakeMesh:
+    """A CP mesh of size 1 (no group needed): make_cp_batch_for_te's unsharded path."""
+
+    def size(self):
+        return 1
+
+    def get_group(self):
+        return None
+
+
+WIDE = torch.arange(32).reshape(2, 16)
+
+
+@pytest.mark.parametrize("convert", [process_input_for_thd, lambda b: make_cp_batch_for_te(_FakeMesh(), b)])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"labels": WIDE}, r"labels has shape \(2, 16\) but input_ids is \(2, 6, ...\); give one .* label per token"),
+        ({"labels": WIDE[:, :3]}, r"labels has shape \(2, 3\) but input_ids is \(2, 6, ...\)"),
+        ({"position_ids": WIDE}, r"position_ids has shape \(2, 16\) but input_ids is \(2, 6, ...\)"),
+        ({"seq_lens": torch.tensor([[3, -2], [6, -1000]])}, "pack 0: sequence 1 has seq_lens=-2, seq_lens_padded=2"),
+        ({"seq_lens": torch.tensor([3, 2])}, r"seq_lens has shape \(2,\) but input_ids has B=2 rows"),
+    ],
+)
+def test_widths_and_lengths_are_checked_against_input_ids(convert, change, message):
+    with pytest.raises(ValueError, match=message):
+        convert({**t3_batch(), **change})
+
+
+def test_the_drop_ins_call_the_core(monkeypatch):
+    """A fault only the core checks surfaces with the core's words through every drop-in."""
+    import thdpack.compat._nemo_thd as nemo_thd
+
+    calls = []
+    real = nemo_thd.bshd_meta
+
+    def counting(*args):
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(nemo_thd, "bshd_meta", counting)
+    process_input_for_thd(t3_batch())
+    split_batch_into_thd_chunks(t3_batch(), 2)
+    assert len(calls) == 3  # one record per batch or chunk, built by thdpack's validator
+    bad = {**t3_batch(), "seq_lens": torch.tensor([[5, 2], [6, -1000]])}
+    for convert in (process_input_for_thd, lambda b: make_cp_batch_for_te(_FakeMesh(), b)):
+        with pytest.raises(ValueError, match="pack 0: sequence 0 has 5 real tokens but a padded slot of 4"):
+            convert(bad)

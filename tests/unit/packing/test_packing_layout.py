@@ -49,18 +49,6 @@ def test_next_token_labels_stay_in_their_sequence(lengths):
     assert (labels[inner] == ids[inner] + 1).all()
 
 
-@given(lengths_st, st.data())
-def test_padding_mask_marks_exactly_the_padding(lengths, data):
-    extra = data.draw(st.lists(st.integers(0, 5), min_size=len(lengths), max_size=len(lengths)))
-    tail = data.draw(st.integers(0, 5))
-    padded = np.array(lengths) + np.array(extra)
-    mask = layout.padding_mask(np.array(lengths), padded, int(padded.sum()) + tail)
-    assert (~mask).sum() == sum(lengths) and mask[len(mask) - tail :].all()
-    starts = np.cumsum(padded) - padded
-    for start, n, slot in zip(starts, lengths, padded, strict=True):
-        assert not mask[start : start + n].any() and mask[start + n : start + slot].all()
-
-
 def test_worked_values():
     assert layout.pack_seq_lens_padded(np.array([3, 5]), 16, 2).tolist() == [4, 12]
     assert layout.position_ids(np.array([4, 12])).tolist() == [0, 1, 2, 3, *range(12)]
@@ -86,9 +74,3 @@ def test_errors():
         layout.pack_seq_lens_padded(np.array([3, 0]), 8, 1)
     with pytest.raises(ValueError, match="seq_lens sum to 4 but input_ids has 5 tokens"):
         layout.next_token_labels(np.arange(5), np.array([2, 2]))
-    with pytest.raises(ValueError, match="sequence 1 has seq_lens=3 over its seq_lens_padded=2"):
-        layout.padding_mask(np.array([1, 3]), np.array([2, 2]), 4)
-    with pytest.raises(ValueError, match="seq_lens_padded sum to 6, over the 4 tokens"):
-        layout.padding_mask(np.array([1, 3]), np.array([2, 4]), 4)
-    with pytest.raises(ValueError, match="seq_lens has 2 entries but seq_lens_padded has 1"):
-        layout.padding_mask(np.array([1, 3]), np.array([4]), 4)
