@@ -238,8 +238,8 @@ def _shard_for_te(
     (padded cu_seqlens as ``cu_seqlens``, a 0-dim int32 ``max_seqlen``, no ``cu_seqlens_padded``)."""
     cu = batch["cu_seqlens"]
     cu = cu[cu != sentinel].to(torch.int32)
-    cu_padded = batch.get("cu_seqlens_padded", batch["cu_seqlens"])
-    cu_padded = cu_padded[cu_padded != sentinel].to(torch.int32)
+    listed = batch.get("cu_seqlens_padded", batch["cu_seqlens"])  # a chunk's may end in the filler
+    cu_padded = listed[listed != sentinel].to(torch.int32)
     total = batch["input_ids"].shape[0]
     position_ids = batch.get("position_ids")
     mrope = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3  # (R, 1, T): tokens last
@@ -267,8 +267,8 @@ def _shard_for_te(
             out[key] = value.to(torch.int64)
     out["padding_mask"] = out["padding_mask"].bool()
     out.update(
-        cu_seqlens=cu_padded.contiguous(),
-        max_seqlen=torch.tensor(local["max_seqlen"], dtype=torch.int32, device=cu_padded.device),
+        cu_seqlens=listed.to(torch.int32).contiguous(),
+        max_seqlen=torch.tensor(thd_meta(local).max_seqlen, dtype=torch.int32, device=cu_padded.device),
         qkv_format=qkv_format,
         cp_size=cp_size,
         cp_rank=cp_rank,
