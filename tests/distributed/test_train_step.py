@@ -46,7 +46,6 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     from thdpack.models.transformer import Transformer
     from thdpack.packing.dataset import PackedDataset
     from thdpack.train.config import ParallelConfig
-    from thdpack.train.data import StepStream
     from thdpack.train.runtime import init_runtime
     from thdpack.train.trainer import build_model, forward_backward, shard_micro_batches
     from thdpack.verify.exactness import unpacked_step
@@ -55,16 +54,11 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     runtime = init_runtime(ParallelConfig(cp_size=cp_size, dp_sharding=sharding))
     samples = _samples()
 
-    def dataset() -> PackedDataset:
-        return PackedDataset(samples, cfg.packing.pack_size, cp_size=cp_size, overflow="split", seed=3)
+    def dataset(**dealing) -> PackedDataset:
+        return PackedDataset(samples, cfg.packing.pack_size, cp_size=cp_size, overflow="split", seed=3, **dealing)
 
-    stream = StepStream(
-        dataset(),
-        dp_size=runtime.dp_size,
-        dp_rank=runtime.dp_rank,
-        micro_batches=2,
-        packs_per_micro_batch=1,
-        balance="attention",
+    stream = dataset(rank=runtime.dp_rank, world_size=runtime.dp_size).step_stream(
+        micro_batches=2, packs_per_micro_batch=1
     )
     model, inner = build_model(cfg, runtime, VOCAB)
     micro = shard_micro_batches(stream.next_step().micro_batches, runtime, reduction=reduction)
@@ -75,9 +69,7 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     }
 
     # the same global step, every sequence alone on one process
-    everything = StepStream(
-        dataset(), dp_size=1, dp_rank=0, micro_batches=2 * runtime.dp_size, packs_per_micro_batch=1, balance="none"
-    )
+    everything = dataset(balance="none").step_stream(micro_batches=2 * runtime.dp_size, packs_per_micro_batch=1)
     packs = [p for mb in everything.next_step().micro_batches for p in mb]
     reference = Transformer(cfg.model_config(), seed=cfg.train.seed, dtype=torch.float64)
     want = unpacked_step(reference, _pieces(packs), reduction)

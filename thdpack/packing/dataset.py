@@ -26,14 +26,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 import torch
 
 from thdpack.packing import layout
 from thdpack.packing.packer import Pack, build_pack, read_sample
+from thdpack.packing.state import check_saved_settings, settings_fingerprint
 from thdpack.plan import (
     ALGORITHMS,
     DEFAULT_WINDOW,
@@ -46,10 +47,15 @@ from thdpack.plan import (
     plan_packs,
 )
 
+if TYPE_CHECKING:
+    from thdpack.packing.steps import StepStream
+
 log = logging.getLogger(__name__)
 
 Remainder = Literal["repeat", "drop"]
 REMAINDERS: tuple[str, ...] = ("repeat", "drop")
+Balance = Literal["attention", "tokens", "none"]
+BALANCES: tuple[str, ...] = get_args(Balance)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,9 @@ class PackedDatasetConfig:
     """Packs left over when world_size does not divide them: "repeat" packs or "drop" them."""
     window: int = DEFAULT_WINDOW
     """Lookahead of algorithm="window" (sequences it may reorder across)."""
+    balance: Balance = "attention"
+    """How ``step_stream`` deals each step's packs to the data-parallel ranks: balancing attention
+    cost and tokens ("attention"), tokens only ("tokens"), or in order ("none")."""
 
     def __post_init__(self) -> None:
         for name in ("pack_size", "cp_size", "world_size", "window"):
@@ -94,11 +103,25 @@ class PackedDatasetConfig:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; valid: {', '.join(ALGORITHMS)}")
         if self.overflow not in OVERFLOWS:
             raise ValueError(f"unknown overflow policy {self.overflow!r}; valid: {', '.join(OVERFLOWS)}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"unknown balance {self.balance!r}; valid: {', '.join(BALANCES)}")
         if self.remainder not in REMAINDERS:
             raise ValueError(f"unknown remainder policy {self.remainder!r}; valid: {', '.join(REMAINDERS)}")
         if self.rank >= self.world_size:
             raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
         layout.check_pack_size(self.pack_size, self.cp_size)
+
+
+@dataclass(frozen=True)
+class EpochView:
+    """One epoch: its plan, the order of all its packs, and this rank's interleaved share."""
+
+    plan: PackPlan
+    order: np.ndarray
+    """(P,) pack indices of the plan in the epoch's (shuffled) order: all ranks' packs."""
+    mine: np.ndarray
+    """This rank's packs, ``order`` dealt round robin (what ``ds[i]`` / ``iter(ds)`` serve)."""
+    shard: EpochShard
 
 
 @dataclass(frozen=True)
@@ -155,6 +178,7 @@ class PackedDataset(torch.utils.data.Dataset):
         world_size: int = 1,
         remainder: Remainder = "repeat",
         window: int = DEFAULT_WINDOW,
+        balance: Balance = "attention",
     ) -> None:
         self.config = PackedDatasetConfig(
             pack_size=pack_size,
@@ -168,6 +192,7 @@ class PackedDataset(torch.utils.data.Dataset):
             world_size=world_size,
             remainder=remainder,
             window=window,
+            balance=balance,
         )
         self.samples = samples
         if lengths is None:
@@ -177,16 +202,45 @@ class PackedDataset(torch.utils.data.Dataset):
             raise ValueError(f"got {len(self.lengths)} lengths for {len(samples)} samples; give one per sample")
         self._epoch = 0
         self._position = 0
-        self._cached: tuple[int, PackPlan, np.ndarray, EpochShard] | None = None
+        self._views: dict[int, EpochView] = {}
+        self.plans_made = 0
+        """How many epoch plans this dataset computed (each epoch once)."""
         log.debug("PackedDataset epoch 0 plan:\n%s", self.stats)
 
-    # -- the epoch's plan and order ---------------------------------------------------------
-    def _epoch_view(self) -> tuple[PackPlan, np.ndarray, EpochShard]:
-        if self._cached is None or self._cached[0] != self._epoch:
-            self._cached = (self._epoch, *self._plan_epoch(self._epoch))
-        return self._cached[1:]
+    @classmethod
+    def from_config(
+        cls,
+        samples: Sequence[Mapping[str, Any]],
+        config: PackedDatasetConfig,
+        *,
+        lengths: Sequence[int] | np.ndarray | None = None,
+    ) -> PackedDataset:
+        """The dataset of ``samples`` with the settings of ``config`` (what the trainer's Hydra
+        ``packing`` group builds)."""
+        fields = settings_fingerprint(config, exclude=("pack_size",))
+        return cls(samples, config.pack_size, lengths=lengths, **fields)
 
-    def _plan_epoch(self, epoch: int) -> tuple[PackPlan, np.ndarray, EpochShard]:
+    # -- the epoch's plan and order ---------------------------------------------------------
+    def epoch_view(self, epoch: int | None = None) -> EpochView:
+        """Epoch ``epoch``'s plan, its pack order and this rank's share (default: the current epoch).
+
+        Planned once per epoch: the two most recent epochs are kept, so a consumer whose step
+        straddles an epoch boundary reads both without re-planning either."""
+        epoch = self._epoch if epoch is None else epoch
+        view = self._views.get(epoch)
+        if view is None:
+            self.plans_made += 1
+            view = self._plan_epoch(epoch)
+            self._views[epoch] = view
+            while len(self._views) > 2:
+                self._views.pop(min(self._views))
+        return view
+
+    def _epoch_view(self) -> tuple[PackPlan, np.ndarray, EpochShard]:
+        view = self.epoch_view()
+        return view.plan, view.mine, view.shard
+
+    def _plan_epoch(self, epoch: int) -> EpochView:
         cfg = self.config
         plan_seed, order_seed = epoch_seeds(cfg.seed, epoch)
         plan = plan_packs(
@@ -238,7 +292,7 @@ class PackedDataset(torch.utils.data.Dataset):
                 world,
                 per_rank,
             )
-        return plan, dealt[cfg.rank :: world], shard
+        return EpochView(plan=plan, order=order, mine=dealt[cfg.rank :: world], shard=shard)
 
     @property
     def epoch(self) -> int:
@@ -286,6 +340,26 @@ class PackedDataset(torch.utils.data.Dataset):
             sample_lengths=self.lengths,
         )
 
+    def epoch_pack(self, epoch: int, index: int) -> Pack:
+        """Pack ``index`` of epoch ``epoch``'s whole order (all ranks' packs; ``step_stream`` deals them)."""
+        view = self.epoch_view(epoch)
+        cfg = self.config
+        return build_pack(
+            self.samples,
+            view.plan.segments(int(view.order[index])),
+            cfg.pack_size,
+            cp_size=cfg.cp_size,
+            pad_id=cfg.pad_id,
+            sample_lengths=self.lengths,
+        )
+
+    def step_stream(self, *, micro_batches: int, packs_per_micro_batch: int) -> StepStream:
+        """Optimizer steps over every epoch's packs, dealt to this dataset's data-parallel rank
+        (``rank`` of ``world_size``) by ``balance``: :class:`thdpack.packing.steps.StepStream`."""
+        from thdpack.packing.steps import StepStream
+
+        return StepStream(self, micro_batches=micro_batches, packs_per_micro_batch=packs_per_micro_batch)
+
     def pack_lengths(self, i: int) -> np.ndarray:
         """(k,) int64 real lengths of the sequences in pack ``i`` (from the plan: no token read),
         e.g. to balance work across ranks before building packs."""
@@ -303,21 +377,15 @@ class PackedDataset(torch.utils.data.Dataset):
         self._epoch, self._position = self._epoch + 1, 0
 
     # -- checkpointing -------------------------------------------------------------------
-    def _fingerprint(self) -> dict[str, Any]:
-        cfg = asdict(self.config)
-        cfg.pop("pad_id")
-        cfg["num_sequences"] = len(self.lengths)
-        return cfg
+    def fingerprint(self, *, exclude: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The settings that define the epochs' packs and their order (checked on resume)."""
+        return settings_fingerprint(self.config, exclude=("pad_id", *exclude), num_sequences=len(self.lengths))
 
     def state_dict(self) -> dict[str, Any]:
         """Epoch, position in this rank's share of it, and the settings that define the stream."""
-        return {"epoch": self._epoch, "position": self._position, "config": self._fingerprint()}
+        return {"epoch": self._epoch, "position": self._position, "config": self.fingerprint()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume at ``state``; raises ``ValueError`` when it was saved with other settings."""
-        saved, mine = dict(state["config"]), self._fingerprint()
-        diff = {k: (saved.get(k), mine[k]) for k in mine if saved.get(k) != mine[k]}
-        if diff:
-            shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"state was saved by a PackedDataset with other settings ({shown})")
+        check_saved_settings("PackedDataset", state["config"], self.fingerprint())
         self._epoch, self._position = int(state["epoch"]), int(state["position"])

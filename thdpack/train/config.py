@@ -16,14 +16,14 @@ from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
-from thdpack.plan import ALGORITHMS, OVERFLOWS
-from thdpack.plan.slots import check_pack_size
+from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.train.schema import build, hydra_node
 
 DP_SHARDINGS = ("ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
-BALANCES = ("attention", "tokens", "none")
+# PackedDatasetConfig fields the trainer sets from the run (CP size, DP layout, the tokenizer's pad id)
+PACKING_RUNTIME_FIELDS = ("cp_size", "rank", "world_size", "pad_id")
 DTYPES = ("float32", "float64", "bfloat16")
 
 
@@ -63,31 +63,10 @@ class DataConfig:
             _at_least("data.limit", self.limit, 1)
 
 
-@dataclass(kw_only=True)
-class PackingConfig:
-    """How sequences become packs and packs become the steps of the run."""
-
-    pack_size: int = 1024
-    """Tokens per pack (one row of a THD batch); a multiple of 2 * parallel.cp_size."""
-    algorithm: str = "bfd"
-    """Planner: bfd (default), ffd, window (order-preserving) or sequential (NeMo's next fit)."""
-    overflow: str = "split"
-    """Samples longer than pack_size: split (no token lost), truncate, drop or error."""
-    window: int = 1024
-    """Lookahead of algorithm=window."""
-    seed: int = 0
-    """Plans and pack order of epoch e are seeded by (seed, e)."""
-    balance: str = "attention"
-    """Deal each step's packs to DP ranks balancing attention cost (sum of squared sequence lengths)
-    and tokens ('attention'), tokens only ('tokens'), or in order ('none')."""
-
-    def __post_init__(self) -> None:
-        _at_least("packing.pack_size", self.pack_size, 1)
-        _one_of("packing.algorithm", self.algorithm, ALGORITHMS)
-        _one_of("packing.overflow", self.overflow, OVERFLOWS)
-        _at_least("packing.window", self.window, 1)
-        _at_least("packing.seed", self.seed, 0)
-        _one_of("packing.balance", self.balance, BALANCES)
+PackingNode = hydra_node(PackedDatasetConfig, exclude=PACKING_RUNTIME_FIELDS, defaults=(("pack_size", 1024),))
+"""The ``packing`` group: ``thdpack.packing.PackedDatasetConfig``'s fields (the trainer sets the
+runtime ones, ``PACKING_RUNTIME_FIELDS``); the YAML presets set the training default
+``overflow: split`` (no token lost) over the component's ``error``."""
 
 
 @dataclass(kw_only=True)
@@ -175,6 +154,8 @@ class TrainConfig:
         _one_of("train.dtype", self.dtype, DTYPES)
 
 
+PackingConfig = PackingNode
+"""The ``packing`` group's node (an alias kept for code that imported it by this name)."""
 ModelNode = hydra_node(ModelConfig, exclude=("attention",))  # the `attention` group sets it
 AttentionNode = hydra_node(AttentionConfig)
 
@@ -185,18 +166,26 @@ class Config:
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelNode = field(default_factory=ModelNode)  # type: ignore[valid-type]
-    packing: PackingConfig = field(default_factory=PackingConfig)
+    packing: PackingNode = field(default_factory=PackingNode)  # type: ignore[valid-type]
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     attention: AttentionNode = field(default_factory=AttentionNode)  # type: ignore[valid-type]
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        check_pack_size(self.packing.pack_size, self.parallel.cp_size)
+        self.packing_config(cp_size=self.parallel.cp_size)  # validates the packing group
         self.model_config()  # validates the model and attention groups together
 
     def model_config(self) -> ModelConfig:
         """The model's component config: the model group, with the attention group's config."""
         return build(ModelConfig, self.model, attention=self.attention_config())
+
+    def packing_config(
+        self, *, cp_size: int, rank: int = 0, world_size: int = 1, pad_id: int = 0
+    ) -> PackedDatasetConfig:
+        """The data's component config: the packing group plus the run's CP size and DP layout."""
+        return build(
+            PackedDatasetConfig, self.packing, cp_size=cp_size, rank=rank, world_size=world_size, pad_id=pad_id
+        )
 
     def attention_config(self) -> AttentionConfig:
         return build(AttentionConfig, self.attention)
@@ -211,7 +200,7 @@ def register_configs() -> None:
     for group, node in (
         ("data", DataConfig),
         ("model", ModelNode),
-        ("packing", PackingConfig),
+        ("packing", PackingNode),
         ("parallel", ParallelConfig),
         ("attention", AttentionNode),
         ("train", TrainConfig),

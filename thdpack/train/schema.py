@@ -40,18 +40,22 @@ def _hydra_type(annotation: Any) -> Any:
 
 
 @functools.cache
-def hydra_node(component: type, exclude: tuple[str, ...] = ()) -> type:
+def hydra_node(component: type, exclude: tuple[str, ...] = (), defaults: tuple[tuple[str, Any], ...] = ()) -> type:
     """A writable, OmegaConf-typed twin dataclass of the frozen dataclass ``component``.
 
-    ``exclude`` leaves out fields that another config group sets (``build(..., **values)``).
+    ``exclude`` leaves out fields that another config group or the run sets (``build(..., **values)``);
+    ``defaults`` gives ``(name, value)`` defaults to fields the component requires.
     """
+    given = dict(defaults)
     hints = typing.get_type_hints(component)
     fields = []
     for f in dataclasses.fields(component):
         if not f.init or f.name in exclude:
             continue
         spec: dict[str, Any] = {}
-        if f.default is not dataclasses.MISSING:
+        if f.name in given:
+            spec["default"] = given[f.name]
+        elif f.default is not dataclasses.MISSING:
             spec["default"] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             spec["default_factory"] = f.default_factory

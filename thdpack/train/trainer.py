@@ -1,7 +1,7 @@
 """The training loop: packed THD batches, CP-sharded, dp x cp replicas, globally normalised loss.
 
 One optimizer step on rank r:
-1. the step's packs are dealt to the DP ranks (``data.StepStream``); this rank's micro-batches
+1. the step's packs are dealt to the DP ranks (``thdpack.packing.steps.StepStream``); this rank's micro-batches
    are collated to THD (metadata on the host) and CP-sharded (``cp.shard``);
 2. one collective counts the global loss tokens (``loss.StepLoss``); each micro-batch's loss is
    ``sum(token losses) / global count * world_size``, because DDP / FSDP2 average gradients over
@@ -32,7 +32,7 @@ from thdpack.packing.packer import Pack
 from thdpack.thd import thd_collate, thd_to_device
 from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
-from thdpack.train.data import StepStream, open_token_store, pad_id_of, real_lengths_summary
+from thdpack.train.data import open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
 from thdpack.train.runtime import Runtime, init_runtime, shutdown
 
@@ -158,27 +158,12 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
 
     store = open_token_store(cfg.data, is_local_main=runtime.local_rank == 0, barrier=dist.barrier)
     _say(runtime, f"data: {', '.join(cfg.data.inputs)} -> {store}: {real_lengths_summary(store.lengths)}")
-    packing = cfg.packing
-    dataset = PackedDataset(
-        store,
-        packing.pack_size,
-        cp_size=runtime.cp_size,
-        algorithm=packing.algorithm,
-        overflow=packing.overflow,
-        seed=packing.seed,
-        pad_id=pad_id_of(store),
-        lengths=store.lengths,
-        window=packing.window,
+    packing = cfg.packing_config(
+        cp_size=runtime.cp_size, rank=runtime.dp_rank, world_size=runtime.dp_size, pad_id=pad_id_of(store)
     )
+    dataset = PackedDataset.from_config(store, packing, lengths=store.lengths)
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
-    stream = StepStream(
-        dataset,
-        dp_size=runtime.dp_size,
-        dp_rank=runtime.dp_rank,
-        micro_batches=train.micro_batches,
-        packs_per_micro_batch=train.packs_per_micro_batch,
-        balance=packing.balance,
-    )
+    stream = dataset.step_stream(micro_batches=train.micro_batches, packs_per_micro_batch=train.packs_per_micro_batch)
 
     model, inner = build_model(cfg, runtime, int(store.manifest["tokenizer"]["vocab_size"]))
     optimizer = build_optimizer(model, train)

@@ -1,0 +1,91 @@
+"""thdpack.packing.steps: optimizer steps dealt to DP ranks by the dataset that owns the packs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pack_checks import unique_samples
+
+from thdpack.packing import PackedDataset
+from thdpack.packing.steps import StepStream
+
+RNG = np.random.default_rng(1)
+LENGTHS = RNG.integers(1, 40, 90).tolist()
+SAMPLES = unique_samples(LENGTHS, RNG, labels=False, loss_mask=False)
+
+
+def dataset(**kwargs) -> PackedDataset:
+    return PackedDataset(SAMPLES, 64, lengths=LENGTHS, seed=5, **kwargs)
+
+
+def ids(pack) -> tuple[int, ...]:
+    return tuple(pack["input_ids"][pack["input_ids"] > 0].tolist())
+
+
+def take(stream: StepStream, steps: int) -> list[list[tuple[int, ...]]]:
+    return [[ids(p) for mb in stream.next_step().micro_batches for p in mb] for _ in range(steps)]
+
+
+def test_each_epoch_is_planned_once_while_steps_straddle_its_boundary():
+    data = dataset(world_size=2, rank=0)
+    stream = data.step_stream(micro_batches=3, packs_per_micro_batch=1)  # 6 packs a step
+    packs_per_epoch = len(data.epoch_view(0).order)
+    assert packs_per_epoch % 6  # some step takes the end of one epoch and the start of the next
+    steps = 3 * packs_per_epoch // 6 + 1
+    take(stream, steps)
+    assert stream.epoch >= 2 and data.plans_made == stream.epoch + 1  # epochs 0..epoch, once each
+
+
+def test_ranks_get_disjoint_complete_and_balanced_shares():
+    world = 3
+    streams = [
+        dataset(world_size=world, rank=r).step_stream(micro_batches=2, packs_per_micro_batch=2) for r in range(3)
+    ]
+    everything = dataset(balance="none").step_stream(micro_batches=2 * world, packs_per_micro_batch=2)
+    for _ in range(4):
+        steps = [s.next_step() for s in streams]
+        shares = [[ids(p) for mb in step.micro_batches for p in mb] for step in steps]
+        whole = [ids(p) for mb in everything.next_step().micro_batches for p in mb]
+        assert sorted(p for share in shares for p in share) == sorted(whole)  # each pack once, on one rank
+        assert all(len(share) == 4 for share in shares)
+        assert steps[0].imbalance == steps[1].imbalance and steps[0].imbalance.attention < 1.3
+
+
+def test_resume_mid_epoch_and_across_a_boundary_equals_the_uninterrupted_stream():
+    uninterrupted = take(dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1), 30)
+    for stop in (1, 7, 13):
+        first = dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+        head = take(first, stop)
+        resumed = dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+        resumed.load_state_dict(first.state_dict())
+        assert head + take(resumed, 30 - stop) == uninterrupted
+
+
+def test_the_state_is_the_same_on_every_rank_and_checks_the_settings():
+    rank0 = dataset(world_size=2, rank=0).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    rank1 = dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    rank1.load_state_dict(rank0.state_dict())  # rank 0 saves, every rank loads
+    other = PackedDataset(SAMPLES, 64, lengths=LENGTHS, seed=6, world_size=2).step_stream(
+        micro_batches=2, packs_per_micro_batch=1
+    )
+    with pytest.raises(ValueError, match=r"state was saved by a StepStream with other settings \(dataset: saved"):
+        other.load_state_dict(rank0.state_dict())
+    with pytest.raises(ValueError, match="micro_batches must be an int >= 1, got 0"):
+        dataset().step_stream(micro_batches=0, packs_per_micro_batch=1)
+
+
+def test_the_trainer_packing_group_is_the_dataset_config():
+    import dataclasses
+    from pathlib import Path
+
+    import yaml
+
+    from thdpack.packing.dataset import PackedDatasetConfig
+    from thdpack.train.config import PACKING_RUNTIME_FIELDS, Config, PackingNode
+
+    component = {f.name for f in dataclasses.fields(PackedDatasetConfig)}
+    assert {f.name for f in dataclasses.fields(PackingNode)} == component - set(PACKING_RUNTIME_FIELDS)
+    config = Config().packing_config(cp_size=2, rank=1, world_size=4, pad_id=7)
+    assert isinstance(config, PackedDatasetConfig) and (config.rank, config.world_size, config.pad_id) == (1, 4, 7)
+    for preset in (Path(__file__).resolve().parents[3] / "configs" / "packing").glob("*.yaml"):
+        assert yaml.safe_load(preset.read_text())["overflow"] == "split", preset.name  # training: no token lost
