@@ -33,7 +33,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,8 +41,10 @@ import torch
 
 from thdpack.packing import layout
 from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sample
-from thdpack.plan import OVERFLOWS, Overflow, PackingStats, l2_lower_bound
-from thdpack.plan.stats import weighted_percentiles
+from thdpack.packing.state import check_saved_settings, settings_fingerprint
+from thdpack.plan import OVERFLOWS, Overflow, PackingStats
+from thdpack.plan.overflow import OVERFLOW_COUNTS, apply_overflow
+from thdpack.plan.stats import build_stats
 
 _END = object()  # end-of-stream marker (a source may yield anything, even None, and be told so)
 
@@ -87,25 +89,9 @@ class _Entry:
     """Length rounded up to a multiple of 2*cp_size."""
 
 
-@dataclass
-class _Counters:
-    """Running totals behind ``stats`` (all ints, so they checkpoint as they are)."""
-
-    packs: int = 0
-    sequences: int = 0
-    entries: int = 0
-    real_tokens: int = 0
-    slot_tokens: int = 0
-    dropped_sequences: int = 0
-    dropped_tokens: int = 0
-    truncated_sequences: int = 0
-    truncated_tokens: int = 0
-    split_sequences: int = 0
-    max_sequences_per_pack: int = 0
-    slot_units: dict[int, int] = field(default_factory=dict)
-    """Placed entries per slot size (in multiples of 2*cp_size), for the L2 lower bound."""
-    pack_loads: dict[int, int] = field(default_factory=dict)
-    """Packs per real-token load, for the fullness percentiles."""
+# Running totals behind ``stats``: the arguments of ``thdpack.plan.stats.build_stats`` that add up
+# pack by pack (plain ints, so they checkpoint as they are), plus the overflow counts.
+_TOTALS = ("num_packs", "num_sequences", "num_entries", "real_tokens", "max_sequences_per_pack", *OVERFLOW_COUNTS)
 
 
 class StreamingPacker(torch.utils.data.IterableDataset):
@@ -140,7 +126,11 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         self._exhausted = False
         self._finished = False
         self._source_state: Any = None
-        self._counters = _Counters()
+        self._totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
+        self._slot_units: dict[int, int] = {}
+        """Placed entries per slot size (in multiples of 2*cp_size), for the L2 lower bound."""
+        self._pack_loads: dict[int, int] = {}
+        """Packs per real-token load, for the fullness percentiles."""
 
     # -- the buffer ----------------------------------------------------------------------
     def _add(self, index: int, start: int, tokens: SampleTokens) -> None:
@@ -158,26 +148,13 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     def _intake(self, sample: Mapping[str, Any], index: int) -> None:
         """Validate one sample and buffer it (or its pieces), applying the overflow policy."""
         tokens = read_sample(sample, index)
-        cfg, c = self.config, self._counters
-        size = len(tokens)
-        if size <= cfg.pack_size:  # pack_size is a multiple of 2*cp_size, so the slots fit too
-            self._add(index, 0, tokens)
-        elif cfg.overflow == "error":
-            raise ValueError(
-                f"sample {index} of the stream has {size} tokens, over pack_size={cfg.pack_size}; "
-                "use overflow='split', 'truncate' or 'drop', or a larger pack_size"
-            )
-        elif cfg.overflow == "drop":
-            c.dropped_sequences += 1
-            c.dropped_tokens += size
-        elif cfg.overflow == "truncate":
-            c.truncated_sequences += 1
-            c.truncated_tokens += size - cfg.pack_size
-            self._add(index, 0, tokens.piece(0, cfg.pack_size))
-        else:
-            c.split_sequences += 1
-            for start in range(0, size, cfg.pack_size):
-                self._add(index, start, tokens.piece(start, cfg.pack_size))
+        cfg = self.config
+        entries = apply_overflow(np.array([len(tokens)]), cfg.pack_size, cfg.overflow, first_index=index)
+        for key in OVERFLOW_COUNTS:
+            self._totals[key] += getattr(entries, key)
+        starts = np.zeros(len(entries.length), dtype=np.int64) if entries.start is None else entries.start
+        for start, length in zip(starts.tolist(), entries.length.tolist(), strict=True):
+            self._add(index, start, tokens if length == len(tokens) else tokens.piece(start, length))
 
     def _emit(self) -> Pack:
         """Remove one pack's entries from the buffer (oldest first, then best fit) and build it."""
@@ -193,18 +170,17 @@ class StreamingPacker(torch.utils.data.IterableDataset):
             oldest = self._by_slots[bisect.bisect_left(self._by_slots, (slots, -1))][1]
             chosen.append(self._take(oldest))
             room -= slots
-        c = self._counters
+        totals = self._totals
         load = sum(len(e.tokens) for e in chosen)
-        c.packs += 1
-        c.entries += len(chosen)
-        c.sequences += sum(e.start == 0 for e in chosen)
-        c.real_tokens += load
-        c.slot_tokens += sum(e.slots for e in chosen)
-        c.max_sequences_per_pack = max(c.max_sequences_per_pack, len(chosen))
+        totals["num_packs"] += 1
+        totals["num_entries"] += len(chosen)
+        totals["num_sequences"] += sum(e.start == 0 for e in chosen)
+        totals["real_tokens"] += load
+        totals["max_sequences_per_pack"] = max(totals["max_sequences_per_pack"], len(chosen))
         multiple = layout.cp_multiple(cfg.cp_size)
         for e in chosen:
-            c.slot_units[e.slots // multiple] = c.slot_units.get(e.slots // multiple, 0) + 1
-        c.pack_loads[load] = c.pack_loads.get(load, 0) + 1
+            self._slot_units[e.slots // multiple] = self._slot_units.get(e.slots // multiple, 0) + 1
+        self._pack_loads[load] = self._pack_loads.get(load, 0) + 1
         return assemble_pack([e.tokens for e in chosen], cfg.pack_size, cp_size=cfg.cp_size, pad_id=cfg.pad_id)
 
     # -- iteration -----------------------------------------------------------------------
@@ -247,44 +223,25 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     @property
     def stats(self) -> PackingStats:
         """Statistics of the packs emitted so far (overflow counts include samples still buffered)."""
-        cfg, c = self.config, self._counters
-        multiple = layout.cp_multiple(cfg.cp_size)
-        capacity = cfg.pack_size // multiple
+        cfg = self.config
+        capacity = cfg.pack_size // layout.cp_multiple(cfg.cp_size)
         units = np.zeros(capacity + 1, dtype=np.int64)
-        for size, count in c.slot_units.items():
+        for size, count in self._slot_units.items():
             units[size] = count
-        loads = np.array(sorted(c.pack_loads), dtype=np.float64)
-        return PackingStats(
+        loads = np.array(sorted(self._pack_loads), dtype=np.int64)
+        return build_stats(
             algorithm=f"streaming best fit (buffer {cfg.buffer_size})",
             pack_size=cfg.pack_size,
             cp_size=cfg.cp_size,
-            num_packs=c.packs,
-            num_sequences=c.sequences,
-            num_entries=c.entries,
-            real_tokens=c.real_tokens,
-            cp_padding_tokens=c.slot_tokens - c.real_tokens,
-            capacity_tokens=c.packs * cfg.pack_size,
-            lower_bound_packs=l2_lower_bound(units, capacity),
-            dropped_sequences=c.dropped_sequences,
-            dropped_tokens=c.dropped_tokens,
-            truncated_sequences=c.truncated_sequences,
-            truncated_tokens=c.truncated_tokens,
-            split_sequences=c.split_sequences,
-            max_sequences_per_pack=c.max_sequences_per_pack,
-            fullness_percentiles=weighted_percentiles(
-                loads / cfg.pack_size, np.array([c.pack_loads[int(v)] for v in loads], dtype=np.int64)
-            ),
+            slot_unit_counts=units,
+            pack_loads=(loads, np.array([self._pack_loads[int(v)] for v in loads], dtype=np.int64)),
+            overflow=self._totals,
+            **{key: self._totals[key] for key in _TOTALS if key not in OVERFLOW_COUNTS},
         )
 
     # -- checkpointing -------------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
-        cfg = self.config
-        return {
-            "pack_size": cfg.pack_size,
-            "cp_size": cfg.cp_size,
-            "buffer_size": cfg.buffer_size,
-            "overflow": cfg.overflow,
-        }
+        return settings_fingerprint(self.config, exclude=("pad_id",))
 
     def state_dict(self) -> dict[str, Any]:
         """Buffered tokens, counters and the source position (see the module docstring)."""
@@ -304,16 +261,19 @@ class StreamingPacker(torch.utils.data.IterableDataset):
             "buffer_length": torch.tensor([len(e.tokens) for e in entries], dtype=torch.int64),
             "buffer_input_ids": torch.from_numpy(np.concatenate([empty] + [e.tokens.input_ids for e in entries])),
             "buffer_labels": torch.from_numpy(np.concatenate([empty] + [e.tokens.labels for e in entries])),
-            "counters": {k: dict(v) if isinstance(v, dict) else v for k, v in vars(self._counters).items()},
+            "totals": dict(self._totals),
+            "slot_units": dict(self._slot_units),
+            "pack_loads": dict(self._pack_loads),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a ``state_dict()``; raises ``ValueError`` when it was saved with other settings."""
-        mine = self._fingerprint()
-        diff = {k: (state["config"].get(k), v) for k, v in mine.items() if state["config"].get(k) != v}
-        if diff:
-            shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in diff.items())
-            raise ValueError(f"state was saved by a StreamingPacker with other settings ({shown})")
+        if "totals" not in state:
+            raise ValueError(
+                "this StreamingPacker state was saved by an older thdpack (its statistics were 'counters'); "
+                "resume with the thdpack version that saved it, or restart the stream"
+            )
+        check_saved_settings("StreamingPacker", state["config"], self._fingerprint())
         if (state["source"] is not None) != self._has_source_state() and not state["finished"]:
             saved = "with" if state["source"] is not None else "without"
             raise ValueError(
@@ -338,4 +298,6 @@ class StreamingPacker(torch.utils.data.IterableDataset):
             strict=True,
         ):
             self._add(index, start, SampleTokens(input_ids[end - length : end], labels[end - length : end]))
-        self._counters = _Counters(**{k: dict(v) if isinstance(v, dict) else v for k, v in state["counters"].items()})
+        self._totals = {key: int(state["totals"][key]) for key in _TOTALS}
+        self._slot_units = {int(k): int(v) for k, v in state["slot_units"].items()}
+        self._pack_loads = {int(k): int(v) for k, v in state["pack_loads"].items()}

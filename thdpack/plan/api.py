@@ -18,13 +18,12 @@ from typing import Literal
 import numpy as np
 
 from thdpack.plan.assignment import materialize
-from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import plan_histogram
 from thdpack.plan.ordered import next_fit, window_best_fit
-from thdpack.plan.overflow import OVERFLOWS, Entries, Overflow, apply_overflow
+from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Entries, Overflow, apply_overflow
 from thdpack.plan.packplan import PackPlan
 from thdpack.plan.slots import check_pack_size, cp_multiple
-from thdpack.plan.stats import PackingStats, weighted_percentiles
+from thdpack.plan.stats import PackingStats, build_stats
 
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
@@ -133,7 +132,7 @@ def plan_packs(
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
-    stats = _stats(len(lengths), entries, units, counts, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
+    stats = _stats(len(lengths), entries, counts, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],
@@ -152,7 +151,6 @@ def plan_packs(
 def _stats(
     num_inputs: int,
     entries: Entries,
-    units: np.ndarray,
     counts: np.ndarray,
     ids: np.ndarray,
     offsets: np.ndarray,
@@ -161,32 +159,20 @@ def _stats(
     pack_size: int,
     cp_size: int,
 ) -> PackingStats:
-    multiple = cp_multiple(cp_size)
     num_packs = len(offsets) - 1
-    real_tokens = int(entries.length.sum())
     if pack_loads is None:
         per_pack = np.add.reduceat(entries.length[ids], offsets[:-1]) if len(ids) else np.zeros(0)
-        fullness = weighted_percentiles(per_pack / pack_size)
-    else:
-        loads, weights = pack_loads
-        fullness = weighted_percentiles(loads / pack_size, weights)
-    num_entries = len(entries.length)
-    return PackingStats(
+        pack_loads = (per_pack, np.ones(len(per_pack), dtype=np.int64))
+    return build_stats(
         algorithm=algorithm,
         pack_size=pack_size,
         cp_size=cp_size,
         num_packs=num_packs,
         num_sequences=num_inputs - entries.dropped_sequences,
-        num_entries=num_entries,
-        real_tokens=real_tokens,
-        cp_padding_tokens=int(units.sum()) * multiple - real_tokens,
-        capacity_tokens=num_packs * pack_size,
-        lower_bound_packs=l2_lower_bound(counts, pack_size // multiple),
-        dropped_sequences=entries.dropped_sequences,
-        dropped_tokens=entries.dropped_tokens,
-        truncated_sequences=entries.truncated_sequences,
-        truncated_tokens=entries.truncated_tokens,
-        split_sequences=entries.split_sequences,
+        num_entries=len(entries.length),
+        real_tokens=int(entries.length.sum()),
+        slot_unit_counts=counts,
+        pack_loads=pack_loads,
         max_sequences_per_pack=int(np.diff(offsets).max()) if num_packs else 0,
-        fullness_percentiles=fullness,
+        overflow={key: getattr(entries, key) for key in OVERFLOW_COUNTS},
     )

@@ -46,18 +46,25 @@ class Entries:
         return self.truncated_sequences > 0 or self.split_sequences > 0
 
 
-def apply_overflow(lengths: np.ndarray, pack_size: int, policy: Overflow) -> Entries:
-    """Entries for ``lengths`` (validated, >= 1) under ``policy``; raises for ``"error"``."""
+OVERFLOW_COUNTS = ("dropped_sequences", "dropped_tokens", "truncated_sequences", "truncated_tokens", "split_sequences")
+"""The counts every overflow policy reports (``Entries`` and ``PackingStats`` fields of these names)."""
+
+
+def apply_overflow(lengths: np.ndarray, pack_size: int, policy: Overflow, *, first_index: int = 0) -> Entries:
+    """Entries for ``lengths`` (validated, >= 1) under ``policy``; raises for ``"error"``.
+
+    ``first_index`` is the index of ``lengths[0]`` in the caller's numbering (a streaming packer
+    passes one sample at a time), so the error names the sequence the caller knows."""
     too_long = lengths > pack_size
     if not too_long.any():
         return Entries(length=lengths)
     first = int(np.argmax(too_long))
     if policy == "error":
         count = int(too_long.sum())
+        total = f" ({count} sequences in total)" if count > 1 else ""
         raise ValueError(
-            f"sequence {first} has {int(lengths[first])} tokens, over pack_size={pack_size} "
-            f"({count} sequence{'s' if count > 1 else ''} in total); use overflow='split', 'truncate' or "
-            "'drop', or a larger pack_size"
+            f"sequence {first + first_index} has {int(lengths[first])} tokens, over pack_size={pack_size}{total}; "
+            "use overflow='split', 'truncate' or 'drop', or a larger pack_size"
         )
     if policy == "drop":
         keep = np.flatnonzero(~too_long)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from thdpack.plan.overflow import OVERFLOW_COUNTS
 
 FULLNESS_PERCENTILES: tuple[int, ...] = (0, 1, 5, 25, 50, 75, 95, 100)
 
@@ -138,3 +141,47 @@ def weighted_percentiles(values: np.ndarray, weights: np.ndarray | None = None) 
         k = int(np.searchsorted(cum, max(1, -(-p * total // 100)), side="left"))
         out[p] = float(values[order[min(k, len(order) - 1)]])
     return out
+
+
+def build_stats(
+    *,
+    algorithm: str,
+    pack_size: int,
+    cp_size: int,
+    num_packs: int,
+    num_sequences: int,
+    num_entries: int,
+    real_tokens: int,
+    slot_unit_counts: np.ndarray,
+    pack_loads: tuple[np.ndarray, np.ndarray],
+    max_sequences_per_pack: int,
+    overflow: Mapping[str, int],
+) -> PackingStats:
+    """The stats of a plan from its totals and histograms: what ``plan_packs`` and the streaming
+    packer both report (one place derives the padding, the capacity, the L2 bound, the percentiles).
+
+    ``slot_unit_counts``: (capacity + 1,) placed entries per slot size in units of ``2*cp_size``;
+    ``pack_loads``: (values, weights), real tokens of the packs and how many packs have each;
+    ``overflow``: the ``OVERFLOW_COUNTS`` of the policy that placed the entries.
+    """
+    from thdpack.plan.bounds import l2_lower_bound
+    from thdpack.plan.slots import cp_multiple
+
+    multiple = cp_multiple(cp_size)
+    units = np.arange(len(slot_unit_counts), dtype=np.int64)
+    loads, weights = pack_loads
+    return PackingStats(
+        algorithm=algorithm,
+        pack_size=pack_size,
+        cp_size=cp_size,
+        num_packs=num_packs,
+        num_sequences=num_sequences,
+        num_entries=num_entries,
+        real_tokens=real_tokens,
+        cp_padding_tokens=int((units * slot_unit_counts).sum()) * multiple - real_tokens,
+        capacity_tokens=num_packs * pack_size,
+        lower_bound_packs=l2_lower_bound(slot_unit_counts, pack_size // multiple),
+        max_sequences_per_pack=max_sequences_per_pack,
+        fullness_percentiles=weighted_percentiles(np.asarray(loads, dtype=np.float64) / pack_size, weights),
+        **{key: int(overflow.get(key, 0)) for key in OVERFLOW_COUNTS},
+    )

@@ -132,7 +132,7 @@ def test_a_finished_stream_starts_a_new_pass():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="sample 1 of the stream has 9 tokens, over pack_size=8; use overflow='split'"):
+    with pytest.raises(ValueError, match="sequence 1 has 9 tokens, over pack_size=8; use overflow='split'"):
         list(StreamingPacker([{"input_ids": [1]}, {"input_ids": [1] * 9}], 8))
     with pytest.raises(ValueError, match="buffer_size must be an integer >= 1, got 0"):
         StreamingPacker([], 8, buffer_size=0)
@@ -159,3 +159,27 @@ def test_resume_errors():
     short.load_state_dict(state)
     with pytest.raises(ValueError, match="the source ended after 1 samples while skipping the 2 consumed"):
         next(iter(short))
+
+
+@pytest.mark.parametrize("overflow", ["drop", "truncate", "split"])
+def test_overflow_counts_are_plan_packs_counts(overflow):
+    """The streaming packer applies the planner's overflow rule: the same counts on the same lengths."""
+    from thdpack.plan import plan_packs
+
+    lengths = [3, 20, 7, 9, 33, 1, 16, 17]
+    stream = [{"input_ids": list(range(1, n + 1))} for n in lengths]
+    packer = StreamingPacker(stream, 16, buffer_size=4, overflow=overflow)
+    list(packer)
+    planned = plan_packs(lengths, 16, overflow=overflow).stats
+    for key in ("dropped_sequences", "dropped_tokens", "truncated_sequences", "truncated_tokens", "split_sequences"):
+        assert getattr(packer.stats, key) == getattr(planned, key), key
+    assert (packer.stats.num_sequences, packer.stats.num_entries) == (planned.num_sequences, planned.num_entries)
+    assert packer.stats.real_tokens == planned.real_tokens
+
+
+def test_a_state_from_before_the_stats_rework_is_refused_clearly():
+    packer = StreamingPacker([{"input_ids": [1, 2]}], 8)
+    state = packer.state_dict()
+    state["counters"] = state.pop("totals")
+    with pytest.raises(ValueError, match="saved by an older thdpack"):
+        StreamingPacker([{"input_ids": [1, 2]}], 8).load_state_dict(state)
