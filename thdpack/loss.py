@@ -236,6 +236,8 @@ class StepLoss:
         self.group = group
         self.ignore_index = ignore_index
         self._local_share = torch.zeros((), dtype=torch.float64, device=denominator.device)
+        self.loss_tokens: torch.Tensor | None = None
+        """The step's global number of loss tokens (set by ``begin``, in the denominator's collective)."""
 
     @classmethod
     def begin(
@@ -248,12 +250,24 @@ class StepLoss:
         ignore_index: int = IGNORE_INDEX,
     ) -> StepLoss:
         """Count the step's global denominator (one collective) from every micro-batch's labels,
-        or from ``micro_batch_weights`` (``loss_weights`` shards) for the per-sequence mean."""
+        or from ``micro_batch_weights`` (``loss_weights`` shards) for the per-sequence mean. The
+        same collective counts the step's loss tokens (``loss_tokens``)."""
+        labels = list(micro_batch_labels)
+        if not labels:
+            raise ValueError("micro_batch_labels is empty: a step needs at least one micro-batch")
+        tokens = torch.zeros((), dtype=torch.float64, device=labels[0].device)
+        for labels_T in labels:
+            tokens += (labels_T != ignore_index).sum()
         if micro_batch_weights is None:
-            denominator = count_loss_tokens(micro_batch_labels, group=group, ignore_index=ignore_index)
+            weights = tokens
         else:
-            denominator = global_loss_denominator(micro_batch_weights, group=group)
-        return cls(denominator, grad_average_size=grad_average_size, group=group, ignore_index=ignore_index)
+            weights = torch.zeros((), dtype=torch.float64, device=labels[0].device)
+            for w_T in micro_batch_weights:
+                weights += w_T.to(torch.float64).sum()
+        both = _all_reduce_sum(torch.stack([weights, tokens]), group)
+        step = cls(both[0], grad_average_size=grad_average_size, group=group, ignore_index=ignore_index)
+        step.loss_tokens = both[1]
+        return step
 
     def __call__(
         self, logits_TV: torch.Tensor, labels_T: torch.Tensor, weights_T: torch.Tensor | None = None

@@ -13,16 +13,23 @@ import pickle
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
-from typing import Any
+from datetime import timedelta
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
-    torch.set_num_threads(1)  # ranks share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+def _worker(
+    rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple, backend: str, threads: int
+) -> None:
+    torch.set_num_threads(threads)  # ranks share the machine's cores
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
+    )
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException as err:  # report every failure to the parent, with its traceback
@@ -33,18 +40,26 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
         pickle.dump(result, f)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: Literal["gloo", "nccl"] = "gloo",
+    threads: int = 1,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
 
     ``fn`` must be importable by name (a module-level function): ranks are spawned processes.
+    ``backend="nccl"`` gives rank ``r`` the GPU ``cuda:r``; ``threads``: torch threads per rank.
     Results are pickled back to the caller. A rank that raises makes this raise
-    ``RuntimeError`` with that rank's traceback.
+    ``RuntimeError`` with that rank's traceback, starting ``"rank R: Type: message"``.
     """
     with tempfile.TemporaryDirectory(prefix="thdpack-dist-") as tmp:
         init_file = os.path.join(tmp, "init")
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, init_file, tmp, fn, args),
+            args=(world_size, init_file, tmp, fn, args, backend, threads),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -62,7 +62,9 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     )
     model, inner = build_model(cfg, runtime, VOCAB)
     micro = shard_micro_batches(stream.next_step().micro_batches, runtime, reduction=reduction)
-    loss = float(forward_backward(model, micro, runtime).value())
+    loss = float(
+        forward_backward(model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size).value()
+    )
     grads = {
         name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
         for name, p in inner.named_parameters()

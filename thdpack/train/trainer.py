@@ -12,7 +12,6 @@ The loss and gradients then equal those of the same global batch run unpacked on
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -24,17 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thdpack.cp import shard
-from thdpack.loss import StepLoss, count_loss_tokens, loss_weights
 from thdpack.models import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
-from thdpack.thd import thd_collate, thd_to_device
 from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.data import open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
 from thdpack.train.runtime import Runtime, init_runtime, shutdown
+from thdpack.train.step import collate_micro_batches, forward_backward, global_grad_norm, prepare_micro_batches
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -82,51 +79,15 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95))
 
 
-def _micro_step_context(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-    if isinstance(model, DistributedDataParallel):
-        return contextlib.nullcontext() if sync else model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(sync)
-    return contextlib.nullcontext()
-
-
-def _global_grad_norm(model: torch.nn.Module, clip: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
-    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
-        norm = norm.full_tensor()
-    return float(norm)
-
-
 def shard_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, reduction: str) -> list[dict[str, Any]]:
-    """This rank's CP shards of its micro-batches, as THD batches on its device.
-
-    Metadata (cu_seqlens, max_seqlen, per-sequence loss weights) is computed on the host from
-    the whole micro-batch, before sharding, so every CP rank agrees on it.
-    """
-    micro = []
-    for packs in micro_batches:
-        thd = thd_collate(packs)
-        if reduction == "sequence_mean":
-            thd["loss_weights"] = loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction="sequence_mean")
-        micro.append(thd_to_device(shard(thd, runtime.cp_size, runtime.cp_rank), runtime.device))
-    return micro
-
-
-def forward_backward(model: torch.nn.Module, micro: list[dict[str, Any]], runtime: Runtime) -> StepLoss:
-    """Forward and backward of one optimizer step's micro-batches; gradients end up synchronised
-    (DDP / FSDP2 average over the world, and the loss is scaled by the world size for that).
-    Returns the step's ``StepLoss`` (``.value()`` is the global loss)."""
-    per_sequence = "loss_weights" in micro[0]
-    step_loss = StepLoss.begin(
-        [mb["labels"] for mb in micro],
-        grad_average_size=runtime.world_size,
-        micro_batch_weights=[mb["loss_weights"] for mb in micro] if per_sequence else None,
+    """This rank's CP shards of its micro-batches (lists of packs), as THD batches on its device."""
+    return prepare_micro_batches(
+        collate_micro_batches(micro_batches),
+        cp_size=runtime.cp_size,
+        cp_rank=runtime.cp_rank,
+        device=runtime.device,
+        reduction=reduction,
     )
-    for k, mb in enumerate(micro):
-        with _micro_step_context(model, sync=k == len(micro) - 1):
-            logits_TV = model(mb, cp_group=runtime.cp_group)
-            step_loss(logits_TV, mb["labels"], mb.get("loss_weights")).backward()
-    return step_loss
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
@@ -193,14 +154,14 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         tick = time.perf_counter()
         step = stream.next_step()
         micro = shard_micro_batches(step.micro_batches, runtime, reduction=train.loss_reduction)
-        step_loss = forward_backward(model, micro, runtime)
-        grad_norm = _global_grad_norm(model, train.grad_clip)
+        step_loss = forward_backward(model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size)
+        grad_norm = global_grad_norm(model, train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss = float(step_loss.value())
-        loss_tokens = int(count_loss_tokens([mb["labels"] for mb in micro]))
+        loss_tokens = int(step_loss.loss_tokens)
         seconds = time.perf_counter() - tick
         if metrics is not None:
             record = StepMetrics(

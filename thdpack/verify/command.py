@@ -20,23 +20,19 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
 import sys
-import tempfile
-import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
+from thdpack.testing import run_distributed
 from thdpack.thd import thd_to_device
 from thdpack.verify.exactness import (
     FAULTS,
@@ -103,11 +99,18 @@ def run_verify(args: argparse.Namespace) -> int:
     0 (exact), 1 (a difference over tolerance) or 2 (a rank failed)."""
     job = _job(args)
     world = job.layout.world_size
-    results = _launch(job, world)
-    errors = [r for r in results if r["status"] == "error"]
-    if errors:
-        print(f"thdpack verify: error on {errors[0]['where']}: {errors[0]['message']}", file=sys.stderr)
-        print(errors[0]["traceback"], file=sys.stderr)
+    try:
+        results = run_distributed(
+            _rank_check,
+            world,
+            job,
+            backend="nccl" if job.device_type == "cuda" else "gloo",
+            threads=max(1, (os.cpu_count() or 1) // world),
+        )
+    except RuntimeError as err:  # a rank failed: its first line names the rank and the error
+        where, _, trace = str(err).partition("\n")
+        print(f"thdpack verify: error on {where}", file=sys.stderr)
+        print(trace, file=sys.stderr)
         return 2
     report = results[0]
     print(_header(job, report))
@@ -152,48 +155,7 @@ def _job(args: argparse.Namespace) -> VerifyJob:
     return VerifyJob(layout=layout, config=config, dtype=args.dtype, device_type=device_type, seed=args.seed)
 
 
-def _launch(job: VerifyJob, world: int) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks; return each rank's pickled result."""
-    with tempfile.TemporaryDirectory(prefix="thdpack-verify-") as tmp:
-        ctx = mp.start_processes(_rank_entry, args=(world, tmp, job), nprocs=world, join=False, start_method="spawn")
-        while not ctx.join():
-            pass
-        results = []
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
-        return results
-
-
-def _rank_entry(rank: int, world: int, tmp: str, job: VerifyJob) -> None:
-    """One spawned rank: join the group, run the step, write the result (or the error) to a file."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    backend = "nccl" if job.device_type == "cuda" else "gloo"
-    if job.device_type == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"file://{os.path.join(tmp, 'rendezvous')}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(minutes=5),
-    )
-    try:
-        result: dict[str, Any] = {"status": "ok", **_rank_check(rank, job)}
-    except Exception as err:  # every failure goes back to the parent, with its traceback
-        result = {
-            "status": "error",
-            "where": f"rank {rank}",
-            "message": f"{type(err).__name__}: {err}",
-            "traceback": traceback.format_exc(),
-        }
-    finally:
-        dist.destroy_process_group()
-    with open(os.path.join(tmp, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-
-
-def _rank_check(rank: int, job: VerifyJob) -> dict[str, Any]:
+def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     """This rank's packed step against the unpacked one; the max differences over all ranks."""
     layout, config = job.layout, job.config
     device = torch.device(job.device_type, rank if job.device_type == "cuda" else 0)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from thdpack.cp import shard
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
@@ -37,6 +38,7 @@ from thdpack.packing.layout import cp_multiple
 from thdpack.packing.packer import build_pack
 from thdpack.plan import plan_packs
 from thdpack.thd import THDBatch, thd_collate
+from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
 FAULTS: tuple[Fault, ...] = get_args(Fault)
@@ -54,7 +56,6 @@ BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
 
 _TRACE_KEYS = ("sequence_index", "sequence_position")
 """Per-token keys that say which sample and position a token is: how logits are matched up."""
-_EXTRA_KEYS = (*_TRACE_KEYS, "loss_weights")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,48 +199,55 @@ def packed_step(
     *,
     autocast_dtype: torch.dtype | None = None,
 ) -> PackedResult:
-    """One optimizer step's forward and backward on this rank's CP shards of its micro-batches.
+    """One optimizer step's forward and backward on this rank's CP shards of its micro-batches,
+    run by the trainer's own step functions (``thdpack.train.step``) with ``layout.fault``
+    planted through their hooks.
 
     ``micro_batches``: this DP rank's global THD micro-batches (``global_micro_batches()[dp_rank]``),
     on the model's device. ``autocast_dtype``: run the forward under ``torch.autocast`` (bf16).
+    Gradients are reduced as the trainer's DDP reduces them: an average over the DP x CP group.
     """
-    shards = [_rank_shard(thd, layout, groups.cp_rank) for thd in micro_batches]
-    per_sequence = layout.reduction == "sequence_mean"
-    step_loss = StepLoss.begin(
-        [s["labels"] for s in shards],
-        micro_batch_weights=[s["loss_weights"] for s in shards] if per_sequence else None,
-        grad_average_size=layout.world_size,
-        group=groups.dp_cp,
-    )
-    model.zero_grad(set_to_none=True)
-    tokens, naive_share = [], torch.zeros((), dtype=torch.float64)
     device = next(model.parameters()).device
-    for s in shards:
-        model_input = {k: v for k, v in s.items() if k not in _EXTRA_KEYS}
-        with _autocast(device, autocast_dtype):
-            logits_TV = model(model_input, cp_group=groups.cp if layout.cp_size > 1 else None)
-        weights_T = s["loss_weights"] if per_sequence else None
-        if layout.fault == "mean_of_means":
-            # the pitfall: normalise by this rank's own micro-batch, then average ranks and steps
-            count = s["loss_weights"].sum().clamp_min(1.0)
-            loss = cross_entropy_sum(logits_TV, s["labels"], weights_T) / count / layout.micro_steps
-            naive_share += loss.detach().double().cpu() / layout.world_size
-        else:
-            loss = step_loss(logits_TV, s["labels"], weights_T)
-        loss.backward()
-        real_T = ~s["padding_mask"]
-        tokens.append({"logits": logits_TV.detach(), "real": real_T, **{k: s[k] for k in _TRACE_KEYS}})
-    if groups.dp_cp is not None:  # FSDP / DDP over the flattened DP x CP group: an average
-        for p in model.parameters():
-            if p.grad is None:  # every rank must join every all-reduce
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=groups.dp_cp)
-            p.grad /= layout.world_size
+    tokens: list[dict[str, torch.Tensor]] = []
+    naive_share = torch.zeros((), dtype=torch.float64, device=device)
+
+    def record(k: int, logits_TV: torch.Tensor, mb: THDBatch) -> None:
+        tokens.append(
+            {"logits": logits_TV.detach(), "real": ~mb["padding_mask"], **{key: mb[key] for key in _TRACE_KEYS}}
+        )
+
+    def mean_of_means(step_loss: StepLoss, logits_TV: torch.Tensor, mb: THDBatch) -> torch.Tensor:
+        # the pitfall: normalise by this rank's own micro-batch, then average ranks and steps
+        count = mb["loss_weights"].sum().clamp_min(1.0)
+        weights_T = mb["loss_weights"] if layout.reduction == "sequence_mean" else None
+        loss = cross_entropy_sum(logits_TV, mb["labels"], weights_T) / count / layout.micro_steps
+        naive_share.add_(loss.detach().double() / layout.world_size)
+        return loss  # and DDP averages the ranks' gradients, as a naive trainer would
+
+    hooks = StepHooks(
+        shard=lambda thd, cp_size, cp_rank: _rank_shard(thd, layout, cp_rank),
+        loss=mean_of_means if layout.fault == "mean_of_means" else None,
+        logits=record,
+    )
+    micro = prepare_micro_batches(
+        micro_batches, cp_size=layout.cp_size, cp_rank=groups.cp_rank, device=device, reduction=layout.reduction,
+        hooks=hooks,
+    )  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    replica = model if groups.dp_cp is None else DistributedDataParallel(model, process_group=groups.dp_cp)
+    with _autocast(device, autocast_dtype):
+        step_loss = forward_backward(
+            replica,
+            micro,
+            cp_group=groups.cp if layout.cp_size > 1 else None,
+            grad_average_size=layout.world_size,
+            group=groups.dp_cp,
+            hooks=hooks,
+        )
     if layout.fault == "mean_of_means":
-        value = naive_share.to(device)
         if groups.dp_cp is not None:
-            dist.all_reduce(value, group=groups.dp_cp)
-        global_loss = float(value)
+            dist.all_reduce(naive_share, group=groups.dp_cp)
+        global_loss = float(naive_share)
     else:
         global_loss = float(step_loss.value())
     return PackedResult(global_loss, _grads(model), tokens)

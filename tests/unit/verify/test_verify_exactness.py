@@ -121,3 +121,35 @@ def test_baseline_errors_of_bf16_autocast():
     assert 1e-5 < errors["logits"] < 1e-1  # bf16-sized: rounding, not a bug
     assert baseline_errors(reference, reference) == dict.fromkeys(errors, 0.0)
     assert np.isclose(sum(float(x.sum()) for x in reference.weighted_token_losses), reference.loss)
+
+
+def test_verify_runs_the_trainers_own_step(monkeypatch):
+    """packed_step is thdpack.train.step's prepare_micro_batches + forward_backward, not a twin."""
+    import thdpack.verify.exactness as exactness
+    from thdpack.train import step
+
+    calls = []
+    for name in ("prepare_micro_batches", "forward_backward"):
+        real = getattr(step, name)
+        monkeypatch.setattr(
+            exactness, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
+    layout = StepLayout(micro_steps=2)
+    samples = make_samples(sample_lengths(layout), 64, seed=0)
+    batches = global_micro_batches(samples, layout, pack_size_for(sample_lengths(layout), 1))
+    packed_step(_model(), batches[0], layout, ALONE)
+    assert calls == ["prepare_micro_batches", "forward_backward"]
+
+
+def test_the_step_counts_its_loss_tokens_in_the_denominators_collective(monkeypatch):
+    """One all-reduce per step gives both the denominator and the loss tokens the trainer logs."""
+    import thdpack.loss as loss_module
+
+    reductions = []
+    real = loss_module._all_reduce_sum
+    monkeypatch.setattr(loss_module, "_all_reduce_sum", lambda t, g: reductions.append(t.shape) or real(t, g))
+    labels = [torch.tensor([1, 2, -100]), torch.tensor([0, -100, -100, 4])]
+    weights = [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([1.0, 0.0, 0.0, 1.0])]
+    step = loss_module.StepLoss.begin(labels, grad_average_size=1, micro_batch_weights=weights)
+    assert reductions == [torch.Size([2])]
+    assert (float(step.denominator), int(step.loss_tokens)) == (3.0, 4)

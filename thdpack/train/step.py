@@ -1,0 +1,125 @@
+"""One optimizer step's forward and backward on packed, CP-sharded THD micro-batches.
+
+The trainer runs these functions, and so does ``thdpack verify`` (``thdpack.verify.exactness``):
+what verify proves exact is the training step itself. :class:`StepHooks` are the points where
+verify plants known faults; the trainer passes none.
+
+1. ``prepare_micro_batches``: each global (unsharded) micro-batch gets its per-sequence loss
+   weights (``sequence_mean``) on the host, is CP-sharded (``cp.shard``) and moved to the device;
+2. ``forward_backward``: one collective counts the step's global loss denominator and loss tokens
+   (``loss.StepLoss``); each micro-batch's loss is ``sum(token losses) / denominator *
+   grad_average_size``, because DDP / FSDP2 average gradients over their group while the step's
+   gradient is the SUM of every rank's share; gradients synchronise on the last micro-batch only.
+
+Legend: ``T`` tokens of a micro-batch on this rank, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from thdpack.cp import shard
+from thdpack.loss import StepLoss, loss_weights
+from thdpack.thd import THDBatch, thd_collate, thd_to_device
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """Where ``thdpack verify`` plants a known fault; each default is the training step's own."""
+
+    shard: Callable[[THDBatch, int, int], THDBatch] = shard
+    """``(global micro-batch, cp_size, cp_rank) -> this rank's batch``."""
+    loss: Callable[[StepLoss, torch.Tensor, THDBatch], torch.Tensor] | None = None
+    """``(step_loss, logits_TV, micro-batch) -> the loss to backward``; None: ``step_loss(...)``."""
+    logits: Callable[[int, torch.Tensor, THDBatch], None] | None = None
+    """Observes ``(micro-batch index, logits_TV, micro-batch)`` after each forward."""
+
+
+NO_HOOKS = StepHooks()
+
+
+def prepare_micro_batches(
+    micro_batches: Sequence[THDBatch],
+    *,
+    cp_size: int,
+    cp_rank: int,
+    device: torch.device,
+    reduction: str,
+    hooks: StepHooks = NO_HOOKS,
+) -> list[THDBatch]:
+    """This rank's CP shards of the step's GLOBAL THD micro-batches, on ``device``.
+
+    Metadata (cu_seqlens, max_seqlen, per-sequence loss weights) comes from the whole
+    micro-batch, before sharding, so every CP rank agrees on it.
+    """
+    out = []
+    for thd in micro_batches:
+        if reduction == "sequence_mean" and "loss_weights" not in thd:
+            thd = {**thd, "loss_weights": loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction=reduction)}
+        out.append(thd_to_device(hooks.shard(thd, cp_size, cp_rank), device))
+    return out
+
+
+def micro_step_context(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+    """Gradient synchronisation on (``sync``) or off for this micro-step, under DDP or FSDP2."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    micro: Sequence[THDBatch],
+    *,
+    cp_group: dist.ProcessGroup | None,
+    grad_average_size: int,
+    group: dist.ProcessGroup | None = None,
+    hooks: StepHooks = NO_HOOKS,
+) -> StepLoss:
+    """Forward and backward of one optimizer step's micro-batches (this rank's shards).
+
+    ``grad_average_size``: the ranks the gradient reduction of ``model`` (DDP / FSDP2) averages
+    over; ``group``: the DP x CP group whose loss tokens make the denominator (None: the default
+    group). Gradients end up synchronised. Returns the step's ``StepLoss`` (``.value()`` is the
+    global loss, ``.loss_tokens`` the global count of loss tokens).
+    """
+    per_sequence = "loss_weights" in micro[0]
+    step_loss = StepLoss.begin(
+        [mb["labels"] for mb in micro],
+        grad_average_size=grad_average_size,
+        group=group,
+        micro_batch_weights=[mb["loss_weights"] for mb in micro] if per_sequence else None,
+    )
+    for k, mb in enumerate(micro):
+        with micro_step_context(model, sync=k == len(micro) - 1):
+            logits_TV = model(mb, cp_group=cp_group)
+            if hooks.logits is not None:
+                hooks.logits(k, logits_TV, mb)
+            if hooks.loss is None:
+                loss = step_loss(logits_TV, mb["labels"], mb.get("loss_weights"))
+            else:
+                loss = hooks.loss(step_loss, logits_TV, mb)
+            loss.backward()
+    return step_loss
+
+
+def global_grad_norm(model: torch.nn.Module, clip: float) -> float:
+    """Clip the gradients' global norm to ``clip`` (0: no clipping); returns the norm before it."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def collate_micro_batches(micro_batches: Sequence[Sequence[Any]]) -> list[THDBatch]:
+    """``thd_collate`` of each micro-batch's packs (the trainer's global micro-batches)."""
+    return [thd_collate(list(packs)) for packs in micro_batches]
