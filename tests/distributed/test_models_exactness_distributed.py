@@ -1,7 +1,7 @@
 """Model-level exactness on real gloo ranks: the reference decoder's packed, CP-sharded,
-DP-split training step with 2 accumulation micro-steps equals every sequence alone.
+DP-spread training step with 2 accumulation micro-steps equals every sequence alone.
 
-One 4-rank launch hosts every layout through subgroups (layout dp x cp runs on the first dp*cp
+One 4-rank launch hosts every spread through subgroups (spread dp x cp runs on the first dp*cp
 ranks): dp x cp in {1x1, 2x1, 1x2, 2x2}, token mean and per-sequence mean, fp64. Each rank
 packs the same random sequences (lengths 1 and exactly 2*cp_size among them, tail padding),
 shards its micro-batches with ``cp.shard``, runs ``Transformer(shard, cp_group=...)``, the
@@ -19,7 +19,7 @@ from _model_oracle import compare, oracle_step
 from thdpack.models import ModelConfig, Transformer
 from thdpack.testing import run_distributed
 from thdpack.verify.exactness import (
-    StepLayout,
+    StepSpread,
     global_micro_batches,
     make_groups,
     make_samples,
@@ -44,7 +44,7 @@ TOL = 1e-10
 
 
 def _samples():
-    return make_samples(sample_lengths(StepLayout()), CONFIG.vocab_size, seed=0)
+    return make_samples(sample_lengths(StepSpread()), CONFIG.vocab_size, seed=0)
 
 
 def _model(cp_comm_type: str = "p2p") -> Transformer:
@@ -53,21 +53,21 @@ def _model(cp_comm_type: str = "p2p") -> Transformer:
 
 def all_cases(rank: int, world: int) -> dict:
     samples = _samples()
-    assert sample_lengths(StepLayout(dp_size=2, cp_size=2)) == sample_lengths(StepLayout()), "one batch for all"
+    assert sample_lengths(StepSpread(dp_size=2, cp_size=2)) == sample_lengths(StepSpread()), "one batch for all"
     results: dict = {}
     cases = [(dp, cp, reduction, "none") for dp, cp in LAYOUTS for reduction in REDUCTIONS]
     cases += [(dp, cp, "token_mean", fault) for dp, cp, fault, _ in FAULT_CASES]
-    groups = {(dp, cp): make_groups(StepLayout(dp_size=dp, cp_size=cp), rank) for dp, cp in LAYOUTS}
+    groups = {(dp, cp): make_groups(StepSpread(dp_size=dp, cp_size=cp), rank) for dp, cp in LAYOUTS}
     for dp, cp, reduction, fault in cases:
-        layout = StepLayout(dp_size=dp, cp_size=cp, reduction=reduction, fault=fault)
-        if rank >= layout.world_size:
+        spread = StepSpread(dp_size=dp, cp_size=cp, reduction=reduction, fault=fault)
+        if rank >= spread.world_size:
             continue
-        batches = global_micro_batches(samples, layout, pack_size_for(sample_lengths(layout), cp))
+        batches = global_micro_batches(samples, spread, pack_size_for(sample_lengths(spread), cp))
         rank_groups = groups[dp, cp]
-        results[dp, cp, reduction, fault] = packed_step(_model(), batches[rank_groups.dp_rank], layout, rank_groups)
+        results[dp, cp, reduction, fault] = packed_step(_model(), batches[rank_groups.dp_rank], spread, rank_groups)
         if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP as well
             model = _model("all_gather")
-            results["all_gather"] = packed_step(model, batches[rank_groups.dp_rank], layout, rank_groups)
+            results["all_gather"] = packed_step(model, batches[rank_groups.dp_rank], spread, rank_groups)
     return results
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from thdpack.attention.backends.base import AttentionCall, Situation
+from thdpack.attention.backends.base import AttentionCall, CallFacts
 from thdpack.attention.config import AttentionConfig
 from thdpack.attention.select import attend_function, choose_backend, log_choice
 from thdpack.thd.meta import ThdMeta, thd_meta
@@ -87,7 +87,7 @@ def thd_attention(
     meta = thd_meta(thd)
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     _check_layout(q, meta, cp_group, cp_size)
-    situation = Situation(
+    situation = CallFacts(
         device=q.device,
         dtype=q.dtype,
         cp=cp_size > 1,

@@ -41,8 +41,8 @@ from thdpack.attention.backends.base import (
     AttentionBackend,
     AttentionCall,
     AttentionOutput,
+    CallFacts,
     CpAlgorithm,
-    Situation,
 )
 from thdpack.attention.config import Backend, check_backend
 from thdpack.attention.ring import TileKernel, ring_attention
@@ -115,7 +115,7 @@ PREFERENCES: dict[SituationKind, tuple[Preference, ...]] = {
 """``auto``'s candidates per kind of situation, fastest first; each list ends with ``math``, which always runs."""
 
 
-def situation_kind(s: Situation) -> SituationKind:
+def situation_kind(s: CallFacts) -> SituationKind:
     """The row of :data:`PREFERENCES` that applies to ``s``."""
     if s.cp:
         return "cuda half, cp" if s.cuda_half else "cp"
@@ -124,7 +124,7 @@ def situation_kind(s: Situation) -> SituationKind:
     return "cuda" if s.device.type == "cuda" else "cpu"
 
 
-def choose_backend(requested: str, s: Situation) -> tuple[Backend, str]:
+def choose_backend(requested: str, s: CallFacts) -> tuple[Backend, str]:
     """``(backend, reason)`` for a call; raises when a forced backend cannot run.
 
     ``requested`` is the ``backend`` argument; when it is ``"auto"`` the environment variable
@@ -151,7 +151,7 @@ def choose_backend(requested: str, s: Situation) -> tuple[Backend, str]:
     raise AssertionError("the 'math' backend always runs")
 
 
-def attend_function(backend: Backend, s: Situation) -> AttendFn:
+def attend_function(backend: Backend, s: CallFacts) -> AttendFn:
     """What attends a call that ``backend`` runs: its kernel, or on a CP shard the algorithm its
     ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``)."""
     row = BACKEND_TABLE[backend]
@@ -159,7 +159,7 @@ def attend_function(backend: Backend, s: Situation) -> AttendFn:
     return row.attend if algorithm == "own" else CP_ALGORITHMS[algorithm]
 
 
-def log_choice(backend: str, reason: str, s: Situation) -> None:
+def log_choice(backend: str, reason: str, s: CallFacts) -> None:
     """INFO line, once per distinct (backend, reason, situation)."""
     key = (backend, f"{reason}|{s}")
     if key not in _LOGGED:

@@ -1,7 +1,7 @@
 """NeMo AutoModel drop-ins for building and collating packs (``pack_dataset``, the THD collater,
 ``create_block_causal_mask``), matching the current generation (v0.5 / main) output for output.
 
-Legend: ``B`` rows (packs), ``S`` pack length, ``N`` sequences of a row.
+Legend: ``B`` rows (packs), ``L`` pack length, ``S`` sequences of a row.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
     """NeMo AutoModel's ``packed_sequence_thd_collater``: ``thdpack.collate`` plus NeMo's names.
 
     Packs (items with ``seq_lens``) are stacked by ``thdpack.collate``: ``input_ids``, ``labels``,
-    ``position_ids`` become (B, S) int64; ``seq_lens`` and ``seq_lens_padded`` (B, max N) int64
+    ``position_ids`` become (B, L) int64; ``seq_lens`` and ``seq_lens_padded`` (B, S) int64
     right-padded with -1000; every width is checked against ``input_ids``. Items without
     ``seq_lens`` are single sequences: each is padded to the longest (``input_ids`` with the pad
     id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with -100), real length =
@@ -190,7 +190,7 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
 
 
 def create_block_causal_mask(seq_lens: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    """NeMo's block-causal mask: (B, 1, S, S) bool, True where query i may attend to key j.
+    """NeMo's block-causal mask: (B, 1, L, L) bool, True where query i may attend to key j.
 
     ``seq_lens[b]`` lists row b's sequence lengths; pass ``seq_lens_padded`` (sums to the pack
     size), not ``seq_lens``. Entries equal to -1000 (the collater's filler) are ignored; rows

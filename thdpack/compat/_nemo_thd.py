@@ -3,7 +3,7 @@
 generation: ``cu_seqlens`` from real lengths, trailing-pad absorption, ``padding_mask`` from
 the layout), with TE's partition computed by ``thdpack.cp.partition_indices``.
 
-Legend: ``B`` rows, ``S`` row length, ``T = B*S`` tokens, ``N`` sequences, ``C`` chunks.
+Legend: ``B`` rows, ``L`` row length, ``T = B*L`` tokens, ``S`` sequences, ``C`` chunks.
 """
 
 from __future__ import annotations
@@ -36,18 +36,18 @@ def _cu(lengths: np.ndarray) -> np.ndarray:
 
 
 def _check_widths(batch: Mapping[str, Any]) -> tuple[int, int]:
-    """(B, S) of ``input_ids``; every per-token key must match it (NeMo reshapes blindly)."""
+    """(B, L) of ``input_ids``; every per-token key must match it (NeMo reshapes blindly)."""
     input_ids = batch["input_ids"]
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (2, 3):
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise ValueError(f"input_ids must be a (B, S) tensor of ids or (B, S, H) embeddings, got {shape}")
+        raise ValueError(f"input_ids must be a (B, L) tensor of ids or (B, L, H) embeddings, got {shape}")
     rows, width = input_ids.shape[:2]
     labels, position_ids = batch.get("labels"), batch.get("position_ids")
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (rows, width):
         shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
         raise ValueError(
             f"labels has shape {shape} but input_ids is ({rows}, {width}, ...); give one (already shifted) label "
-            "per token: labels must be (B, S) like input_ids"
+            "per token: labels must be (B, L) like input_ids"
         )
     if position_ids is not None and not (
         tuple(position_ids.shape) == (rows, width)
@@ -55,13 +55,13 @@ def _check_widths(batch: Mapping[str, Any]) -> tuple[int, int]:
     ):
         raise ValueError(
             f"position_ids has shape {tuple(position_ids.shape)} but input_ids is ({rows}, {width}, ...); "
-            "position_ids must be (B, S), or (R, B, S) for mRoPE, or None"
+            "position_ids must be (B, L), or (R, B, L) for mRoPE, or None"
         )
     for key in ("seq_lens", "seq_lens_padded"):
         value = batch.get(key)
         if value is not None and (value.dim() != 2 or value.shape[0] != rows):
             raise ValueError(
-                f"{key} has shape {tuple(value.shape)} but input_ids has B={rows} rows; {key} must be (B, N)"
+                f"{key} has shape {tuple(value.shape)} but input_ids has B={rows} rows; {key} must be (B, S)"
             )
     return rows, width
 
@@ -94,15 +94,15 @@ def process_input_for_thd(
     ``thdpack.to_thd`` runs) and ``padding_mask`` is its layout; what remains is NeMo's format.
 
     Args:
-        batch: ``input_ids`` (B, S) (or (B, S, H) embeddings), ``labels`` (B, S),
-            ``position_ids`` (B, S), (R, B, S) for mRoPE, or None, ``seq_lens`` and
-            ``seq_lens_padded`` (B, N) with ``seq_lens_padding_value`` as filler.
+        batch: ``input_ids`` (B, L) (or (B, L, H) embeddings), ``labels`` (B, L),
+            ``position_ids`` (B, L), (R, B, L) for mRoPE, or None, ``seq_lens`` and
+            ``seq_lens_padded`` (B, S) with ``seq_lens_padding_value`` as filler.
         seq_lens_padding_value: the filler, -1000.
         padding_token_id: see the module docstring of ``thdpack.compat.nemo`` (unused).
 
     Returns a dict, keys in NeMo's order: ``input_ids`` (T,) / (T, H), ``position_ids`` (T,) /
-    (R, 1, T), ``cu_seqlens`` (N+1,) int32 from real lengths, ``labels`` (T,),
-    ``padding_mask`` (T,) bool (True = padding), ``cu_seqlens_padded`` (N+1,) int32 only when it
+    (R, 1, T), ``cu_seqlens`` (S+1,) int32 from real lengths, ``labels`` (T,),
+    ``padding_mask`` (T,) bool (True = padding), ``cu_seqlens_padded`` (S+1,) int32 only when it
     differs from ``cu_seqlens``, ``max_seqlen`` 0-dim int32 = max slot of ``cu_seqlens``, then
     every other key of ``batch`` except ``seq_lens`` / ``seq_lens_padded``. When the only
     padding is at the very end, the last boundary absorbs it (``cu_seqlens[-1] = T``) and no

@@ -9,7 +9,7 @@ metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, num
 ``shard`` applies the partition to a THD batch (``thdpack.to_thd``); ``unshard`` and
 ``gather`` invert it.
 
-Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``N`` sequences, ``W = cp_size``.
+Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``S`` sequences, ``W = cp_size``.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def partition_indices(
     """Global token indices kept by ``cp_rank``: TE's ``thd_get_partitioned_indices``.
 
     Args:
-        cu_seqlens_padded: (N+1,) integer, ``[0] == 0``, non-decreasing, every difference a
+        cu_seqlens_padded: (S+1,) integer, ``[0] == 0``, non-decreasing, every difference a
             multiple of ``2*cp_size``, ``[-1] == total_tokens``.
         total_tokens: ``T``, the global number of tokens.
         cp_size: context-parallel world size (>= 1).
@@ -150,16 +150,16 @@ def _partition_indices_torch(
     inside a run the global index is the local index plus a per-run constant, so the whole
     answer is ``arange(T_local) + repeat_interleave(offset_2N, run_length_2N)``.
     """
-    cu_N1 = cu_seqlens_padded.to(torch.int64)
-    starts_N = cu_N1[:-1]
-    chunk_N = (cu_N1[1:] - starts_N) // (2 * cp_size)  # tokens per chunk of each sequence
-    local_starts_N = 2 * (torch.cumsum(chunk_N, 0) - chunk_N)  # where each sequence starts locally
-    base_N = starts_N - local_starts_N
+    cu_S1 = cu_seqlens_padded.to(torch.int64)
+    starts_S = cu_S1[:-1]
+    chunk_S = (cu_S1[1:] - starts_S) // (2 * cp_size)  # tokens per chunk of each sequence
+    local_starts_S = 2 * (torch.cumsum(chunk_S, 0) - chunk_S)  # where each sequence starts locally
+    base_S = starts_S - local_starts_S
     # head run: chunk r; tail run: chunk 2W-1-r, which starts c tokens later in local order
-    offset_N2 = torch.stack((base_N + cp_rank * chunk_N, base_N + (2 * cp_size - 2 - cp_rank) * chunk_N), 1)
+    offset_S2 = torch.stack((base_S + cp_rank * chunk_S, base_S + (2 * cp_size - 2 - cp_rank) * chunk_S), 1)
     local_T = total_tokens // cp_size
-    offset_T = torch.repeat_interleave(offset_N2.reshape(-1), chunk_N.repeat_interleave(2), output_size=local_T)
-    return (torch.arange(local_T, device=cu_N1.device) + offset_T).to(torch.int32)
+    offset_T = torch.repeat_interleave(offset_S2.reshape(-1), chunk_S.repeat_interleave(2), output_size=local_T)
+    return (torch.arange(local_T, device=cu_S1.device) + offset_T).to(torch.int32)
 
 
 def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:

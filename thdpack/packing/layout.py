@@ -19,7 +19,7 @@ carries the pad id and label ``IGNORE_INDEX``; positions of padding are never at
 real token under causal masking because padding comes after its sequence's real tokens.
 
 Everything is numpy on the host (packs are built in data-loader workers).
-Legend: ``T`` tokens of a pack or stream, ``N`` sequences.
+Legend: ``T`` tokens of a pack or stream, ``S`` sequences.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> 
     """Padded lengths of one pack: CP-rounded, with the tail padding added to the last entry.
 
     Args:
-        seq_lens: (N,) int, N >= 1, every entry >= 1: real lengths in placement order.
+        seq_lens: (S,) int, S >= 1, every entry >= 1: real lengths in placement order.
         pack_size: tokens of the pack, a multiple of ``cp_multiple(cp_size)``.
         cp_size: context-parallel size.
 
     Returns:
-        (N,) int64 with ``sum == pack_size``; every entry a multiple of ``2*cp_size`` when
+        (S,) int64 with ``sum == pack_size``; every entry a multiple of ``2*cp_size`` when
         ``cp_size > 1`` (because ``pack_size`` is).
 
     >>> pack_seq_lens_padded(np.array([3, 4, 2]), 10, 1).tolist()
@@ -82,7 +82,7 @@ def position_ids(seq_lens_padded: np.ndarray) -> np.ndarray:
     """Positions that restart at 0 at every sequence and run on through its padding.
 
     Args:
-        seq_lens_padded: (N,) int >= 0.
+        seq_lens_padded: (S,) int >= 0.
 
     Returns:
         (T,) int64 with ``T = sum(seq_lens_padded)``.
@@ -102,7 +102,7 @@ def next_token_labels(input_ids: np.ndarray, seq_lens: np.ndarray | None = None)
 
     Args:
         input_ids: (T,) int, sequences back to back.
-        seq_lens: (N,) int summing to T; None means one sequence.
+        seq_lens: (S,) int summing to T; None means one sequence.
 
     Returns:
         (T,) int64, a new array.

@@ -13,7 +13,7 @@ takes ``input_ids[start:start+length]`` and the matching labels. A split piece's
 still predicts the next token of the same document (it is in the sample's labels), so no
 target is lost; each piece is its own sequence for attention, so its positions restart at 0.
 
-Legend: ``T`` tokens of a pack (``pack_size``), ``N`` sequences in the pack.
+Legend: ``T`` tokens of a pack (``pack_size``), ``S`` sequences in the pack.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ class Pack(TypedDict):
     position_ids: torch.Tensor
     """(T,) restart at 0 per sequence, run on through its padding."""
     seq_lens: torch.Tensor
-    """(N,) real lengths, in placement order."""
+    """(S,) real lengths, in placement order."""
     seq_lens_padded: torch.Tensor
-    """(N,) CP-rounded lengths, tail padding added to the last; sums to T."""
+    """(S,) CP-rounded lengths, tail padding added to the last; sums to T."""
 
 
 @dataclass(frozen=True)

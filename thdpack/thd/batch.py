@@ -195,7 +195,7 @@ def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[
 def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """The validated real and padded lengths of a collated BSHD batch, sentinels dropped.
 
-    Returns ``(seq_lens_N, seq_lens_padded_N)``: (N,) int64 each, row-major over the batch
+    Returns ``(seq_lens_S, seq_lens_padded_S)``: (S,) int64 each, row-major over the batch
     (row 0's sequences first). Raises ``ValueError`` as ``collate`` does.
 
     >>> sequence_lengths({"input_ids": torch.zeros(2, 4, dtype=torch.long),

@@ -1,7 +1,8 @@
 """The BSHD and THD batch formats: their keys, the -1000 sentinel, and their validation.
 
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences in one row,
-``T = B*L`` packed tokens, ``N`` sequences in the whole batch.
+``T = B*L`` packed tokens, ``S`` sequences (of the whole batch, or the most in one row for the
+(B, S) length matrices).
 
 BSHD batch (``thdpack.collate``): ``input_ids``, ``labels``, ``position_ids`` (B, L) int64;
 ``seq_lens`` (real lengths) and ``seq_lens_padded`` (slot widths) (B, S) int64, each row
@@ -15,8 +16,8 @@ key                    shape, dtype         meaning
 ``input_ids``          (T,) int64           all rows flattened, row-major
 ``labels``             (T,) int64           already shifted; -100 on padding
 ``position_ids``       (T,) int64           restart at 0 per sequence, run on through padding
-``cu_seqlens``         (N+1,) int32         ``[0] + cumsum(real lengths)`` (TE's ``cu_seqlens``)
-``cu_seqlens_padded``  (N+1,) int32         ``[0] + cumsum(slot widths)``; ``[-1] == T``
+``cu_seqlens``         (S+1,) int32         ``[0] + cumsum(real lengths)`` (TE's ``cu_seqlens``)
+``cu_seqlens_padded``  (S+1,) int32         ``[0] + cumsum(slot widths)``; ``[-1] == T``
 ``max_seqlen``         Python int           the widest padded slot (see ``to_thd``)
 ``padding_mask``       (T,) bool            True = padding, from the layout only
 any other key          (T, ...)             per-token extras (``loss_mask``), flattened alike

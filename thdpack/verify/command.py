@@ -36,7 +36,7 @@ from thdpack.testing import run_distributed
 from thdpack.thd import thd_to_device
 from thdpack.verify.exactness import (
     FAULTS,
-    StepLayout,
+    StepSpread,
     baseline_errors,
     differences,
     global_micro_batches,
@@ -87,7 +87,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
 class VerifyJob:
     """Everything a rank needs (picklable: it crosses the spawn)."""
 
-    layout: StepLayout
+    spread: StepSpread
     config: ModelConfig
     dtype: VerifyDtype
     device_type: Literal["cpu", "cuda"]
@@ -98,7 +98,7 @@ def run_verify(args: argparse.Namespace) -> int:
     """Run the check described by ``args`` (``add_verify_arguments``); print the table; return
     0 (exact), 1 (a difference over tolerance) or 2 (a rank failed)."""
     job = _job(args)
-    world = job.layout.world_size
+    world = job.spread.world_size
     try:
         results = run_distributed(
             _rank_check,
@@ -132,7 +132,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace) -> VerifyJob:
-    layout = StepLayout(
+    spread = StepSpread(
         dp_size=args.dp_size,
         cp_size=args.cp_size,
         micro_steps=args.micro_steps,
@@ -142,29 +142,29 @@ def _job(args: argparse.Namespace) -> VerifyJob:
     config = ModelConfig.preset(
         args.model, attention=AttentionConfig(backend=args.backend, cp_comm_type=args.cp_comm_type)
     )
-    world = layout.world_size
+    world = spread.world_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and gpus < world:
         raise ValueError(
-            f"--device cuda needs one GPU per rank: {world} ranks (dp {layout.dp_size} x cp {layout.cp_size}), "
+            f"--device cuda needs one GPU per rank: {world} ranks (dp {spread.dp_size} x cp {spread.cp_size}), "
             f"{gpus} GPUs visible; use --device cpu or fewer ranks"
         )
     device_type: Literal["cpu", "cuda"] = (
         "cuda" if args.device == "cuda" or (args.device == "auto" and gpus >= world) else "cpu"
     )
-    return VerifyJob(layout=layout, config=config, dtype=args.dtype, device_type=device_type, seed=args.seed)
+    return VerifyJob(spread=spread, config=config, dtype=args.dtype, device_type=device_type, seed=args.seed)
 
 
 def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     """This rank's packed step against the unpacked one; the max differences over all ranks."""
-    layout, config = job.layout, job.config
+    spread, config = job.spread, job.config
     device = torch.device(job.device_type, rank if job.device_type == "cuda" else 0)
     backend_log = _capture_backend_choice()
-    groups = make_groups(layout, rank)
-    lengths = sample_lengths(layout)
+    groups = make_groups(spread, rank)
+    lengths = sample_lengths(spread)
     samples = make_samples(lengths, config.vocab_size, job.seed)
-    pack_size = pack_size_for(lengths, layout.cp_size)
-    batches = global_micro_batches(samples, layout, pack_size)
+    pack_size = pack_size_for(lengths, spread.cp_size)
+    batches = global_micro_batches(samples, spread, pack_size)
     micro_batches = [thd_to_device(thd, device) for thd in batches[groups.dp_rank]]
     half = job.dtype == "bfloat16"
     param_dtype = torch.float32 if half else getattr(torch, job.dtype)
@@ -173,14 +173,14 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     def model() -> Transformer:
         return Transformer(config, seed=job.seed, device=device, dtype=param_dtype)
 
-    packed = packed_step(model(), micro_batches, layout, groups, autocast_dtype=autocast)
-    reference = unpacked_step(model(), samples, layout.reduction)
+    packed = packed_step(model(), micro_batches, spread, groups, autocast_dtype=autocast)
+    reference = unpacked_step(model(), samples, spread.reduction)
     diffs = differences(packed, reference)
     names = list(diffs)
     worst = _all_max(torch.tensor([diffs[n] for n in names], dtype=torch.float64, device=device))
     report: dict[str, Any] = {"diffs": dict(zip(names, worst.tolist(), strict=True)), "sizes": magnitudes(reference)}
     if half:  # plain bf16: the same unpacked step under autocast, against the same fp32 reference
-        plain = unpacked_step(model(), samples, layout.reduction, autocast_dtype=autocast)
+        plain = unpacked_step(model(), samples, spread.reduction, autocast_dtype=autocast)
         report["plain_bf16"] = baseline_errors(plain, reference)
     report.update(
         sequences=len(samples),
@@ -219,14 +219,14 @@ def _capture_backend_choice() -> _BackendLog:
 
 
 def _header(job: VerifyJob, report: dict[str, Any]) -> str:
-    layout = job.layout
+    spread = job.spread
     transport = "NCCL" if job.device_type == "cuda" else "gloo"
-    fault = f", injected fault: {layout.fault}" if layout.fault != "none" else ""
+    fault = f", injected fault: {spread.fault}" if spread.fault != "none" else ""
     return "\n".join(
         [
-            f"thdpack verify: dp {layout.dp_size} x cp {layout.cp_size} = {layout.world_size} processes "
-            f"({transport}, {report['device']}), {job.dtype}, {layout.micro_steps} micro-steps, "
-            f"{layout.reduction}{fault}",
+            f"thdpack verify: dp {spread.dp_size} x cp {spread.cp_size} = {spread.world_size} processes "
+            f"({transport}, {report['device']}), {job.dtype}, {spread.micro_steps} micro-steps, "
+            f"{spread.reduction}{fault}",
             f"  data: {report['sequences']} sequences, {report['tokens']} tokens, {report['packs']} packs of "
             f"{report['pack_size']}; model: {job.config.n_layers} layers, dim {job.config.dim}, "
             f"{job.config.n_heads}/{job.config.n_kv_heads} heads",

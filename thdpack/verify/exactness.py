@@ -1,4 +1,4 @@
-"""Model-level exactness: one packed, CP-sharded, DP-split, gradient-accumulated training step of
+"""Model-level exactness: one packed, CP-sharded, DP-spread, gradient-accumulated training step of
 the reference decoder against the same step on every sequence alone.
 
 The packed step is the whole thdpack pipeline, as a trainer runs it:
@@ -14,7 +14,7 @@ difference of the loss, of every real token's logits and of every parameter's gr
 ``thdpack verify`` and the distributed tests run it; ``Fault`` plants a known layout bug, so one
 can watch the comparison catch it.
 
-Legend: ``T`` tokens of a micro-batch on this rank, ``V`` vocabulary, ``N`` sequences.
+Legend: ``T`` tokens of a micro-batch on this rank, ``V`` vocabulary, ``S`` sequences.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _TRACE_KEYS = ("sequence_index", "sequence_position")
 
 
 @dataclass(frozen=True, kw_only=True)
-class StepLayout:
+class StepSpread:
     """How the global batch is spread for one optimizer step."""
 
     dp_size: int = 1
@@ -92,37 +92,37 @@ class StepLayout:
 
 @dataclass(frozen=True)
 class RankGroups:
-    """This rank's place in the layout: ``rank = dp_rank * cp_size + cp_rank``. Groups are None
+    """This rank's place in the spread: ``rank = dp_rank * cp_size + cp_rank``. Groups are None
     for a single process without torch.distributed."""
 
     dp_rank: int
     cp_rank: int
     dp_cp: dist.ProcessGroup | None
-    """All dp_size * cp_size ranks of the layout (loss denominator, gradient average)."""
+    """All dp_size * cp_size ranks of the spread (loss denominator, gradient average)."""
     cp: dist.ProcessGroup | None
     """The CP ranks that share this rank's micro-batches."""
 
 
-def make_groups(layout: StepLayout, rank: int) -> RankGroups:
-    """Create the layout's groups on ranks ``0 .. world_size - 1`` of the default group.
+def make_groups(spread: StepSpread, rank: int) -> RankGroups:
+    """Create the split's groups on ranks ``0 .. world_size - 1`` of the default group.
 
     Collective over the WHOLE default group (every process must call it, in the same order, even
-    ranks outside the layout); returns the groups of ``rank`` (meaningless beyond the layout).
+    ranks outside the spread); returns the groups of ``rank`` (meaningless beyond the spread).
     """
-    dp_size, cp_size = layout.dp_size, layout.cp_size
+    dp_size, cp_size = spread.dp_size, spread.cp_size
     dp_cp = dist.new_group(list(range(dp_size * cp_size)))
     cps = [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size))) for d in range(dp_size)]
     dp_rank, cp_rank = divmod(rank, cp_size)
     return RankGroups(dp_rank, cp_rank, dp_cp, cps[dp_rank] if dp_rank < dp_size else None)
 
 
-def sample_lengths(layout: StepLayout) -> list[int]:
-    """Lengths of the test batch for ``layout``: copies of ``BASE_LENGTHS`` (enough for every
+def sample_lengths(spread: StepSpread) -> list[int]:
+    """Lengths of the test batch for ``spread``: copies of ``BASE_LENGTHS`` (enough for every
     (micro-step, DP rank) to get a pack), plus a sequence of exactly 2*cp_size tokens."""
-    copies = math.ceil(layout.dp_size * layout.micro_steps / 4)
+    copies = math.ceil(spread.dp_size * spread.micro_steps / 4)
     lengths = list(BASE_LENGTHS) * copies
-    if 2 * layout.cp_size not in lengths:
-        lengths.append(2 * layout.cp_size)
+    if 2 * spread.cp_size not in lengths:
+        lengths.append(2 * spread.cp_size)
     return lengths
 
 
@@ -145,34 +145,34 @@ def pack_size_for(lengths: Sequence[int], cp_size: int) -> int:
 
 
 def global_micro_batches(
-    samples: Sequence[Mapping[str, Any]], layout: StepLayout, pack_size: int
+    samples: Sequence[Mapping[str, Any]], spread: StepSpread, pack_size: int
 ) -> list[list[THDBatch]]:
     """``[dp_rank][micro_step]``: the global (unsharded) THD micro-batches of one optimizer step.
 
-    The samples are planned into packs once (BFD, CP padding for ``layout.cp_size``) and pack
+    The samples are planned into packs once (BFD, CP padding for ``spread.cp_size``) and pack
     ``i`` goes to micro-step ``(i % bins) // dp_size``, DP rank ``i % dp_size`` (bins = dp_size *
     micro_steps), so micro-batches hold different numbers of packs and tokens. Extra per-token
     keys, re-indexed by ``cp.shard`` like the tokens: ``sequence_index`` (the sample a token
     belongs to), ``sequence_position`` (its true position in it) and ``loss_weights``.
     """
     lengths = [len(s["input_ids"]) for s in samples]
-    plan = plan_packs(lengths, pack_size, cp_size=layout.cp_size)
-    bins = layout.dp_size * layout.micro_steps
+    plan = plan_packs(lengths, pack_size, cp_size=spread.cp_size)
+    bins = spread.dp_size * spread.micro_steps
     if len(plan) < bins:
         raise ValueError(f"{len(plan)} packs for {bins} (micro-step, DP rank) slots; use more samples or fewer ranks")
-    batches: list[list[list[dict[str, Any]]]] = [[[] for _ in range(layout.micro_steps)] for _ in range(layout.dp_size)]
+    batches: list[list[list[dict[str, Any]]]] = [[[] for _ in range(spread.micro_steps)] for _ in range(spread.dp_size)]
     for i in range(len(plan)):
-        pack: dict[str, Any] = dict(build_pack(samples, plan.segments(i), pack_size, cp_size=layout.cp_size))
+        pack: dict[str, Any] = dict(build_pack(samples, plan.segments(i), pack_size, cp_size=spread.cp_size))
         pack["sequence_index"] = torch.from_numpy(np.repeat(plan[i], pack["seq_lens_padded"].numpy()))
         pack["sequence_position"] = pack["position_ids"].clone()
         slot = i % bins
-        batches[slot % layout.dp_size][slot // layout.dp_size].append(pack)
+        batches[slot % spread.dp_size][slot // spread.dp_size].append(pack)
     out = []
     for per_rank in batches:
         thds = []
         for packs in per_rank:
             thd = thd_collate(packs)
-            thd["loss_weights"] = loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction=layout.reduction)
+            thd["loss_weights"] = loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction=spread.reduction)
             thds.append(thd)
         out.append(thds)
     return out
@@ -194,13 +194,13 @@ class PackedResult:
 def packed_step(
     model: Transformer,
     micro_batches: Sequence[Mapping[str, Any]],
-    layout: StepLayout,
+    spread: StepSpread,
     groups: RankGroups,
     *,
     autocast_dtype: torch.dtype | None = None,
 ) -> PackedResult:
     """One optimizer step's forward and backward on this rank's CP shards of its micro-batches,
-    run by the trainer's own step functions (``thdpack.train.step``) with ``layout.fault``
+    run by the trainer's own step functions (``thdpack.train.step``) with ``spread.fault``
     planted through their hooks.
 
     ``micro_batches``: this DP rank's global THD micro-batches (``global_micro_batches()[dp_rank]``),
@@ -219,18 +219,18 @@ def packed_step(
     def mean_of_means(step_loss: StepLoss, logits_TV: torch.Tensor, mb: THDBatch) -> torch.Tensor:
         # the pitfall: normalise by this rank's own micro-batch, then average ranks and steps
         count = mb["loss_weights"].sum().clamp_min(1.0)
-        weights_T = mb["loss_weights"] if layout.reduction == "sequence_mean" else None
-        loss = cross_entropy_sum(logits_TV, mb["labels"], weights_T) / count / layout.micro_steps
-        naive_share.add_(loss.detach().double() / layout.world_size)
+        weights_T = mb["loss_weights"] if spread.reduction == "sequence_mean" else None
+        loss = cross_entropy_sum(logits_TV, mb["labels"], weights_T) / count / spread.micro_steps
+        naive_share.add_(loss.detach().double() / spread.world_size)
         return loss  # and DDP averages the ranks' gradients, as a naive trainer would
 
     hooks = StepHooks(
-        shard=lambda thd, cp_size, cp_rank: _rank_shard(thd, layout, cp_rank),
-        loss=mean_of_means if layout.fault == "mean_of_means" else None,
+        shard=lambda thd, cp_size, cp_rank: _rank_shard(thd, spread, cp_rank),
+        loss=mean_of_means if spread.fault == "mean_of_means" else None,
         logits=record,
     )
     micro = prepare_micro_batches(
-        micro_batches, cp_size=layout.cp_size, cp_rank=groups.cp_rank, device=device, reduction=layout.reduction,
+        micro_batches, cp_size=spread.cp_size, cp_rank=groups.cp_rank, device=device, reduction=spread.reduction,
         hooks=hooks,
     )  # fmt: skip
     model.zero_grad(set_to_none=True)
@@ -239,12 +239,12 @@ def packed_step(
         step_loss = forward_backward(
             replica,
             micro,
-            cp_group=groups.cp if layout.cp_size > 1 else None,
-            grad_average_size=layout.world_size,
+            cp_group=groups.cp if spread.cp_size > 1 else None,
+            grad_average_size=spread.world_size,
             group=groups.dp_cp,
             hooks=hooks,
         )
-    if layout.fault == "mean_of_means":
+    if spread.fault == "mean_of_means":
         if groups.dp_cp is not None:
             dist.all_reduce(naive_share, group=groups.dp_cp)
         global_loss = float(naive_share)
@@ -338,17 +338,17 @@ def baseline_errors(other: UnpackedResult, reference: UnpackedResult) -> dict[st
     return diffs
 
 
-def _rank_shard(thd: Mapping[str, Any], layout: StepLayout, cp_rank: int) -> THDBatch:
-    """``cp.shard`` of this rank, with ``layout.fault`` planted."""
-    if layout.fault == "cross_sequence_attention":
+def _rank_shard(thd: Mapping[str, Any], spread: StepSpread, cp_rank: int) -> THDBatch:
+    """``cp.shard`` of this rank, with ``spread.fault`` planted."""
+    if spread.fault == "cross_sequence_attention":
         total = int(thd["cu_seqlens_padded"][-1])
         whole = torch.tensor([0, total], dtype=torch.int32, device=thd["cu_seqlens_padded"].device)
         thd = {**thd, "cu_seqlens": whole, "cu_seqlens_padded": whole, "max_seqlen": total}
-    if layout.fault == "foreign_shard":
-        return {**shard(thd, layout.cp_size, (cp_rank + 1) % layout.cp_size), "cp_rank": cp_rank}
-    local = shard(thd, layout.cp_size, cp_rank)
-    if layout.fault == "local_positions":
-        slots = torch.diff(local["cu_seqlens_padded"].long()) // layout.cp_size
+    if spread.fault == "foreign_shard":
+        return {**shard(thd, spread.cp_size, (cp_rank + 1) % spread.cp_size), "cp_rank": cp_rank}
+    local = shard(thd, spread.cp_size, cp_rank)
+    if spread.fault == "local_positions":
+        slots = torch.diff(local["cu_seqlens_padded"].long()) // spread.cp_size
         starts = torch.repeat_interleave(torch.cumsum(slots, 0) - slots, slots)
         local["position_ids"] = torch.arange(len(starts), device=starts.device) - starts
     return local

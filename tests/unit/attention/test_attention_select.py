@@ -10,13 +10,13 @@ import torch
 from thdpack import _optional
 from thdpack.attention import BACKENDS, select
 from thdpack.attention.backends import flash, flex, math, sdpa, te, varlen
-from thdpack.attention.select import BACKEND_TABLE, CP_ALGORITHMS, PREFERENCES, Situation, choose_backend, log_choice
+from thdpack.attention.select import BACKEND_TABLE, CP_ALGORITHMS, PREFERENCES, CallFacts, choose_backend, log_choice
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
 def _situation(device=CPU, dtype=torch.float32, *, cp=False, comm="p2p", lse=False, grad=True):
-    return Situation(device=device, dtype=dtype, cp=cp, cp_comm_type=comm, need_lse=lse, need_grad=grad)
+    return CallFacts(device=device, dtype=dtype, cp=cp, cp_comm_type=comm, need_lse=lse, need_grad=grad)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from thdpack.models import ModelConfig, Transformer
 from thdpack.verify.exactness import (
     BASE_LENGTHS,
     RankGroups,
-    StepLayout,
+    StepSpread,
     baseline_errors,
     differences,
     global_micro_batches,
@@ -27,10 +27,10 @@ CONFIG = ModelConfig.preset("tiny")
 ALONE = RankGroups(0, 0, None, None)
 
 
-def _setup(layout: StepLayout):
-    lengths = sample_lengths(layout)
+def _setup(spread: StepSpread):
+    lengths = sample_lengths(spread)
     samples = make_samples(lengths, CONFIG.vocab_size, seed=0)
-    return samples, global_micro_batches(samples, layout, pack_size_for(lengths, layout.cp_size))
+    return samples, global_micro_batches(samples, spread, pack_size_for(lengths, spread.cp_size))
 
 
 def _model() -> Transformer:
@@ -48,15 +48,15 @@ def _model() -> Transformer:
 )
 def test_layout_checks(fields, match):
     with pytest.raises(ValueError, match=match):
-        StepLayout(**fields)
+        StepSpread(**fields)
 
 
 @pytest.mark.parametrize(("dp_size", "cp_size"), [(1, 1), (2, 2), (4, 3)])
 def test_micro_batches_hold_every_sample_once_with_the_edge_cases(dp_size, cp_size):
-    layout = StepLayout(dp_size=dp_size, cp_size=cp_size)
-    lengths = sample_lengths(layout)
+    spread = StepSpread(dp_size=dp_size, cp_size=cp_size)
+    lengths = sample_lengths(spread)
     assert 1 in lengths and 2 * cp_size in lengths
-    samples, batches = _setup(layout)
+    samples, batches = _setup(spread)
     assert len(batches) == dp_size and all(len(steps) == 2 for steps in batches)
     placed, tails, tokens = [], 0, []
     pack_size = pack_size_for(lengths, cp_size)
@@ -82,20 +82,20 @@ def test_too_few_packs_for_the_layout():
     with pytest.raises(
         ValueError, match=r"1 packs for 4 \(micro-step, DP rank\) slots; use more samples or fewer ranks"
     ):
-        global_micro_batches(samples, StepLayout(dp_size=2), 24)
+        global_micro_batches(samples, StepSpread(dp_size=2), 24)
 
 
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
 def test_packed_step_and_harness_reference_equal_the_oracle(reduction):
-    layout = StepLayout(reduction=reduction)
-    samples, batches = _setup(layout)
+    spread = StepSpread(reduction=reduction)
+    samples, batches = _setup(spread)
     oracle = oracle_step(_model(), samples, reduction)
-    errors = compare([packed_step(_model(), batches[0], layout, ALONE)], oracle)
+    errors = compare([packed_step(_model(), batches[0], spread, ALONE)], oracle)
     assert max(errors.values()) <= 1e-10, errors
     reference = unpacked_step(_model(), samples, reduction)
     assert abs(reference.loss - oracle["loss"]) <= 1e-12
     assert max(float((reference.grads[n] - g).abs().max()) for n, g in oracle["grads"].items()) <= 1e-12
-    diffs = differences(packed_step(_model(), batches[0], layout, ALONE), reference)
+    diffs = differences(packed_step(_model(), batches[0], spread, ALONE), reference)
     assert set(diffs) == {"loss", "logits"} | {f"grad {n}" for n, _ in _model().named_parameters()}
     assert max(diffs.values()) <= 1e-10
 
@@ -105,9 +105,9 @@ def test_packed_step_and_harness_reference_equal_the_oracle(reduction):
     [("cross_sequence_attention", "logits"), ("mean_of_means", "loss"), ("mean_of_means", "grads")],
 )
 def test_planted_faults_are_caught(fault, quantity):
-    layout = StepLayout(fault=fault)
-    samples, batches = _setup(layout)
-    errors = compare([packed_step(_model(), batches[0], layout, ALONE)], oracle_step(_model(), samples, "token_mean"))
+    spread = StepSpread(fault=fault)
+    samples, batches = _setup(spread)
+    errors = compare([packed_step(_model(), batches[0], spread, ALONE)], oracle_step(_model(), samples, "token_mean"))
     assert errors[quantity] > 1e-4, errors
 
 
@@ -134,10 +134,10 @@ def test_verify_runs_the_trainers_own_step(monkeypatch):
         monkeypatch.setattr(
             exactness, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
         )
-    layout = StepLayout(micro_steps=2)
-    samples = make_samples(sample_lengths(layout), 64, seed=0)
-    batches = global_micro_batches(samples, layout, pack_size_for(sample_lengths(layout), 1))
-    packed_step(_model(), batches[0], layout, ALONE)
+    spread = StepSpread(micro_steps=2)
+    samples = make_samples(sample_lengths(spread), 64, seed=0)
+    batches = global_micro_batches(samples, spread, pack_size_for(sample_lengths(spread), 1))
+    packed_step(_model(), batches[0], spread, ALONE)
     assert calls == ["prepare_micro_batches", "forward_backward"]
 
 

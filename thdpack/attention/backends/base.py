@@ -42,7 +42,7 @@ AttentionOutput = tuple[torch.Tensor, torch.Tensor | None]
 
 
 @dataclass(frozen=True, kw_only=True)
-class Situation:
+class CallFacts:
     """The facts of one call that decide which backends can run it."""
 
     device: torch.device
@@ -137,7 +137,7 @@ class AttentionBackend:
     name: Backend
     cp: Mapping[CpCommType, CpAlgorithm]
     """The algorithm that attends a CP shard, per ``cp_comm_type``; a missing type is refused."""
-    kernel_problem: Callable[[Situation], Exception | None]
+    kernel_problem: Callable[[CallFacts], Exception | None]
     """Why this backend's own kernel cannot run in a situation (the exception to raise), or None."""
     attend: AttendFn
     """The kernel call on one device (with ``cp == "own"`` also on a CP shard)."""
@@ -146,7 +146,7 @@ class AttentionBackend:
         for comm, algorithm in self.cp.items():
             assert algorithm in CP_ALGORITHM_NAMES, f"{self.name}: unknown CP algorithm {algorithm!r} for {comm!r}"
 
-    def problem(self, s: Situation) -> Exception | None:
+    def problem(self, s: CallFacts) -> Exception | None:
         """Why this backend cannot run a call in situation ``s`` (an exception to raise), or None."""
         if not s.cp:
             return self.kernel_problem(s)
@@ -169,7 +169,7 @@ class AttentionBackend:
         return None
 
 
-def needs_cuda_half(backend: str, s: Situation) -> Exception | None:
+def needs_cuda_half(backend: str, s: CallFacts) -> Exception | None:
     """The error for a FlashAttention-family kernel outside CUDA fp16 / bf16, or None."""
     reason = flash_kernel.unavailable_reason(s.device, s.dtype)
     if reason is None:

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 
 from thdpack import _optional
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation, needs_cuda_half
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, needs_cuda_half
 from thdpack.attention.merge import no_lse_gradient, normalize_lse
 
 
-def kernel_problem(s: Situation) -> Exception | None:
+def kernel_problem(s: CallFacts) -> Exception | None:
     if not _optional.has_flash_attn():
         return ImportError(
             "backend 'flash' needs flash-attn (flash_attn_varlen_func), which is not installed; "

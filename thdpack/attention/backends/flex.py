@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from thdpack import _optional
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation, to_1NTH, to_TNH
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, to_1NTH, to_TNH
 from thdpack.attention.masks import flex_block_mask
 from thdpack.attention.merge import normalize_lse
 
@@ -30,7 +30,7 @@ def _torch_at_least(major: int, minor: int) -> bool:
     return found >= (major, minor)
 
 
-def kernel_problem(s: Situation) -> Exception | None:
+def kernel_problem(s: CallFacts) -> Exception | None:
     if not _optional.has_flex_attention():
         return ImportError(
             f"backend 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5), not in torch "

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from thdpack.attention import math_kernel
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
 from thdpack.cp import local_placement
 from thdpack.thd.tokens import TokenPlacement
 
@@ -67,7 +67,7 @@ def attend(
     return TiledAttention.apply(q_TNH, k_TNH, v_TNH, side, side, causal, scale)
 
 
-def kernel_problem(s: Situation) -> None:
+def kernel_problem(s: CallFacts) -> None:
     """None: exact math runs on any device, in any float dtype, with the LSE and its gradient."""
     return None
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation, to_1NTH, to_TNH
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, to_1NTH, to_TNH
 from thdpack.attention.masks import block_causal_mask
 
 
-def kernel_problem(s: Situation) -> Exception | None:
+def kernel_problem(s: CallFacts) -> Exception | None:
     if s.need_lse:
         return ValueError(
             "backend 'sdpa' does not return the LSE (scaled_dot_product_attention has no such "

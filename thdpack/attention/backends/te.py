@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 
 from thdpack import _optional
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
 
 # DotProductAttention modules hold no weights (vanilla softmax); one per configuration
 _MODULES: dict[tuple[Any, ...], Any] = {}
 _CP_STREAMS: dict[torch.device, Any] = {}
 
 
-def kernel_problem(s: Situation) -> Exception | None:
+def kernel_problem(s: CallFacts) -> Exception | None:
     if not _optional.has_transformer_engine():
         return ImportError(
             "backend 'te' needs Transformer Engine with CUDA, which does not import here; "

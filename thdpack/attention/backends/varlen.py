@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from thdpack import _optional
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, Situation, needs_cuda_half
+from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, needs_cuda_half
 from thdpack.attention.merge import no_lse_gradient, normalize_lse
 
 
@@ -35,7 +35,7 @@ def _parameters() -> frozenset[str]:
     return frozenset(inspect.signature(varlen.varlen_attn).parameters)
 
 
-def kernel_problem(s: Situation) -> Exception | None:
+def kernel_problem(s: CallFacts) -> Exception | None:
     if not _optional.has_varlen_attn():
         return ImportError(
             f"backend 'varlen' needs torch.nn.attention.varlen (torch >= 2.10), not in torch "
