@@ -282,8 +282,9 @@ def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
 
 def _cumsum_from_zero(lengths_S: np.ndarray) -> torch.Tensor:
     """(S+1,) int32 ``[0] + cumsum(lengths)``."""
-    cu = np.zeros(len(lengths_S) + 1, dtype=np.int32)
-    np.cumsum(lengths_S, out=cu[1:])
+    cu = np.empty(len(lengths_S) + 1, dtype=np.int32)
+    cu[0] = 0
+    cu[1:] = lengths_S.cumsum()  # int64 sums, cast once (faster than cumsum into an int32 out)
     return torch.from_numpy(cu)
 
 

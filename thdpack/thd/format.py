@@ -150,7 +150,7 @@ def bshd_meta(seq_lens_BS: torch.Tensor, seq_lens_padded_BS: torch.Tensor, L: in
         pack_S, column_S = np.nonzero(present_BS)
         return f"pack {pack_S[s]}: sequence {column_S[s]}"
 
-    meta = ThdMeta.from_lengths(real_BS[present_BS], padded_BS[present_BS], where=where)
+    meta = ThdMeta.from_lengths(real_BS[present_BS], padded_BS[present_BS], where=where, copy=False)
     row_sums_B = np.where(present_BS, padded_BS, 0).sum(1)
     wrong = row_sums_B != L
     if wrong.any():

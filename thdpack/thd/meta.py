@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -77,31 +76,55 @@ def cu_lengths(name: str, cu: Any) -> np.ndarray:
     return lengths
 
 
-@dataclass(frozen=True, kw_only=True)
 class ThdMeta:
-    """Host-side layout of one THD batch or CP shard; build it with :meth:`from_lengths` / :func:`thd_meta`."""
+    """Host-side layout of one THD batch or CP shard; build it with :meth:`from_lengths` / :func:`thd_meta`.
 
-    lengths: tuple[int, ...]
-    """(S,) real tokens per sequence."""
-    lengths_padded: tuple[int, ...]
-    """(S,) storage slot per sequence (>= the real length; a multiple of 2*cp_size under CP)."""
-    cp_size: int = 1
-    """Context-parallel ranks the batch is sharded over (1 = not sharded)."""
-    cp_rank: int = 0
-    """This shard's rank, 0 <= cp_rank < cp_size."""
-    max_seqlen: int
-    """Upper bound on every slot width (the batch's ``max_seqlen``)."""
-    _cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    Immutable once built (made on every batch, so it is a slotted class rather than a dataclass).
+    """
+
+    __slots__ = ("_cache", "_lengths_S", "_padded_S", "cp_rank", "cp_size", "max_seqlen")
+
+    def __init__(self, lengths_S: np.ndarray, padded_S: np.ndarray, cp_size: int, cp_rank: int, max_seqlen: int):
+        """Use :meth:`from_lengths`; this stores already validated, read-only arrays."""
+        lengths_S.flags.writeable = padded_S.flags.writeable = False
+        self._lengths_S, self._padded_S = lengths_S, padded_S
+        self.cp_size, self.cp_rank, self.max_seqlen = cp_size, cp_rank, max_seqlen
+        self._cache: dict[Any, Any] = {}
+
+    @property
+    def lengths(self) -> tuple[int, ...]:
+        """(S,) real tokens per sequence."""
+        return self.cached("lengths", lambda: tuple(self._lengths_S.tolist()))
+
+    @property
+    def lengths_padded(self) -> tuple[int, ...]:
+        """(S,) storage slot per sequence (>= the real length; a multiple of 2*cp_size under CP)."""
+        return self.cached("lengths_padded", lambda: tuple(self._padded_S.tolist()))
 
     @property
     def lengths_S(self) -> np.ndarray:
-        """(S,) int64 ``lengths`` as a (read-only) numpy array, made once."""
-        return self.cached("lengths_S", lambda: _frozen_array(self.lengths))
+        """(S,) int64 real lengths, a read-only numpy array."""
+        return self._lengths_S
 
     @property
     def lengths_padded_S(self) -> np.ndarray:
-        """(S,) int64 ``lengths_padded`` as a (read-only) numpy array, made once."""
-        return self.cached("lengths_padded_S", lambda: _frozen_array(self.lengths_padded))
+        """(S,) int64 slot lengths, a read-only numpy array."""
+        return self._padded_S
+
+    def _fields(self) -> tuple[Any, ...]:
+        return (self.lengths, self.lengths_padded, self.cp_size, self.cp_rank, self.max_seqlen)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ThdMeta) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return (
+            f"ThdMeta(lengths={self.lengths}, lengths_padded={self.lengths_padded}, cp_size={self.cp_size}, "
+            f"cp_rank={self.cp_rank}, max_seqlen={self.max_seqlen})"
+        )
 
     @classmethod
     def from_lengths(
@@ -113,6 +136,7 @@ class ThdMeta:
         cp_rank: int = 0,
         max_seqlen: Any = None,
         where: Callable[[int], str] = _default_where,
+        copy: bool = True,
     ) -> ThdMeta:
         """The validated record. Raises ``ValueError`` / ``TypeError`` naming the offending sequence
         (``where(s)`` says which: ``"sequence 3"``, ``"pack 1: sequence 0"``), its value and the fix.
@@ -126,8 +150,9 @@ class ThdMeta:
         """
         if cp_size != 1 or cp_rank != 0:
             check_cp(cp_size, cp_rank)
-        real_S = np.array(lengths, dtype=np.int64).reshape(-1)  # a copy: the record keeps it
-        padded_S = np.array(lengths_padded, dtype=np.int64).reshape(-1)
+        # the record keeps the arrays (read-only): a copy, unless the caller made them for it (copy=False)
+        real_S = (np.array if copy else np.asarray)(lengths, dtype=np.int64).reshape(-1)
+        padded_S = (np.array if copy else np.asarray)(lengths_padded, dtype=np.int64).reshape(-1)
         if real_S.shape != padded_S.shape:
             raise ValueError(
                 f"cu_seqlens has {real_S.size + 1} entries but cu_seqlens_padded has {padded_S.size + 1}; both "
@@ -160,16 +185,7 @@ class ThdMeta:
                 f"max_seqlen={max_seqlen} is below the widest padded slot ({widest}); kernels may then write out of "
                 "bounds or skip keys: use max(diff(cu_seqlens_padded)), which thdpack.to_thd computes"
             )
-        meta = cls(
-            lengths=tuple(real_S.tolist()),
-            lengths_padded=tuple(padded_S.tolist()),
-            cp_size=int(cp_size),
-            cp_rank=int(cp_rank),
-            max_seqlen=max_seqlen,
-        )
-        real_S.flags.writeable = padded_S.flags.writeable = False
-        meta._cache["lengths_S"], meta._cache["lengths_padded_S"] = real_S, padded_S
-        return meta
+        return cls(real_S, padded_S, int(cp_size), int(cp_rank), max_seqlen)
 
     def for_rank(self, cp_size: int, cp_rank: int) -> ThdMeta:
         """The record of this (global) batch's shard for ``cp_rank`` of ``cp_size``."""
@@ -179,23 +195,17 @@ class ThdMeta:
                 "global batch (unshard / gather restores it)"
             )
         check_cp(cp_size, cp_rank)
-        check_cp_multiple(np.asarray(self.lengths_padded, dtype=np.int64), int(cp_size))
-        return ThdMeta(
-            lengths=self.lengths,
-            lengths_padded=self.lengths_padded,
-            cp_size=int(cp_size),
-            cp_rank=int(cp_rank),
-            max_seqlen=self.max_seqlen,
-        )
+        check_cp_multiple(self._padded_S, int(cp_size))
+        return ThdMeta(self._lengths_S, self._padded_S, int(cp_size), int(cp_rank), self.max_seqlen)
 
     @property
     def num_sequences(self) -> int:
-        return len(self.lengths)
+        return len(self._lengths_S)
 
     @property
     def total_tokens(self) -> int:
         """Global T (all ranks)."""
-        return sum(self.lengths_padded)
+        return self.cached("total_tokens", lambda: int(self._padded_S.sum()))
 
     @property
     def local_tokens(self) -> int:
@@ -212,20 +222,9 @@ class ThdMeta:
             self._cache[key] = build()
         return self._cache[key]
 
-    def __getstate__(self) -> dict[str, Any]:
+    def __reduce__(self) -> tuple[Any, ...]:
         """Pickles (into and out of DataLoader workers) without the device-side cache."""
-        state = {name: getattr(self, name) for name in ("lengths", "lengths_padded", "cp_size", "cp_rank")}
-        return {**state, "max_seqlen": self.max_seqlen, "_cache": {}}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        for name, value in state.items():
-            object.__setattr__(self, name, value)
-
-
-def _frozen_array(values: Any) -> np.ndarray:
-    array = np.array(values, dtype=np.int64)
-    array.flags.writeable = False
-    return array
+        return (ThdMeta, (self._lengths_S, self._padded_S, self.cp_size, self.cp_rank, self.max_seqlen))
 
 
 # The records of the batches made here, keyed by the identity of their cu_seqlens_padded tensor (tensors
