@@ -206,5 +206,6 @@ def test_the_record_survives_pickling_without_its_cache():
 
     meta = thd_meta(thd_collate([_pack([3, 5], [4, 12])]))
     global_placement(meta, CPU)
+    assert any(key[0] == "global placement" for key in meta._cache if isinstance(key, tuple))
     again = pickle.loads(pickle.dumps(meta))
-    assert again == meta and again._cache == {}
+    assert again._cache == {} and again == meta and not again.lengths_S.flags.writeable
