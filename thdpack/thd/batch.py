@@ -28,28 +28,14 @@ from thdpack.thd.format import (
     LENGTH_KEYS,
     PACK_KEYS,
     SEQ_LENS_SENTINEL,
-    THD_METADATA_KEYS,
     THDBatch,
     bshd_meta,
     check_bshd,
-    validate_thd,
 )
 from thdpack.thd.meta import ThdMeta, register, thd_meta
 from thdpack.thd.tokens import real_rows
 
-__all__ = [
-    "PACK_KEYS",
-    "SEQ_LENS_SENTINEL",
-    "THD_METADATA_KEYS",
-    "THDBatch",
-    "collate",
-    "sequence_lengths",
-    "split_micro_batches",
-    "thd_collate",
-    "thd_to_device",
-    "to_thd",
-    "validate_thd",
-]
+__all__ = ["collate", "sequence_lengths", "split_micro_batches", "thd_collate", "thd_to_device", "to_thd"]
 
 
 def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
