@@ -28,6 +28,8 @@ from thdpack.plan.stats import PackingStats, build_stats
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
 DEFAULT_WINDOW = 1024
+MAX_LENGTH = 2**40
+"""The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""
 
 
 def as_lengths(lengths: object) -> np.ndarray:
@@ -46,6 +48,12 @@ def as_lengths(lengths: object) -> np.ndarray:
             raise ValueError(f"sequence {i} has non-integer length {float(array[i])}; lengths count tokens")
     elif array.dtype.kind not in "iu":
         raise TypeError(f"lengths must be integers, got dtype {array.dtype}")
+    # compare before converting: an out-of-range value would wrap to a negative int64 and be misreported
+    huge = array > MAX_LENGTH
+    if huge.any():
+        i = int(np.argmax(huge))
+        shown = f"{array[i]:g}" if array.dtype.kind == "f" else str(array[i])
+        raise ValueError(f"sequence {i} has length {shown}, over the largest length thdpack plans ({MAX_LENGTH:,})")
     array = array.astype(np.int64, copy=False)
     low = array < 1
     if low.any():
@@ -98,6 +106,8 @@ def plan_packs(
     """
     lengths = as_lengths(lengths)
     pack_size = _check_int("pack_size", pack_size, 1)
+    if pack_size > MAX_LENGTH:
+        raise ValueError(f"pack_size={pack_size:,} is over the largest pack thdpack plans ({MAX_LENGTH:,} tokens)")
     cp_size = _check_int("cp_size", cp_size, 1)
     window = _check_int("window", window, 1)
     if algorithm not in ALGORITHMS:

@@ -212,3 +212,21 @@ def test_bad_input_is_named(kwargs, error, message):
     args = {"lengths": [3, 4], "pack_size": 8, **kwargs}
     with pytest.raises(error, match=message):
         plan_packs(args.pop("lengths"), args.pop("pack_size"), **args)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "message"),
+    [
+        (np.array([3.0, 1e30]), r"sequence 1 has length 1e\+30, over the largest length thdpack plans"),
+        (np.array([3, 2**63 + 5], dtype=np.uint64), "sequence 1 has length 9223372036854775813, over the largest"),
+        (np.array([2**41, 3]), "sequence 0 has length 2199023255552, over the largest length"),
+    ],
+)
+def test_huge_lengths_are_reported_with_their_real_value(lengths, message):
+    with pytest.raises(ValueError, match=message):
+        plan_packs(lengths, 8)
+
+
+def test_a_pack_size_over_the_limit_is_refused():
+    with pytest.raises(ValueError, match=r"pack_size=2,199,023,255,552 is over the largest pack thdpack plans"):
+        plan_packs([3, 4], 2**41)
