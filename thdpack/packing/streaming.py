@@ -224,16 +224,14 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     def stats(self) -> PackingStats:
         """Statistics of the packs emitted so far (overflow counts include samples still buffered)."""
         cfg = self.config
-        capacity = cfg.pack_size // layout.cp_multiple(cfg.cp_size)
-        units = np.zeros(capacity + 1, dtype=np.int64)
-        for size, count in self._slot_units.items():
-            units[size] = count
+        sizes = np.array(sorted(self._slot_units), dtype=np.int64)
         loads = np.array(sorted(self._pack_loads), dtype=np.int64)
         return build_stats(
             algorithm=f"streaming best fit (buffer {cfg.buffer_size})",
             pack_size=cfg.pack_size,
             cp_size=cfg.cp_size,
-            slot_unit_counts=units,
+            slot_sizes=sizes,
+            slot_counts=np.array([self._slot_units[int(v)] for v in sizes], dtype=np.int64),
             pack_loads=(loads, np.array([self._pack_loads[int(v)] for v in loads], dtype=np.int64)),
             overflow=self._totals,
             **{key: self._totals[key] for key in _TOTALS if key not in OVERFLOW_COUNTS},

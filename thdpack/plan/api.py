@@ -127,22 +127,31 @@ def plan_packs(
         )
     units = entries.length if multiple == 1 else -(-entries.length // multiple)  # slots, in `multiple`s
     capacity = pack_size // multiple
-    counts = np.bincount(units, minlength=capacity + 1)
     rng = None if seed is None else np.random.default_rng(seed)
 
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
+    distinct = None  # (sizes, counts) of the slots, when the planner already counted them
     if algorithm == "sequential":
         offsets = next_fit(units, capacity)
         ids = np.arange(len(units), dtype=np.int64)
     elif algorithm == "window":
         ids, offsets = window_best_fit(units, capacity, window)
     else:
-        hp = plan_histogram(counts, capacity, fit=algorithm, rng=rng)
+        # the histogram engine indexes rooms by size: with a pack larger than all slots together,
+        # every planner makes the one pack it would make with the pack exactly that large, so the
+        # engine runs on that size (memory then follows the data, never an outsized pack_size)
+        engine_capacity = min(capacity, int(units.sum()))
+        counts = np.bincount(units, minlength=engine_capacity + 1)
+        hp = plan_histogram(counts, engine_capacity, fit=algorithm, rng=rng)
+        sizes = np.flatnonzero(counts)
+        distinct = (sizes, counts[sizes])
         ids, offsets = materialize(hp, units, rng=rng)
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
-    stats = _stats(len(lengths), entries, counts, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
+    if distinct is None:
+        distinct = _distinct(units)
+    stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],
@@ -161,7 +170,7 @@ def plan_packs(
 def _stats(
     num_inputs: int,
     entries: Entries,
-    counts: np.ndarray,
+    distinct: tuple[np.ndarray, np.ndarray],
     ids: np.ndarray,
     offsets: np.ndarray,
     pack_loads: tuple[np.ndarray, np.ndarray] | None,
@@ -181,8 +190,20 @@ def _stats(
         num_sequences=num_inputs - entries.dropped_sequences,
         num_entries=len(entries.length),
         real_tokens=int(entries.length.sum()),
-        slot_unit_counts=counts,
+        slot_sizes=distinct[0],
+        slot_counts=distinct[1],
         pack_loads=pack_loads,
         max_sequences_per_pack=int(np.diff(offsets).max()) if num_packs else 0,
         overflow={key: getattr(entries, key) for key in OVERFLOW_COUNTS},
     )
+
+
+def _distinct(units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct sizes, their counts): a histogram while the largest size is small next to the
+    number of items (O(n), the common case), else a sort (no array sized by the largest value)."""
+    largest = int(units.max())
+    if largest <= 4 * len(units) + (1 << 16):
+        counts = np.bincount(units)
+        sizes = np.flatnonzero(counts)
+        return sizes, counts[sizes]
+    return np.unique(units, return_counts=True)

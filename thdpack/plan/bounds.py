@@ -28,18 +28,41 @@ def l2_lower_bound(counts: np.ndarray, capacity: int) -> int:
         capacity: pack capacity (same units as the sizes).
     """
     counts = np.asarray(counts, dtype=np.int64)
-    sizes = np.arange(len(counts), dtype=np.int64)
-    # prefix counts / sums with a leading 0 so that index x+1 means "sizes <= x"
-    count_le = np.concatenate(([0], np.cumsum(counts)))
+    sizes = np.flatnonzero(counts)
+    return l2_lower_bound_of_sizes(sizes, counts[sizes], capacity)
+
+
+def l2_lower_bound_of_sizes(sizes: np.ndarray, counts: np.ndarray, capacity: int) -> int:
+    """L2 from the DISTINCT item sizes and how many items have each: memory and time O(k log k)
+    for k distinct sizes, whatever the capacity.
+
+    ``L(a)`` only changes where an item size enters J3 (``a = s`` for ``s <= C/2``) or leaves J2
+    for J1 (``a = C - s + 1`` for ``s > C/2``), so its maximum is taken at ``a = 0`` or at one of
+    those thresholds.
+
+    >>> l2_lower_bound_of_sizes(np.array([5, 6]), np.array([2, 3]), capacity=10)
+    4
+    """
+    order = np.argsort(sizes)
+    sizes = np.asarray(sizes, dtype=np.int64)[order]
+    counts = np.asarray(counts, dtype=np.int64)[order]
+    half = capacity // 2
+    count_le = np.concatenate(([0], np.cumsum(counts)))  # index j: items among the j smallest sizes
     sum_le = np.concatenate(([0], np.cumsum(counts * sizes)))
-    half = capacity // 2  # "size <= C/2"
-    a = np.arange(half + 1, dtype=np.int64)
-    upper = capacity - a  # J2 is (C/2, C - a]
-    n_total = count_le[-1]
-    n1 = n_total - count_le[upper + 1]
-    n2 = count_le[upper + 1] - count_le[half + 1]
-    s2 = sum_le[upper + 1] - sum_le[half + 1]
-    s3 = sum_le[half + 1] - sum_le[a]  # sizes in [a, C/2]
+
+    def below(x: np.ndarray) -> np.ndarray:
+        """How many distinct sizes are <= x."""
+        return np.searchsorted(sizes, x, side="right")
+
+    a = np.unique(np.concatenate(([0], sizes[sizes <= half], capacity - sizes[sizes > half] + 1)))
+    a = a[(a >= 0) & (a <= half)]
+    upper = below(capacity - a)  # J2 is (C/2, C - a]
+    mid = below(np.array(half))
+    lower = below(a - 1)  # J3 is [a, C/2]
+    n1 = count_le[-1] - count_le[upper]
+    n2 = count_le[upper] - count_le[mid]
+    s2 = sum_le[upper] - sum_le[mid]
+    s3 = sum_le[mid] - sum_le[lower]
     spill = s3 - (n2 * capacity - s2)
     extra = np.where(spill > 0, -(-spill // capacity), 0)
     return int((n1 + n2 + extra).max())

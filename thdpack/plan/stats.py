@@ -152,7 +152,8 @@ def build_stats(
     num_sequences: int,
     num_entries: int,
     real_tokens: int,
-    slot_unit_counts: np.ndarray,
+    slot_sizes: np.ndarray,
+    slot_counts: np.ndarray,
     pack_loads: tuple[np.ndarray, np.ndarray],
     max_sequences_per_pack: int,
     overflow: Mapping[str, int],
@@ -160,15 +161,16 @@ def build_stats(
     """The stats of a plan from its totals and histograms: what ``plan_packs`` and the streaming
     packer both report (one place derives the padding, the capacity, the L2 bound, the percentiles).
 
-    ``slot_unit_counts``: (capacity + 1,) placed entries per slot size in units of ``2*cp_size``;
+    ``slot_sizes`` / ``slot_counts``: the distinct slot sizes of the placed entries, in units of
+    ``2*cp_size``, and how many entries have each (no array is sized by the pack);
     ``pack_loads``: (values, weights), real tokens of the packs and how many packs have each;
     ``overflow``: the ``OVERFLOW_COUNTS`` of the policy that placed the entries.
     """
-    from thdpack.plan.bounds import l2_lower_bound
+    from thdpack.plan.bounds import l2_lower_bound_of_sizes
     from thdpack.plan.slots import cp_multiple
 
     multiple = cp_multiple(cp_size)
-    units = np.arange(len(slot_unit_counts), dtype=np.int64)
+    slot_sizes, slot_counts = np.asarray(slot_sizes, dtype=np.int64), np.asarray(slot_counts, dtype=np.int64)
     loads, weights = pack_loads
     return PackingStats(
         algorithm=algorithm,
@@ -178,9 +180,9 @@ def build_stats(
         num_sequences=num_sequences,
         num_entries=num_entries,
         real_tokens=real_tokens,
-        cp_padding_tokens=int((units * slot_unit_counts).sum()) * multiple - real_tokens,
+        cp_padding_tokens=int((slot_sizes * slot_counts).sum()) * multiple - real_tokens,
         capacity_tokens=num_packs * pack_size,
-        lower_bound_packs=l2_lower_bound(slot_unit_counts, pack_size // multiple),
+        lower_bound_packs=l2_lower_bound_of_sizes(slot_sizes, slot_counts, pack_size // multiple) if num_packs else 0,
         max_sequences_per_pack=max_sequences_per_pack,
         fullness_percentiles=weighted_percentiles(np.asarray(loads, dtype=np.float64) / pack_size, weights),
         **{key: int(overflow.get(key, 0)) for key in OVERFLOW_COUNTS},

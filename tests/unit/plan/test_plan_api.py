@@ -230,3 +230,27 @@ def test_huge_lengths_are_reported_with_their_real_value(lengths, message):
 def test_a_pack_size_over_the_limit_is_refused():
     with pytest.raises(ValueError, match=r"pack_size=2,199,023,255,552 is over the largest pack thdpack plans"):
         plan_packs([3, 4], 2**41)
+
+
+@pytest.mark.parametrize("pack_size", [10**9, 2**24, 2**40])
+@pytest.mark.parametrize("algorithm", ["bfd", "ffd", "sequential", "window"])
+def test_memory_follows_the_data_not_the_pack_size(pack_size, algorithm):
+    """Two sequences in a 1e9-token pack used to allocate pack_size-long arrays (7.45 GiB)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    plan = plan_packs([3, 4], pack_size, algorithm=algorithm)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak / 2**20:.1f} MiB for two sequences"
+    assert [sorted(p.tolist()) for p in plan] == [[0, 1]]
+    assert plan.stats.lower_bound_packs == 1 and plan.stats.capacity_tokens == pack_size
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=30), st.sampled_from(["bfd", "ffd"]), st.integers(0, 3))
+def test_a_pack_larger_than_everything_gives_the_plan_of_the_exact_size(lengths, algorithm, extra):
+    """The engine runs on min(pack, total): the same packs, in the same order, as without the clamp."""
+    total = sum(lengths)
+    exact = plan_packs(lengths, total, algorithm=algorithm, seed=1)
+    larger = plan_packs(lengths, total * (extra + 1) + extra, algorithm=algorithm, seed=1)
+    assert [p.tolist() for p in larger] == [p.tolist() for p in exact]
