@@ -7,4 +7,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PYTHON="$PY" bash scripts/install.sh train
 NPROC=${NPROC:-2}
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m thdpack.train "$@"
+# The demo starts over in outputs/train each time (with a warning naming what it deletes), unless
+# asked to continue: a plain training run refuses an output_dir that holds another run's checkpoints.
+case " $* " in
+  *" train.resume=true "*|*" train.overwrite="*|*" train.output_dir="*) FRESH=() ;;
+  *) FRESH=(train.overwrite=true) ;;
+esac
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m thdpack.train "${FRESH[@]}" "$@"
