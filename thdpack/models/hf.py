@@ -8,9 +8,12 @@ sequences with batch size 1 (transformers 5.x; research/ring_attention.md sectio
   varlen kernel once over the row: exact, no padding work. Without them it infers the
   boundaries from ``position_ids`` (every position 0 starts a sequence), so positions MUST
   restart per sequence there; thdpack's packs do.
-* ``"sdpa"``, ``"eager"``, ``"flex_attention"``: no varlen kernel; with no ``attention_mask`` the
-  mask builder finds sequences from ``position_ids`` resets and builds a block-diagonal causal
-  mask (a dense T x T mask for sdpa / eager, a BlockMask for flex): exact, but O(T^2) memory.
+* ``"sdpa"``, ``"eager"``, ``"flex_attention"``: no varlen kernel; with no ``attention_mask`` AND
+  no cache the mask builder finds sequences from ``position_ids`` resets and builds a
+  block-diagonal causal mask (a dense T x T mask for sdpa / eager, a BlockMask for flex): exact,
+  but O(T^2) memory. ``use_cache`` defaults to True in transformers, and with a cache the
+  detection is skipped: every token then attends the whole row. ``hf_packed_kwargs`` passes
+  ``use_cache=False``; :func:`check_hf_attention` refuses implementations that are not exact.
 * No context parallelism: every one of those attends within the row it is given.
 * The loss: ``labels`` are shifted inside the model unless ``shift_labels`` is given; thdpack's
   labels are already shifted, so pass both (``hf_packed_kwargs(..., include_labels=True)``),
@@ -51,7 +54,11 @@ _METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "c
 
 
 def hf_packed_kwargs(
-    thd: Mapping[str, Any], *, cp_group: dist.ProcessGroup | None = None, include_labels: bool = False
+    thd: Mapping[str, Any],
+    *,
+    cp_group: dist.ProcessGroup | None = None,
+    include_labels: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments of a Hugging Face model call for a THD batch (``model(**kwargs)``).
 
@@ -63,6 +70,9 @@ def hf_packed_kwargs(
         cp_group: the CP group of a shard (required exactly when ``thd`` is a shard).
         include_labels: add ``labels`` and ``shift_labels`` (1, T) so the model computes the loss
             without shifting the already-shifted labels a second time.
+        model: the model the kwargs are for; its attention implementation is checked
+            (:func:`check_hf_attention`). Required for a CP shard, where only thdpack's registered
+            attention is exact.
 
     Returns:
         ``input_ids``, ``position_ids``: (1, T) int64. For an unsharded batch also the
@@ -99,9 +109,19 @@ def hf_packed_kwargs(
         )
     if cp_size == 1 and cp_group is not None:
         raise ValueError("cp_group was given but thd is not a CP shard; shard it with thdpack.cp.shard first")
+    if model is not None:
+        check_hf_attention(model, thd)
+    elif cp_size > 1:
+        raise ValueError(
+            "pass model= with a CP shard: only thdpack's registered attention is exact on one, and thdpack checks "
+            "the model's attn_implementation before any sequence can attend across ranks wrongly"
+        )
     kwargs: dict[str, Any] = {
         "input_ids": thd["input_ids"].long().unsqueeze(0),
         "position_ids": thd["position_ids"].long().unsqueeze(0),
+        # a cache makes transformers skip its packed-sequence detection from position_ids, and
+        # sdpa / eager / flex then attend across the whole row (measured: 0.1-0.4 logit error)
+        "use_cache": False,
         THD_KWARG: {key: thd[key] for key in _METADATA_KEYS if key in thd},
     }
     if cp_size > 1:
@@ -174,7 +194,42 @@ def register_hf_attention(name: str = "thdpack") -> str:
     return ``name`` for ``attn_implementation=``. Needs ``transformers``."""
     transformers = require("transformers", "register_hf_attention")
     transformers.AttentionInterface.register(name, hf_attention_forward)
+    _REGISTERED.add(name)
     return name
+
+
+_REGISTERED: set[str] = set()
+"""Names under which ``register_hf_attention`` registered thdpack's attention."""
+POSITION_MASKED = ("eager", "sdpa", "flex_attention")
+"""transformers implementations that find packed sequences from ``position_ids`` resets (no cache)."""
+VARLEN = ("flash_attention_2", "flash_attention_3")
+"""transformers implementations that take ``cu_seq_lens_q/k`` (hf_packed_kwargs passes them)."""
+
+
+def check_hf_attention(model: torch.nn.Module, thd: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``model``'s attention is exact on the packed row ``thd``.
+
+    Without CP, ``eager`` / ``sdpa`` / ``flex_attention`` are exact through transformers'
+    detection of sequences from ``position_ids`` (``hf_packed_kwargs`` turns the cache off for
+    it), ``flash_attention_2/3`` through ``cu_seq_lens_q/k``, thdpack's registered attention
+    through the batch's metadata; any other implementation is refused. On a CP shard only
+    thdpack's registered attention is exact: the others would attend within the rank's chunks.
+    """
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    fix = f"load the model with attn_implementation={register_hf_attention.__name__}() (thdpack's attention)"
+    if thd.get("cp_size", 1) > 1:
+        if implementation not in _REGISTERED:
+            raise ValueError(
+                f"the model's attention {implementation!r} cannot run a CP shard: each rank holds only chunks of every "
+                f"sequence and needs the other ranks' keys; {fix}"
+            )
+        return
+    if implementation not in (*POSITION_MASKED, *VARLEN, *_REGISTERED):
+        raise ValueError(
+            f"the model's attention {implementation!r} is not known to be exact on a packed row (sequences could "
+            f"attend to each other); use one of {', '.join(POSITION_MASKED + VARLEN)}, or {fix}"
+        )
 
 
 def _metadata(kwargs: Mapping[str, Any], *, total_tokens: int) -> Mapping[str, Any]:

@@ -37,8 +37,10 @@ def test_kwargs_of_an_unsharded_batch():
         "cu_seq_lens_k",
         "max_length_q",
         "max_length_k",
+        "use_cache",
         THD_KWARG,
     }
+    assert kwargs["use_cache"] is False  # with a cache, transformers' sdpa / eager attend across the row
     assert kwargs["input_ids"].tolist() == [[5, 6, 7, 0, 8, 9, 0, 0]]
     assert kwargs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3]]
     assert kwargs["cu_seq_lens_q"].dtype == torch.int32
@@ -53,10 +55,21 @@ def test_labels_are_given_pre_shifted():
     assert kwargs["labels"].tolist() == kwargs["shift_labels"].tolist() == want
 
 
-def test_a_cp_shard_carries_the_group_and_no_flash_kwargs():
+class _Model(torch.nn.Module):
+    """What check_hf_attention reads of a transformers model: ``config._attn_implementation``."""
+
+    def __init__(self, implementation):
+        super().__init__()
+        self.config = type("Config", (), {"_attn_implementation": implementation})()
+
+
+def test_a_cp_shard_carries_the_group_and_no_flash_kwargs(monkeypatch):
+    import thdpack.models.hf as hf
+
+    monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
     group = object()  # stands in for a ProcessGroup: the kwargs only carry it
     local = shard(_thd(cp_multiple=4), 2, 1)
-    kwargs = hf_packed_kwargs(local, cp_group=group)  # type: ignore[arg-type]
+    kwargs = hf_packed_kwargs(local, cp_group=group, model=_Model("thdpack"))  # type: ignore[arg-type]
     assert kwargs[CP_GROUP_KWARG] is group
     assert "cu_seq_lens_q" not in kwargs
     assert kwargs["input_ids"].shape == (1, 6)
@@ -163,3 +176,24 @@ def test_registration_with_transformers():
 
     name = register_hf_attention("thdpack_test")
     assert transformers.AttentionInterface._global_mapping[name] is hf_attention_forward
+
+
+@pytest.mark.parametrize(
+    ("implementation", "sharded", "message"),
+    [
+        ("sdpa", True, r"the model's attention 'sdpa' cannot run a CP shard: each rank holds only chunks"),
+        ("flash_attention_2", True, r"'flash_attention_2' cannot run a CP shard"),
+        ("paged|sdpa", False, r"'paged\|sdpa' is not known to be exact on a packed row"),
+        (None, True, "pass model= with a CP shard"),
+    ],
+)
+def test_attention_that_cannot_be_exact_is_refused(monkeypatch, implementation, sharded, message):
+    import thdpack.models.hf as hf
+
+    monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
+    thd = shard(_thd(cp_multiple=4), 2, 0) if sharded else _thd()
+    model = None if implementation is None else _Model(implementation)
+    with pytest.raises(ValueError, match=message):
+        hf_packed_kwargs(thd, cp_group=object() if sharded else None, model=model)  # type: ignore[arg-type]
+    for fine in ("sdpa", "eager", "flex_attention", "flash_attention_2", "thdpack"):
+        hf_packed_kwargs(_thd(), model=_Model(fine))  # unsharded: exact with these
