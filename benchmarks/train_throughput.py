@@ -391,6 +391,12 @@ def busy_seconds(intervals_us: Sequence[tuple[float, float]]) -> float:
     return busy / 1e6
 
 
+def device_intervals(events: Sequence[Any], device_type: Any) -> list[tuple[float, float]]:
+    """``(start, end)`` microseconds of the profiler events that ran on ``device_type`` (kernels,
+    copies, memsets: the GPU's own activity, not the host calls that launched them)."""
+    return [(e.time_range.start, e.time_range.end) for e in events if e.device_type == device_type]
+
+
 def gpu_idle_fraction(run_step: Any, device: torch.device) -> float:
     """1 - (union of the GPU's kernel and copy intervals) / (wall time) of one profiled step."""
     from torch.autograd import DeviceType
@@ -402,10 +408,22 @@ def gpu_idle_fraction(run_step: Any, device: torch.device) -> float:
         run_step()
         _sync(device)
         wall = time.perf_counter() - start
-    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    intervals = device_intervals(prof.events(), DeviceType.CUDA)
     if not intervals:
         raise RuntimeError("the profiler recorded no GPU activity (is CUPTI available?)")
     return max(0.0, 1.0 - busy_seconds(intervals) / wall)
+
+
+def step_flops(model: Transformer, real_tokens: int, pairs: int) -> int:
+    """Model FLOPs of one training step (forward + backward) on its useful work only.
+
+    ``6 * parameters * real_tokens`` for the matmuls (the tied embedding counted once: it is the LM
+    head's matmul; the lookup is free) plus ``12 * layers * heads * head_dim`` per real causal
+    (query, key) pair for QK^T and PV. Padding costs time but no model FLOPs.
+    """
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    return 6 * params * real_tokens + 12 * c.n_layers * c.n_heads * c.head_dim * pairs
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -459,10 +477,7 @@ def run_mode(
         raise FloatingPointError(f"mode {mode}: the loss is {row['final_loss']} after {len(host_steps)} steps")
     peak = peak_flops(device)
     if peak is not None:
-        params = sum(p.numel() for p in model.parameters())  # tied embedding counted once: the LM head's matmul
-        c = model.config
-        per_pair = 12 * c.n_layers * c.n_heads * c.head_dim  # QK^T and PV, forward + backward
-        flops = [6 * params * r + per_pair * p for r, p in zip(real, pairs, strict=True)]
+        flops = [step_flops(model, r, p) for r, p in zip(real, pairs, strict=True)]
         row["mfu"] = statistics.median(f / s / peak for f, s in zip(flops[timed], seconds[timed], strict=True))
     if device.type == "cuda" and cfg.profile:
         try:

@@ -189,6 +189,36 @@ def test_bf16_mixed_step_keeps_fp32_weights_and_moves_them():
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
+def test_model_flops_count_useful_work_only():
+    model = tt.Transformer(tt.TINY_MODEL, seed=0)
+    params = sum(p.numel() for p in model.parameters())
+    # tied embedding; per layer q and o 64x64, k and v 64x32, SwiGLU 3 x 64x192, 2 norms; final norm
+    assert params == 256 * 64 + 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 192 + 2 * 64) + 64
+    # 10 real tokens in sequences of 4 and 6: 10 + 21 causal pairs; 2 layers x 4 heads x 16 channels
+    assert tt.step_flops(model, 10, 31) == 6 * params * 10 + 12 * 2 * 4 * 16 * 31
+
+
+@pytest.mark.parametrize(
+    ("name", "peak"),
+    [("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12), ("Tesla T4", None)],
+)
+def test_mfu_peaks_by_device_name(monkeypatch, name, peak):
+    monkeypatch.setattr(tt.torch.cuda, "get_device_name", lambda device=None: name)
+    assert tt.peak_flops(torch.device("cuda")) == peak
+    assert tt.peak_flops(torch.device("cpu")) is None
+
+
+def test_gpu_busy_time_is_the_union_of_device_intervals():
+    class Event:
+        def __init__(self, device_type, start, end):
+            self.device_type, self.time_range = device_type, type("R", (), {"start": start, "end": end})()
+
+    events = [Event("cuda", 0, 10), Event("cpu", 0, 100), Event("cuda", 5, 20), Event("cuda", 50, 60)]
+    intervals = tt.device_intervals(events, "cuda")
+    assert intervals == [(0, 10), (5, 20), (50, 60)]
+    assert tt.busy_seconds(intervals) == pytest.approx(30e-6)
+
+
 def test_docstring_examples():
     assert doctest.testmod(tt, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
 
@@ -208,7 +238,10 @@ def test_a_failing_mode_is_reported_and_the_others_still_run(tmp_path, monkeypat
     modes = result["runs"][0]["modes"]
     assert modes["grouped"]["failed"] == "RuntimeError: CUDA out of memory (planted)"
     assert all("tokens_per_s" in modes[m] for m in tt.MODES if m != "grouped")
-    assert "| 1.3 |" not in tt.markdown(result) and "not measured" in tt.markdown(result)
+    assert result["runs"][0]["ratios"]["c/b"]["value"] is None
+    ratio_row = next(line for line in tt.markdown(result).splitlines() if line.startswith("| short | 32 | cpu |"))
+    assert ratio_row.split(" | ")[4] == "not measured"  # c/b; c/a and c/e were measured
+    assert "(b) length-grouped padding | cpu | failed: RuntimeError: CUDA out of memory" in tt.markdown(result)
 
 
 @pytest.mark.slow
