@@ -40,9 +40,10 @@ padded path; attention costs what the backend makes of real lengths (the varlen 
 padding, as HF's FlashAttention-2 path does; HF's SDPA path would also pay attention on padding).
 
 Reported per mode: real (loss-bearing) tokens per step (equal in every mode, checked), slots per
-step, padding, micro-batches, step time (median of ``--steps`` timed steps after ``--warmup``),
-real tokens/s, peak memory (``torch.cuda.max_memory_allocated``; '-' on CPU), MFU (GPU: ``6 *
-params * real tokens`` plus ``12 * layers * heads * head_dim`` per real causal pair of the layout,
+step, padding, micro-batches, step time (median of ``--steps`` timed steps after ``--warmup``;
+the modes take turns step by step, so a shared machine's slow spells hit them alike), real
+tokens/s, peak memory (``torch.cuda.max_memory_allocated``; '-' on CPU), MFU (GPU: ``6 * params *
+real tokens`` plus ``12 * layers * heads * head_dim`` per real causal pair of the layout,
 over NVIDIA's dense bf16 peak, 989 TFLOP/s for H100 SXM; '-' on CPU), the GPU's idle fraction
 (one extra step under ``torch.profiler``: 1 - union of GPU kernel / copy intervals / wall time of
 the step; '-' on CPU) and the host time to collate a step's batches. Host batches are built (and
@@ -52,6 +53,9 @@ c/b, c/e of real tokens/s against the targets (>= 2.5, >= 1.3, >= 0.95) are mark
 
 Writes ``train_throughput.json``, ``train_throughput.md`` and ``train_throughput.png`` into
 ``--out``. Every number is measured on the device named next to it; nothing is estimated.
+
+Legend: ``S`` documents of a step, ``R`` real tokens of a step (its documents back to back), ``T``
+tokens of a THD batch, ``V`` vocabulary.
 """
 
 from __future__ import annotations
@@ -434,42 +438,83 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)
 
 
-def run_mode(
-    mode: Mode,
+def measure_modes(
+    host_steps: Mapping[Mode, Sequence[Sequence[Mapping[str, Any]]]],
     model: Transformer,
     optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    cfg: ThroughputConfig,
+) -> dict[Mode, dict[str, Any]]:
+    """Train every mode's steps, interleaved (step i of every mode, in an order that rotates with i,
+    before step i+1), so that a shared machine's slow spells and the model's state hit all modes
+    alike. The first ``cfg.warmup`` steps are untimed. A mode that fails (out of memory, a kernel
+    error) gets a ``failed`` row; the others go on. Then memory, MFU and the GPU idle fraction."""
+    precision = resolve_precision(cfg.precision, device)
+    modes = list(host_steps)
+    seconds: dict[Mode, list[float]] = {m: [] for m in modes}
+    peak_memory: dict[Mode, int] = dict.fromkeys(modes, 0)
+    losses: dict[Mode, torch.Tensor] = {}
+    failed: dict[Mode, str] = {}
+    for i in range(cfg.warmup + cfg.steps):
+        for mode in modes[i % len(modes) :] + modes[: i % len(modes)]:
+            if mode in failed:
+                continue
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                start = time.perf_counter()
+                losses[mode] = train_step(model, optimizer, host_steps[mode][i], device, precision)
+                _sync(device)
+                seconds[mode].append(time.perf_counter() - start)
+                if device.type == "cuda":
+                    peak_memory[mode] = max(peak_memory[mode], torch.cuda.max_memory_allocated(device))
+            except Exception as err:  # this mode's row reports it; the other modes go on
+                optimizer.zero_grad(set_to_none=True)
+                failed[mode] = f"{type(err).__name__}: {err}"
+    rows = {}
+    for mode in modes:
+        if mode in failed:
+            rows[mode] = {"mode": mode, "failed": failed[mode]}
+            continue
+        rows[mode] = _mode_row(mode, host_steps[mode], seconds[mode], losses[mode], model, device, cfg)
+        rows[mode]["peak_memory_bytes"] = peak_memory[mode] if device.type == "cuda" else None
+        if device.type == "cuda" and cfg.profile:
+            step = host_steps[mode][cfg.warmup]
+            try:
+                rows[mode]["gpu_idle"] = gpu_idle_fraction(
+                    lambda step=step: train_step(model, optimizer, step, device, precision), device
+                )
+            except Exception as err:  # the idle fraction is one column; the mode's timings stand
+                rows[mode]["gpu_idle_error"] = f"{type(err).__name__}: {err}"
+    return rows
+
+
+def _mode_row(
+    mode: Mode,
     host_steps: Sequence[Sequence[Mapping[str, Any]]],
+    seconds: Sequence[float],
+    loss: torch.Tensor,
+    model: Transformer,
     device: torch.device,
     cfg: ThroughputConfig,
 ) -> dict[str, Any]:
-    """Time one mode's steps (the first ``cfg.warmup`` untimed) and measure memory, MFU, GPU idle."""
-    precision = resolve_precision(cfg.precision, device)
-    counts = [[batch_counts(b) for b in step] for step in host_steps]
+    timed = slice(cfg.warmup, None)
+    counts = [[batch_counts(b) for b in step] for step in host_steps[timed]]
     real = [sum(c["real"] for c in step) for step in counts]
     slots = [sum(c["slots"] for c in step) for step in counts]
     pairs = [sum(c["pairs"] for c in step) for step in counts]
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds, loss = [], None
-    for step in host_steps:
-        _sync(device)
-        start = time.perf_counter()
-        loss = train_step(model, optimizer, step, device, precision)
-        _sync(device)
-        seconds.append(time.perf_counter() - start)
-    timed = slice(cfg.warmup, None)
+    seconds = seconds[timed]
     row: dict[str, Any] = {
         "mode": mode,
-        "real_tokens_per_step": real[timed],
-        "slots_per_step": slots[timed],
+        "real_tokens_per_step": real,
+        "slots_per_step": slots,
         "micro_batches_per_step": [len(step) for step in host_steps[timed]],
-        "padding": 1 - sum(real[timed]) / sum(slots[timed]),
-        "step_seconds": seconds[timed],
-        "step_time_s": statistics.median(seconds[timed]),
-        "tokens_per_s": statistics.median(r / s for r, s in zip(real[timed], seconds[timed], strict=True)),
+        "padding": 1 - sum(real) / sum(slots),
+        "step_seconds": seconds,
+        "step_time_s": statistics.median(seconds),
+        "tokens_per_s": statistics.median(r / s for r, s in zip(real, seconds, strict=True)),
         "final_loss": float(loss),
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "mfu": None,
         "gpu_idle": None,
     }
@@ -478,14 +523,7 @@ def run_mode(
     peak = peak_flops(device)
     if peak is not None:
         flops = [step_flops(model, r, p) for r, p in zip(real, pairs, strict=True)]
-        row["mfu"] = statistics.median(f / s / peak for f, s in zip(flops[timed], seconds[timed], strict=True))
-    if device.type == "cuda" and cfg.profile:
-        try:
-            row["gpu_idle"] = gpu_idle_fraction(
-                lambda: train_step(model, optimizer, host_steps[cfg.warmup], device, precision), device
-            )
-        except Exception as err:  # the idle fraction is one column; the mode's timings stand
-            row["gpu_idle_error"] = f"{type(err).__name__}: {err}"
+        row["mfu"] = statistics.median(f / s / peak for f, s in zip(flops, seconds, strict=True))
     return row
 
 
@@ -569,20 +607,17 @@ def _run_one(
         f"into pieces), {statistics.mean(len(s) for s in lengths):.1f} documents per step"
     )
     run_row: dict[str, Any] = {"data": data, "pack_size": pack_size, "empty_documents": empty, "split_documents": split}
-    modes: dict[str, dict[str, Any]] = {}
+    host_steps: dict[Mode, list[list[dict[str, Any]]]] = {}
+    collate_s: dict[Mode, float] = {}
     for mode in MODES:
         start = time.perf_counter()
-        host_steps = [micro_batches(mode, s, *t, pack_size, cfg) for s, t in zip(lengths, tokens, strict=True)]
-        collate_s = (time.perf_counter() - start) / len(host_steps)
+        host_steps[mode] = [micro_batches(mode, s, *t, pack_size, cfg) for s, t in zip(lengths, tokens, strict=True)]
+        collate_s[mode] = (time.perf_counter() - start) / len(lengths)
         if device.type == "cuda":
-            host_steps = [[_pin(b) for b in step] for step in host_steps]
-        try:
-            row = run_mode(mode, model, optimizer, host_steps, device, cfg)
-        except Exception as err:  # one mode's failure (out of memory, a kernel error) is its row; the rest go on
-            optimizer.zero_grad(set_to_none=True)
-            row = {"mode": mode, "failed": f"{type(err).__name__}: {err}"}
-        row["collate_s_per_step"] = collate_s
-        modes[mode] = row
+            host_steps[mode] = [[_pin(b) for b in step] for step in host_steps[mode]]
+    modes = measure_modes(host_steps, model, optimizer, device, cfg)
+    for mode, row in modes.items():
+        row["collate_s_per_step"] = collate_s[mode]
         say(_text_row(data, pack_size, row, result_device(device)))
     real = {tuple(r["real_tokens_per_step"]) for r in modes.values() if "failed" not in r}
     assert len(real) <= 1, f"modes trained on different real tokens per step: {real}"
@@ -681,7 +716,7 @@ def markdown(result: Mapping[str, Any]) -> str:
         for name, *_ in TARGETS:
             r = run_row["ratios"][name]
             cells.append(
-                "not measured" if r["value"] is None else f"{r['value']:.2f} {'met' if r['met'] else 'missed'}"
+                "not measured" if r["value"] is None else f"{r['value']:.3f} {'met' if r['met'] else 'missed'}"
             )
         lines.append(f"| {run_row['data']} | {run_row['pack_size']} | {device} | " + " | ".join(cells) + " |")
     for skip in result["skipped"]:
