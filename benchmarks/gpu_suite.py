@@ -188,7 +188,8 @@ def thd_timings(device: torch.device, tiny: bool) -> dict[str, Any]:
     try:
         packs = thd_bench.make_packs(packs_n, pack_size, cp_size)
         host = thd_collate(packs)
-        rows = [_timing("thd_collate", "cpu", thd_bench.time_cpu(lambda: thd_collate(packs), reps))]
+        collate = f"thd_collate ({packs_n} packs x {pack_size}, one thread)"
+        rows = [_timing(collate, "cpu", thd_bench.time_cpu(lambda: thd_collate(packs), reps))]
     finally:
         torch.set_num_threads(threads)
     if device.type == "cuda":

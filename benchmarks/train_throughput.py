@@ -814,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared CPU)"
     )
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "train_throughput")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
     device = choose_device(args.device, args.tiny)

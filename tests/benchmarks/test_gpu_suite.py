@@ -48,7 +48,11 @@ def test_tiny_suite_runs_every_section_and_writes_its_files(tmp_path):
     cp = sections["cp_simulated"]["rows"]
     assert [row["cp_size"] for row in cp] == [2, 4, 8] and all(row["met"] and row["kernel"] == "math" for row in cp)
     stages = [row["stage"] for row in sections["thd_timings"]["rows"]]
-    assert stages[0] == "thd_collate" and stages[2].startswith("cp.shard") and stages[3].startswith("partition_indices")
+    assert (
+        stages[0] == "thd_collate (2 packs x 1024, one thread)"
+        and stages[2].startswith("cp.shard")
+        and stages[3].startswith("partition_indices")
+    )
     runs = sections["throughput"]["result"]["runs"]
     assert runs and all(set(run["modes"]) == set(suite.train_throughput.MODES) for run in runs)
     text = (tmp_path / "results.md").read_text()
