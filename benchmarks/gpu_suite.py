@@ -263,8 +263,11 @@ def markdown(results: Mapping[str, Any]) -> str:
     ]
     for name in SECTIONS:
         entry = s[name]
-        note = _why(entry)[2:] or entry.get("summary", "")
+        note = (_why(entry)[2:] or entry.get("summary", "")).split("\n")[0]
         lines.append(f"| {name} | {entry['status']} | {entry['seconds']:.1f} | {note[:160].replace('|', '/')} |")
+    for name in SECTIONS:
+        if s[name]["status"] == "failed":
+            lines += ["", f"## {name} failed", "", "```", s[name]["error"][-4000:], "```"]
     for name in ("attention_parity", "cp_simulated"):
         if s[name]["status"] != "ran":
             continue

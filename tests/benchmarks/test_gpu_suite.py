@@ -82,7 +82,8 @@ def test_a_failing_section_is_reported_and_the_suite_goes_on(tmp_path, monkeypat
     assert results["sections"]["thd_timings"]["status"] == "ran"
     assert results["skipped"]["cp_simulated"] == "planted: not here" == results["skipped"]["throughput"]
     assert results["failed"] == {"attention_parity": parity["error"]}
-    assert "| attention_parity | failed |" in (tmp_path / "results.md").read_text()
+    text = (tmp_path / "results.md").read_text()
+    assert "| attention_parity | failed |" in text and "## attention_parity failed" in text
     assert results["parity_plot"] == "no parity plot: no backend ran"
 
 
