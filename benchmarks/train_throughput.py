@@ -1,12 +1,12 @@
 """Training throughput: thdpack's packed THD batches against padded batches of the same tokens.
 
-    python benchmarks/train_throughput.py                          # GPU: 288M decoder, bf16-mixed, L 4096 and 8192
+    python benchmarks/train_throughput.py                          # GPU: 287M decoder, bf16-mixed, L 4096 and 8192
     python benchmarks/train_throughput.py --pack-sizes 4096 --steps 5 --out /tmp/tp
     python benchmarks/train_throughput.py --lengths my.lengths.npy  # any 1-D .npy of document lengths
     python benchmarks/train_throughput.py --tiny                   # CPU, tiny model, seconds (the tests run this)
 
 A Llama-style decoder (thdpack's ``Transformer``; on the GPU dim 1024, 20 layers, 16 query / 8
-KV heads of 64, SwiGLU 2816, GPT-2's vocabulary, tied embeddings: 288M parameters) trains with
+KV heads of 64, SwiGLU 2816, GPT-2's vocabulary, tied embeddings: 287M parameters) trains with
 AdamW in bf16 mixed precision: fp32 parameters and optimizer state, the forward pass under
 ``torch.autocast(bfloat16)``, the loss in fp32, the optimizer step inside the timed step. On the
 CPU (``--tiny``) the same code runs in fp32 by default (``--precision auto``): CPUs without bf16
@@ -116,7 +116,7 @@ Precision = Literal["auto", "bf16-mixed", "fp32"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 GPU_MODEL = ModelConfig(vocab_size=50257, dim=1024, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=2816)
-"""288M parameters: Llama-style, GPT-2 vocabulary, tied embeddings."""
+"""287M parameters: Llama-style, GPT-2 vocabulary, tied embeddings."""
 TINY_MODEL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192)
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 NVL", 835e12),
@@ -770,13 +770,13 @@ def write(result: dict[str, Any], out: Path, stem: str = "train_throughput") -> 
 
 def choose_device(requested: str, tiny: bool) -> torch.device:
     """``cuda`` when available (``auto``), else the CPU, which only ``--tiny`` (or an explicit
-    ``--device cpu``) measures: the 288M model would take hours there."""
+    ``--device cpu``) measures: the 287M model would take hours there."""
     if requested == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
         if not tiny:
             raise SystemExit(
-                "no CUDA device: the full benchmark trains a 288M-parameter model; use --tiny on a CPU "
+                "no CUDA device: the full benchmark trains a 287M-parameter model; use --tiny on a CPU "
                 "(or --device cpu to insist)"
             )
         return torch.device("cpu")
