@@ -15,19 +15,22 @@ matrix units emulate it 10-30x slower, which would measure the emulation, not th
 Each step trains on the same documents in every mode: lengths from real data (Alpaca records
 under the GPT-2 tokenizer, short; the Python 3.11 standard library, long-tailed; or ``--lengths``),
 documents longer than the pack split into pack-size pieces (counted), random token ids (speed does
-not depend on them; every real token bears loss). Each step's documents are the longest run of a
-random order that ``plan_packs`` fits into ``step_tokens / L`` packs. The modes lay them out
-differently and feed the SAME model as THD batches, so only the layout differs:
+not depend on them; every real token bears loss). Each step's documents are those of
+``step_tokens / L`` random packs of one bfd plan of the whole dataset (how ``PackedDataset``
+trains), in a random order. The modes lay them out differently and feed the SAME model as THD
+batches, so only the layout differs:
 
 - (a) ``padding``: Hugging Face's default collator: every example its own row, padded to the
   longest example of its micro-batch; ``B = ceil(documents / micro-batches)`` examples per
   micro-batch (the examples thdpack's packs hold), in the random order. A micro-batch over
   ``pad_cap * micro_tokens`` slots is cut into fewer rows per micro-batch (what a user short of
   memory does; counted in the micro-batch column).
-- (b) ``grouped``: length-grouped dynamic padding, the best layout without packing: documents
-  sorted by length, cut into micro-batches of at most ``micro_tokens`` padded slots.
-- (c) ``packed``: thdpack: ``plan_packs`` (bfd), ``build_pack``, ``thd_collate``; ``micro_tokens / L``
-  packs per micro-batch; attention by the fastest available backend (``auto``, logged).
+- (b) ``grouped``: length-grouped dynamic padding, the best layout without packing: the step's
+  documents sorted by length, cut into micro-batches of at most ``micro_tokens`` padded slots
+  (grouping across steps would change the tokens of a step).
+- (c) ``packed``: thdpack: the plan's packs (``plan_packs``, bfd), ``build_pack``, ``thd_collate``;
+  ``micro_tokens / L`` packs per micro-batch; attention by the fastest available backend (``auto``,
+  logged).
 - (d) ``concat``: naive concatenation without boundaries: the documents back to back, cut into
   rows of L, one causal sequence per row (documents attend to each other: contaminating, a speed
   reference only); the last row padded.
@@ -61,6 +64,7 @@ tokens of a THD batch, ``V`` vocabulary.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -223,28 +227,47 @@ def split_documents(lengths_S: np.ndarray, pack_size: int) -> tuple[np.ndarray, 
     return entries.length.astype(np.int64), entries.split_sequences
 
 
-def draw_steps(
-    pieces_S: np.ndarray, pack_size: int, packs: int, count: int, rng: np.random.Generator
-) -> list[np.ndarray]:
-    """``count`` steps' document lengths: each the longest run of a random order of ``pieces_S``
-    whose bfd plan needs at most ``packs`` packs of ``pack_size`` (the order wraps around)."""
-    order, cursor = rng.permutation(len(pieces_S)), 0
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step's documents, which every mode trains on."""
+
+    lengths_S: np.ndarray
+    """(S,) int64 document lengths in stream order (a random order, as a sampler yields them)."""
+    packs: tuple[np.ndarray, ...]
+    """The packed mode's packs: indices into ``lengths_S``, in placement order."""
+
+
+def plan_step(lengths_S: np.ndarray, pack_size: int) -> Step:
+    """A step of exactly these documents, packed by their own bfd plan.
+
+    >>> [p.tolist() for p in plan_step(np.array([3, 6, 2, 4]), 8).packs]
+    [[3, 0], [1, 2]]
+    """
+    plan = plan_packs(lengths_S, pack_size, algorithm="bfd")
+    return Step(np.asarray(lengths_S, dtype=np.int64), tuple(plan[i] for i in range(len(plan))))
+
+
+def draw_steps(pieces_S: np.ndarray, pack_size: int, packs: int, count: int, rng: np.random.Generator) -> list[Step]:
+    """``count`` steps of ``packs`` packs each, drawn at random from ONE bfd plan of all of
+    ``pieces_S`` (how ``PackedDataset`` trains: plan the epoch, shuffle its packs; a plan per step
+    would waste the tail of every step's last pack). A step's documents are its packs' documents
+    in a random order; an epoch with too few packs is reused, reshuffled."""
+    plan = plan_packs(pieces_S, pack_size, algorithm="bfd")
+    if len(plan) < packs:
+        raise ValueError(
+            f"the lengths fill {len(plan)} packs of {pack_size} tokens, fewer than the {packs} of one step; "
+            "use a smaller step_tokens or a larger lengths file"
+        )
+    need = count * packs
+    order = np.concatenate([rng.permutation(len(plan)) for _ in range(-(-need // len(plan)))])[:need]
     steps = []
-    for _ in range(count):
-        taken, total = [], 0
-        while True:
-            if cursor == len(order):
-                order, cursor = rng.permutation(len(pieces_S)), 0
-            n = int(pieces_S[order[cursor]])
-            if total + n > packs * pack_size:
-                break
-            taken.append(n)
-            total += n
-            cursor += 1
-        lengths_S = np.array(taken, dtype=np.int64)
-        while len(plan_packs(lengths_S, pack_size)) > packs:  # bfd leaves a little room: drop the last ones
-            lengths_S = lengths_S[:-1]
-        steps.append(lengths_S)
+    for k in range(count):
+        members = [plan[int(i)] for i in order[k * packs : (k + 1) * packs]]
+        stream = rng.permutation(sum(len(m) for m in members))  # stream position of each member entry
+        bounds = np.cumsum([0] + [len(m) for m in members])
+        lengths_S = np.empty(len(stream), dtype=np.int64)
+        lengths_S[stream] = pieces_S[np.concatenate(members)]
+        steps.append(Step(lengths_S, tuple(stream[a:b] for a, b in itertools.pairwise(bounds))))
     return steps
 
 
@@ -321,17 +344,18 @@ def seqs_batch(seqs: Sequence[Seq], ids_R: np.ndarray, labels_R: np.ndarray) -> 
 
 
 def micro_batches(
-    mode: Mode, lengths_S: np.ndarray, ids_R: np.ndarray, labels_R: np.ndarray, pack_size: int, cfg: ThroughputConfig
+    mode: Mode, step: Step, ids_R: np.ndarray, labels_R: np.ndarray, pack_size: int, cfg: ThroughputConfig
 ) -> list[dict[str, Any]]:
     """One step's host THD batches in ``mode`` (the packed mode through thdpack's own pipeline)."""
+    lengths_S = step.lengths_S
     if mode != "packed":
         return [seqs_batch(seqs, ids_R, labels_R) for seqs in layout(mode, lengths_S, pack_size, cfg)]
     starts_S = np.cumsum(lengths_S) - lengths_S
     samples = [
         {"input_ids": ids_R[s : s + n], "labels": labels_R[s : s + n]} for s, n in zip(starts_S, lengths_S, strict=True)
     ]
-    plan = plan_packs(lengths_S, pack_size, algorithm="bfd")
-    packs = [build_pack(samples, plan.segments(i), pack_size) for i in range(len(plan))]
+    segments = [(members, np.zeros(len(members), dtype=np.int64), lengths_S[members]) for members in step.packs]
+    packs = [build_pack(samples, segment, pack_size) for segment in segments]
     per_micro = cfg.micro_tokens // pack_size
     return [thd_collate(packs[i : i + per_micro]) for i in range(0, len(packs), per_micro)]
 
@@ -600,19 +624,19 @@ def _run_one(
 ) -> dict[str, Any]:
     pieces, split = split_documents(documents, pack_size)
     rng = np.random.default_rng(cfg.seed)
-    lengths = draw_steps(pieces, pack_size, cfg.step_tokens // pack_size, cfg.warmup + cfg.steps, rng)
-    tokens = [step_tokens(step, cfg.model.vocab_size, rng) for step in lengths]
+    steps = draw_steps(pieces, pack_size, cfg.step_tokens // pack_size, cfg.warmup + cfg.steps, rng)
+    tokens = [step_tokens(step.lengths_S, cfg.model.vocab_size, rng) for step in steps]
     say(
         f"{data}, L={pack_size}: {len(documents)} documents ({empty} empty left out, {split} longer than L split "
-        f"into pieces), {statistics.mean(len(s) for s in lengths):.1f} documents per step"
+        f"into pieces), {statistics.mean(len(s.lengths_S) for s in steps):.1f} documents per step"
     )
     run_row: dict[str, Any] = {"data": data, "pack_size": pack_size, "empty_documents": empty, "split_documents": split}
     host_steps: dict[Mode, list[list[dict[str, Any]]]] = {}
     collate_s: dict[Mode, float] = {}
     for mode in MODES:
         start = time.perf_counter()
-        host_steps[mode] = [micro_batches(mode, s, *t, pack_size, cfg) for s, t in zip(lengths, tokens, strict=True)]
-        collate_s[mode] = (time.perf_counter() - start) / len(lengths)
+        host_steps[mode] = [micro_batches(mode, s, *t, pack_size, cfg) for s, t in zip(steps, tokens, strict=True)]
+        collate_s[mode] = (time.perf_counter() - start) / len(steps)
         if device.type == "cuda":
             host_steps[mode] = [[_pin(b) for b in step] for step in host_steps[mode]]
     modes = measure_modes(host_steps, model, optimizer, device, cfg)

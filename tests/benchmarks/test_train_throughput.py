@@ -24,6 +24,7 @@ L = 32
 CFG = replace(tt.TINY, pack_sizes=(L,), micro_tokens=2 * L, step_tokens=4 * L, warmup=0, steps=1)
 """2 packs of 32 per micro-batch, 2 micro-batches per step."""
 LENGTHS = np.array([5, 31, 2, 17, 9, 32, 1, 12, 20, 3], dtype=np.int64)
+STEP = tt.plan_step(LENGTHS, L)
 
 
 def _step(lengths=LENGTHS):
@@ -51,7 +52,7 @@ def _documents(lengths=LENGTHS):
 @pytest.mark.parametrize("mode", tt.MODES)
 def test_every_mode_carries_exactly_the_step_tokens(mode):
     ids, labels = _step()
-    batches = tt.micro_batches(mode, LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches(mode, STEP, ids, labels, L, CFG)
     real_ids = torch.cat([b["input_ids"][b["labels"] != -100] for b in batches])
     assert sorted(real_ids.tolist()) == ids.tolist()
     for b in batches:  # every real token keeps its own label; padding carries pad id 0 and label -100
@@ -64,13 +65,13 @@ def test_every_mode_carries_exactly_the_step_tokens(mode):
 @pytest.mark.parametrize("mode", ["padding", "grouped", "packed"])
 def test_document_modes_keep_every_document_whole(mode):
     ids, labels = _step()
-    batches = tt.micro_batches(mode, LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches(mode, STEP, ids, labels, L, CFG)
     assert sorted(real for b in batches for real, _ in _sequences(b)) == _documents()
 
 
 def test_dynamic_padding_pads_each_example_to_the_longest_of_its_micro_batch():
     ids, labels = _step()
-    batches = tt.micro_batches("padding", LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches("padding", STEP, ids, labels, L, CFG)
     assert len(batches) == CFG.micro_batches  # B = ceil(10 / 2) = 5 examples each, in stream order
     groups = [LENGTHS[:5], LENGTHS[5:]]
     for b, group in zip(batches, groups, strict=True):
@@ -84,14 +85,14 @@ def test_dynamic_padding_cuts_a_micro_batch_over_the_memory_cap_into_fewer_rows(
     lengths = np.array([32, 1, 1, 1, 1, 1, 1, 1], dtype=np.int64)  # 8 rows of 32 = 256 slots > 2 * 64
     cfg = replace(CFG, step_tokens=2 * L, pad_cap=2.0)  # one micro-batch of B = 8 examples, cap 128 slots
     ids, labels = _step(lengths)
-    batches = tt.micro_batches("padding", lengths, ids, labels, L, cfg)
+    batches = tt.micro_batches("padding", tt.plan_step(lengths, L), ids, labels, L, cfg)
     assert [b["input_ids"].numel() for b in batches] == [4 * 32, 4 * 1]  # rows 0-3 (widest 32), rows 4-7
     assert all(b["input_ids"].numel() <= cfg.pad_cap * cfg.micro_tokens for b in batches)
 
 
 def test_length_grouping_sorts_and_fills_micro_batches_up_to_their_slots():
     ids, labels = _step()
-    batches = tt.micro_batches("grouped", LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches("grouped", STEP, ids, labels, L, CFG)
     seen = []
     for b in batches:
         seqs = _sequences(b)
@@ -103,7 +104,7 @@ def test_length_grouping_sorts_and_fills_micro_batches_up_to_their_slots():
 
 def test_naive_concatenation_has_one_sequence_per_row():
     ids, labels = _step()
-    batches = tt.micro_batches("concat", LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches("concat", STEP, ids, labels, L, CFG)
     rows = [seq for b in batches for seq in _sequences(b)]
     assert [w for _, w in rows] == [L] * len(rows)
     stream = [t for real, _ in rows for t in real]
@@ -113,7 +114,7 @@ def test_naive_concatenation_has_one_sequence_per_row():
 
 def test_ideal_rows_are_full_single_sequences_without_padding():
     ids, labels = _step()
-    batches = tt.micro_batches("ideal", LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches("ideal", STEP, ids, labels, L, CFG)
     for b in batches:
         assert torch.equal(b["cu_seqlens"], b["cu_seqlens_padded"]) and not b["padding_mask"].any()
     assert [len(real) for b in batches for real, _ in _sequences(b)] == [L] * 4 + [int(LENGTHS.sum()) - 4 * L]
@@ -121,7 +122,7 @@ def test_ideal_rows_are_full_single_sequences_without_padding():
 
 def test_packed_micro_batches_are_whole_packs_of_the_bfd_plan():
     ids, labels = _step()
-    batches = tt.micro_batches("packed", LENGTHS, ids, labels, L, CFG)
+    batches = tt.micro_batches("packed", STEP, ids, labels, L, CFG)
     packs = len(tt.plan_packs(LENGTHS, L))  # 132 tokens: 5 packs of 32, 2 per micro-batch
     assert packs == 5 and [b["input_ids"].numel() for b in batches] == [2 * L, 2 * L, L]
     for b in batches:
@@ -129,15 +130,20 @@ def test_packed_micro_batches_are_whole_packs_of_the_bfd_plan():
         assert tt.batch_counts(b)["pairs"] == pairs
 
 
-def test_steps_hold_the_longest_run_of_documents_that_fits_the_packs():
-    rng = np.random.default_rng(0)
-    pieces = rng.integers(1, L + 1, 500)
+def test_steps_are_random_packs_of_one_plan_of_all_documents():
+    pieces = np.random.default_rng(0).integers(1, L + 1, 500)
+    plan = tt.plan_packs(pieces, L)
+    packs = {tuple(sorted(pieces[plan[i]].tolist())) for i in range(len(plan))}
     steps = tt.draw_steps(pieces, L, 4, 6, np.random.default_rng(1))
     assert len(steps) == 6
-    for lengths in steps:
-        assert len(tt.plan_packs(lengths, L)) <= 4 and lengths.sum() > 2 * L
+    for step in steps:
+        assert len(step.packs) == 4 and sorted(np.concatenate(step.packs).tolist()) == list(range(len(step.lengths_S)))
+        for members in step.packs:  # each of the step's packs is one pack of the epoch's plan
+            assert tuple(sorted(step.lengths_S[members].tolist())) in packs
     again = tt.draw_steps(pieces, L, 4, 6, np.random.default_rng(1))
-    assert all(np.array_equal(a, b) for a, b in zip(steps, again, strict=True))
+    assert all(np.array_equal(a.lengths_S, b.lengths_S) for a, b in zip(steps, again, strict=True))
+    with pytest.raises(ValueError, match=r"the lengths fill 1 packs of 32 tokens, fewer than the 4 of one step"):
+        tt.draw_steps(np.array([3, 4]), L, 4, 1, np.random.default_rng(1))
 
 
 def test_long_documents_are_split_and_counted():
@@ -182,7 +188,7 @@ def test_bf16_mixed_step_keeps_fp32_weights_and_moves_them():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = [p.detach().clone() for p in model.parameters()]
     ids, labels = _step()
-    batches = tt.micro_batches("packed", LENGTHS, ids % 256, labels % 256, L, CFG)
+    batches = tt.micro_batches("packed", STEP, ids % 256, labels % 256, L, CFG)
     loss = tt.train_step(model, optimizer, batches, torch.device("cpu"), "bf16-mixed")
     assert loss.dtype == torch.float64 and torch.isfinite(loss)
     assert all(p.dtype == torch.float32 for p in model.parameters())
