@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py                          # GPU: 287M decoder, bf16-mixed, L 4096 and 8192
     python benchmarks/train_throughput.py --pack-sizes 4096 --steps 5 --out /tmp/tp
     python benchmarks/train_throughput.py --lengths my.lengths.npy  # any 1-D .npy of document lengths
+    python benchmarks/train_throughput.py --cpu                    # CPU-sized: 5.2M decoder, L 1024 and 2048 (~10 min)
     python benchmarks/train_throughput.py --tiny                   # CPU, tiny model, seconds (the tests run this)
 
 A Llama-style decoder (thdpack's ``Transformer``; on the GPU dim 1024, 20 layers, 16 query / 8
@@ -197,6 +198,12 @@ class ThroughputConfig:
 
 TINY = ThroughputConfig(model=TINY_MODEL, pack_sizes=(128, 256), micro_tokens=256, step_tokens=512, warmup=1, steps=5)
 """``--tiny``: seconds on a CPU."""
+CPU_MODEL = ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768)
+"""5.2M parameters (2.1M of them the tied embedding of a 8,192-word vocabulary): big enough that
+the layers, not the LM head alone, set the step time, small enough for a 2-core CPU."""
+CPU = ThroughputConfig(model=CPU_MODEL, pack_sizes=(1024, 2048), micro_tokens=4096, step_tokens=8192, warmup=1, steps=4)
+"""``--cpu``: the same comparison sized for a CPU (about 10 minutes on 2 cores); the GPU sizes
+(287M parameters, L 4096 / 8192) would take hours there."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -810,7 +817,7 @@ def choose_device(requested: str, tiny: bool) -> torch.device:
 
 
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
-    cfg = TINY if args.tiny else ThroughputConfig()
+    cfg = TINY if args.tiny else CPU if args.cpu else ThroughputConfig()
     changes: dict[str, Any] = {}
     for name in ("micro_tokens", "step_tokens", "warmup", "steps", "pad_cap", "precision"):
         if getattr(args, name) is not None:
@@ -825,6 +832,7 @@ def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="tiny model, L 128 / 256, on the CPU (seconds)")
+    parser.add_argument("--cpu", action="store_true", help="a 5.2M model, L 1024 / 2048, on the CPU (~10 min)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--lengths", type=Path, nargs="+", default=None, help="lengths files (default: alpaca, stdlib)")
     parser.add_argument("--pack-sizes", type=int, nargs="+", default=None)
@@ -841,7 +849,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     cfg = config_from_args(args)
-    device = choose_device(args.device, args.tiny)
+    device = choose_device("cpu" if args.cpu and args.device == "auto" else args.device, args.tiny)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     datasets = DATASETS if args.lengths is None else {p.name.split(".")[0]: p for p in args.lengths}
