@@ -17,6 +17,7 @@ from thdpack.data.sources import SOURCE_FORMATS
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
 from thdpack.packing.dataset import PackedDatasetConfig
+from thdpack.train.precision import PRECISIONS, precision_from_config
 from thdpack.train.schema import build, hydra_node
 
 DP_SHARDINGS = ("ddp", "fsdp")
@@ -24,7 +25,6 @@ DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 # PackedDatasetConfig fields the trainer sets from the run (CP size, DP layout, the tokenizer's pad id)
 PACKING_RUNTIME_FIELDS = ("cp_size", "rank", "world_size", "pad_id")
-DTYPES = ("float32", "float64", "bfloat16")
 
 
 def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -108,8 +108,11 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 disables)."""
     loss_reduction: str = "token_mean"
     """token_mean (the unpacked token mean over the global batch) or sequence_mean."""
-    dtype: str = "float32"
-    """Parameter and compute dtype: float32, float64 or bfloat16."""
+    precision: str | None = None
+    """fp32 (default), bf16-mixed (fp32 master weights and optimizer state, bf16 compute: autocast
+    under DDP, MixedPrecisionPolicy under FSDP2) or fp64. See ``thdpack.train.precision``."""
+    dtype: str | None = None
+    """Deprecated (warns): float32 / float64 / bfloat16 mean precision fp32 / fp64 / bf16-mixed."""
     seed: int = 0
     """Model initialisation and every other random choice of the run."""
     output_dir: str = "outputs/train"
@@ -151,7 +154,10 @@ class TrainConfig:
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _one_of("train.loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
-        _one_of("train.dtype", self.dtype, DTYPES)
+        if self.precision is not None:
+            _one_of("train.precision", self.precision, PRECISIONS)
+        self.precision = precision_from_config(self.precision, self.dtype)
+        self.dtype = None
 
 
 PackingConfig = PackingNode

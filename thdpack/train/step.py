@@ -84,13 +84,16 @@ def forward_backward(
     grad_average_size: int,
     group: dist.ProcessGroup | None = None,
     hooks: StepHooks = NO_HOOKS,
+    autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None = None,
 ) -> StepLoss:
     """Forward and backward of one optimizer step's micro-batches (this rank's shards).
 
     ``grad_average_size``: the ranks the gradient reduction of ``model`` (DDP / FSDP2) averages
     over; ``group``: the DP x CP group whose loss tokens make the denominator (None: the default
-    group). Gradients end up synchronised. Returns the step's ``StepLoss`` (``.value()`` is the
-    global loss, ``.loss_tokens`` the global count of loss tokens).
+    group); ``autocast``: ``device -> context`` the forward pass runs in (``Precision.autocast``;
+    the loss is computed outside it, in fp32 or wider). Gradients end up synchronised. Returns
+    the step's ``StepLoss`` (``.value()`` is the global loss, ``.loss_tokens`` the global count
+    of loss tokens).
     """
     per_sequence = "loss_weights" in micro[0]
     step_loss = StepLoss.begin(
@@ -101,7 +104,8 @@ def forward_backward(
     )
     for k, mb in enumerate(micro):
         with micro_step_context(model, sync=k == len(micro) - 1):
-            logits_TV = model(mb, cp_group=cp_group)
+            with contextlib.nullcontext() if autocast is None else autocast(mb["input_ids"].device):
+                logits_TV = model(mb, cp_group=cp_group)
             if hooks.logits is not None:
                 hooks.logits(k, logits_TV, mb)
             if hooks.loss is None:

@@ -30,11 +30,11 @@ from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_che
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.data import open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
+from thdpack.train.precision import Precision
 from thdpack.train.runtime import Runtime, init_runtime, shutdown
 from thdpack.train.step import collate_micro_batches, forward_backward, global_grad_norm, prepare_micro_batches
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def lr_lambda(train: TrainConfig):
@@ -59,13 +59,15 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size}); "
             f"set model.vocab_size={vocab_size}"
         )
-    inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=DTYPES[cfg.train.dtype])
+    precision = Precision.named(cfg.train.precision)
+    inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
     if cfg.parallel.dp_sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        policy = {} if precision.fsdp_policy() is None else {"mp_policy": precision.fsdp_policy()}
         for block in inner.layers:
-            fully_shard(block, mesh=runtime.world_mesh)
-        fully_shard(inner, mesh=runtime.world_mesh)
+            fully_shard(block, mesh=runtime.world_mesh, **policy)
+        fully_shard(inner, mesh=runtime.world_mesh, **policy)
         return inner, inner
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(inner, device_ids=device_ids), inner
@@ -130,7 +132,10 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
     optimizer = build_optimizer(model, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     params = sum(p.numel() for p in inner.parameters())
-    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}")
+    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}, precision {train.precision}")
+    precision = Precision.named(train.precision)
+    # FSDP2's MixedPrecisionPolicy already computes in bf16; DDP needs autocast for it
+    autocast = None if cfg.parallel.dp_sharding == "fsdp" else precision.autocast
 
     checkpoints = out / "checkpoints"
     first_step = 1
@@ -154,7 +159,9 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         tick = time.perf_counter()
         step = stream.next_step()
         micro = shard_micro_batches(step.micro_batches, runtime, reduction=train.loss_reduction)
-        step_loss = forward_backward(model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size)
+        step_loss = forward_backward(
+            model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size, autocast=autocast
+        )
         grad_norm = global_grad_norm(model, train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
