@@ -132,6 +132,9 @@ class TrainConfig:
     """How many checkpoints to keep (the newest, the one just saved always among them)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    prefetch_steps: int = 2
+    """Steps planned, collated, CP-sharded (and pinned on CUDA) ahead in a background thread while
+    the device trains (0: in the training loop, between steps)."""
     plot: bool = True
     """Write loss.png at the end (needs matplotlib)."""
 
@@ -144,6 +147,7 @@ class TrainConfig:
         _at_least("train.checkpoint_every", self.checkpoint_every, 0)
         _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("train.log_every", self.log_every, 1)
+        _at_least("train.prefetch_steps", self.prefetch_steps, 0)
         if self.resume and self.overwrite:
             raise ValueError(
                 "train.resume=true and train.overwrite=true contradict each other: resume continues the "

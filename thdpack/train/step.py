@@ -116,12 +116,18 @@ def forward_backward(
     return step_loss
 
 
-def global_grad_norm(model: torch.nn.Module, clip: float) -> float:
-    """Clip the gradients' global norm to ``clip`` (0: no clipping); returns the norm before it."""
+def clip_grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
+    """Clip the gradients' global norm to ``clip`` (0: no clipping); returns the norm before it as
+    a 0-d tensor on the device, so that the optimizer step is queued before anything reads it."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
+
+
+def global_grad_norm(model: torch.nn.Module, clip: float) -> float:
+    """:func:`clip_grad_norm` read back as a float (a host sync)."""
+    return float(clip_grad_norm(model, clip))
 
 
 def collate_micro_batches(micro_batches: Sequence[Sequence[Any]]) -> list[THDBatch]:
