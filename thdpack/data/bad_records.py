@@ -101,8 +101,9 @@ class BadRecord(ValueError):
 class BadRecords:
     """One pass's bad-record policy (``"fail"`` or ``"skip"``) and what it skipped.
 
-    ``log``: a file to append one JSON line per skipped record to (created, or emptied, here).
-    Call ``close()`` (or use it as a context manager) to close the log.
+    ``log``: a file to write one JSON line per skipped record to, created (or emptied) at the
+    first skip, so it exists exactly when something was skipped. Call ``close()`` (or use it as
+    a context manager) to close it.
     """
 
     def __init__(self, policy: OnBadRecord = "fail", *, log: str | os.PathLike[str] | None = None) -> None:
@@ -111,7 +112,7 @@ class BadRecords:
         self.policy = policy
         self.counts: dict[str, int] = {}
         self.log_path = Path(log) if log is not None else None
-        self._log: IO[str] | None = open(self.log_path, "w", encoding="utf-8") if self.log_path else None  # noqa: SIM115
+        self._log: IO[str] | None = None
 
     @property
     def total(self) -> int:
@@ -123,7 +124,9 @@ class BadRecords:
         if self.policy == "fail":
             raise BadRecord(err.origin, err.reason, f"{err.detail}; {SKIP_HINT}") from err
         self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
-        if self._log is not None:
+        if self.log_path is not None:
+            if self._log is None:
+                self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 (closed by close())
             origin = err.origin.fields() if isinstance(err.origin, RecordOrigin) else {}
             entry = {"origin": str(err.origin), **origin, "reason": err.reason, "message": err.detail}
             self._log.write(json.dumps(entry, ensure_ascii=False) + "\n")
@@ -134,14 +137,14 @@ class BadRecords:
             "policy": self.policy,
             "total": self.total,
             "by_reason": dict(sorted(self.counts.items())),
-            "file": self.log_path.name if self.log_path is not None else None,
+            "file": self.log_path.name if self.log_path is not None and self.total else None,
         }
 
     def __str__(self) -> str:
         if not self.counts:
             return f"0 bad records (on_bad_record={self.policy!r})"
         reasons = ", ".join(f"{reason} {n:,}" for reason, n in sorted(self.counts.items()))
-        where = f"; listed in {self.log_path}" if self.log_path is not None else ""
+        where = f"; listed in {self.log_path}" if self.log_path is not None else ""  # there is one skip at least
         return f"skipped {self.total:,} bad records ({reasons}){where}"
 
     def close(self) -> None:

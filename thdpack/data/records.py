@@ -204,9 +204,7 @@ def chat_messages(record: Mapping[str, Any], origin: str = "record") -> list[tup
     if not any(role == "assistant" for role, _ in pairs):
         roles = [message[role_key] for message in messages]
         assistant = "gpt" if sharegpt else "assistant"
-        raise BadRecord(
-            origin, "no_assistant_turn", f"has no {assistant!r} message to train on (its {role_key}s: {roles})"
-        )
+        raise BadRecord(origin, "no_assistant_turn", f"has no {assistant!r} message to train on (its roles: {roles})")
     return pairs
 
 
