@@ -243,7 +243,8 @@ class Source:
                 if lineno == 1:
                     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
                 try:
-                    record = json.loads(self._decode(raw, origin))
+                    # without its line break, so that an error at the end of the line names its column
+                    record = json.loads(self._decode(raw.rstrip(b"\r\n"), origin))
                 except json.JSONDecodeError as err:
                     record = BadRecord(origin, "malformed_json", f"malformed JSON: {err.msg} (column {err.colno})")
                 yield origin, record
