@@ -118,7 +118,8 @@ def sharegpt(tmp_path):
 
 
 def test_bad_records_fail_naming_the_line_by_default(sharegpt, tmp_path, capsys):
-    # this crashed with "need at least one array to concatenate" (record "b" made no segments)
+    # the old code named only line 4 (the unknown role); without it, line 2's empty conversation
+    # crashed with "need at least one array to concatenate"
     assert prepare(str(sharegpt), "--pack-size", "64", "--out", str(tmp_path / "out"), "--no-plots") == 2
     err = capsys.readouterr().err
     assert f"error: {sharegpt} line 2: 'conversations' is empty: no messages to train on; " in err
@@ -163,6 +164,7 @@ def test_bad_records_skipped_are_counted_printed_and_listed(sharegpt, tmp_path, 
 
 
 def test_all_records_bad_is_an_error_with_the_counts(tmp_path, capsys):
+    # the old code crashed here with "need at least one array to concatenate"
     path = tmp_path / "bad.jsonl"
     path.write_text('{"id": 1, "messages": []}\n{"id": 2, "messages": []}\n')
     out = str(tmp_path / "out")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from thdpack.train.config import DataConfig
 from thdpack.train.data import open_token_store, store_fingerprint
 
 pytest.importorskip("tokenizers", reason="the trainer tokenizes (pip install 'thdpack[hf]')")
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
 @pytest.fixture
@@ -48,3 +50,21 @@ def test_a_changed_tokenizer_folder_changes_the_fingerprint(tmp_path):
     before = store_fingerprint(data)
     (folder / "chat_template.jinja").write_text("{{ messages }}")
     assert store_fingerprint(data) != before
+
+
+@pytest.mark.parametrize("preset", ["jsonl", "stdlib"])
+def test_the_data_presets_compose_with_the_new_options(preset):
+    hydra = pytest.importorskip("hydra")
+    from omegaconf import OmegaConf
+
+    from thdpack.train.config import Config, register_configs
+
+    register_configs()
+    overrides = [f"data={preset}", "data.on_bad_record=skip", "data.chat_template=plain"]
+    with hydra.initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = OmegaConf.to_object(hydra.compose("train", overrides=overrides))
+    assert isinstance(cfg, Config)
+    assert (cfg.data.on_bad_record, cfg.data.chat_template) == ("skip", "plain")
+    with hydra.initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        default = OmegaConf.to_object(hydra.compose("train", overrides=[f"data={preset}"]))
+    assert (default.data.on_bad_record, default.data.chat_template) == ("fail", "auto")
