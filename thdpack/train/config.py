@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from thdpack.attention import AttentionConfig
+from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
+from thdpack.data.tokenize import CHAT_TEMPLATE_CHOICES
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
 from thdpack.packing.dataset import PackedDatasetConfig
@@ -44,11 +46,19 @@ class DataConfig:
     inputs: list[str] = field(default_factory=lambda: ["stdlib"])
     """Files / folders read in order; 'stdlib' = this Python's standard library sources."""
     tokenizer: str = "gpt2"
-    """'gpt2' (shipped with thdpack) or a tokenizer.json path."""
+    """'gpt2' (shipped with thdpack), a tokenizer.json path, or a Hugging Face tokenizer folder
+    (tokenizer.json + tokenizer_config.json; its chat template renders chat records)."""
     format: str = "auto"
     """Input format (auto-detected from the path by default)."""
     kind: str = "auto"
     """Record kind: text, alpaca (SFT, prompt masked) or chat; auto-detected by default."""
+    chat_template: str = "auto"
+    """Chat records: the tokenizer's chat template when it has one (auto), always it (tokenizer),
+    or the plain '### User:' template (plain)."""
+    on_bad_record: str = "fail"
+    """Records that cannot be samples (empty chat, no assistant turn, unknown role, bad JSON): fail
+    naming the file and line, or skip them (counted per reason in the store's manifest.json,
+    listed in its skipped_records.jsonl)."""
     limit: int | None = None
     """Read only the first N records (a quick trial); None reads everything."""
     cache_dir: str = "~/.cache/thdpack/stores"
@@ -59,6 +69,8 @@ class DataConfig:
             raise ValueError("data.inputs is empty: name at least one file, folder or 'stdlib'")
         _one_of("data.format", self.format, ("auto", *SOURCE_FORMATS))
         _one_of("data.kind", self.kind, ("auto", *RECORD_KINDS))
+        _one_of("data.chat_template", self.chat_template, CHAT_TEMPLATE_CHOICES)
+        _one_of("data.on_bad_record", self.on_bad_record, ON_BAD_RECORD)
         if self.limit is not None:
             _at_least("data.limit", self.limit, 1)
 
