@@ -159,7 +159,7 @@ _SOFTMAXES = (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.
 class _KeepFloat64(TorchFunctionMode):
     """Turn transformers' casts of float64 tensors to float32 into no-ops (module docstring)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         source = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if source is not None and source.dtype == _F64 and _from_transformers():
