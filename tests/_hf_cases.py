@@ -98,14 +98,19 @@ def packed_step(
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_group: dist.ProcessGroup | None = None,
+    drop_position_ids: bool = False,
 ) -> StepResult:
     """The row's loss and gradients the documented way: transformers' own loss on thdpack's
     pre-shifted labels, ``num_items_in_batch`` = the global loss-token count, and under CP the
-    ranks' loss and gradients summed (each rank holds a disjoint part of every sequence)."""
+    ranks' loss and gradients summed (each rank holds a disjoint part of every sequence).
+    ``drop_position_ids`` plants a bug for a test to catch: transformers then numbers the
+    tokens it is given 0..T-1, so RoPE is wrong after the first sequence (or CP chunk)."""
     local = shard(thd, cp_size, cp_rank) if cp_size > 1 else thd
     denominator = count_loss_tokens([local["labels"]], group=cp_group)
     model.zero_grad(set_to_none=True)
     kwargs = hf_packed_kwargs(local, cp_group=cp_group, include_labels=True, model=model)
+    if drop_position_ids:
+        del kwargs["position_ids"]
     with keep_float64():
         loss = model(**kwargs, num_items_in_batch=denominator).loss
         loss.backward()
