@@ -49,6 +49,7 @@ Legend: ``T`` tokens of the batch (this rank's under CP), ``N`` heads, ``H`` hea
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,6 +64,9 @@ THD_KWARG = "thdpack_thd"
 """Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""
 CP_GROUP_KWARG = "thdpack_cp_group"
 """Model-call keyword that carries the context-parallel group to ``hf_attention_forward``."""
+ATTENTION_CONFIG_KWARG = "thdpack_attention"
+"""Optional model-call keyword: the ``AttentionConfig`` (backend, CP exchange) of thdpack's
+attention; the layer's own causality and softmax scale override its ``causal`` / ``softmax_scale``."""
 
 _METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank")
 
@@ -176,7 +180,8 @@ def hf_attention_forward(
             nothing then); else ``ValueError`` naming ``config.sliding_window``.
         scaling: softmax scale (None = ``H ** -0.5``).
         kwargs: the model call's keywords: ``thdpack_thd`` (+ ``thdpack_cp_group``) from
-            ``hf_packed_kwargs``, or at least ``cu_seq_lens_q`` and ``max_length_q``.
+            ``hf_packed_kwargs``, or at least ``cu_seq_lens_q`` and ``max_length_q``; optionally
+            ``thdpack_attention``, an ``AttentionConfig`` for the backend and the CP exchange.
 
     Returns:
         ``(out, None)``: out (1, T, Nq, H) in query's dtype, no attention weights.
@@ -199,7 +204,8 @@ def hf_attention_forward(
         _check_window(sliding_window, thd)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_TNH, k_TNH, v_TNH = (t[0].transpose(0, 1) for t in (query, key, value))
-    config = AttentionConfig(causal=causal, softmax_scale=scaling)
+    base = kwargs.get(ATTENTION_CONFIG_KWARG) or AttentionConfig()
+    config = dataclasses.replace(base, causal=causal, softmax_scale=scaling)
     out_TNH = thd_attention(q_TNH, k_TNH, v_TNH, thd, config=config, cp_group=kwargs.get(CP_GROUP_KWARG))
     return out_TNH.unsqueeze(0), None
 

@@ -30,6 +30,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ DAMAGED = "damaged"
 CHECKPOINT_FORMAT = "thdpack-checkpoint"
 CHECKPOINT_VERSION = 1
 REQUIRED_FILES = ("trainer.pt", "dcp/.metadata")
+HF_FOLDER = "hf"
+"""A ``model=hf`` checkpoint's Hugging Face folder (``save_pretrained``), and the run's final copy."""
 """Files every checkpoint's manifest lists (the rank files depend on the world size)."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 _CHUNK = 1 << 20
@@ -206,8 +209,13 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
     keep: int,
+    export: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save step ``step`` on every rank (collective); returns its folder.
+
+    ``export(folder)`` (collective, optional) writes more files into the folder before the
+    checksums are taken, so they are verified and pruned with it (the Hugging Face folder
+    ``HF_FOLDER`` of a ``model=hf`` run).
 
     Order: every rank writes its files; rank 0 lists them, every rank hashes a share, rank 0
     writes ``checksums.json`` then ``latest`` (both atomically) and prunes to the ``keep``
@@ -224,6 +232,8 @@ def save_checkpoint(
     torch.save(rng_state(), folder / "rng" / f"rank_{rank}.pt")
     if rank == 0:
         torch.save({"step": step, **trainer_state}, folder / "trainer.pt")
+    if export is not None:
+        export(folder)
     dist.barrier()
     names = _broadcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
     digests = _digests_shared(folder, names)
@@ -240,6 +250,21 @@ def save_checkpoint(
         _prune(root, step, keep)
     dist.barrier()
     return folder
+
+
+def copy_folder_atomic(source: Path, target: Path) -> Path:
+    """Replace ``target`` by a copy of ``source``: copied beside it, then renamed in, so a reader
+    never sees half a folder (a killed copy leaves only ``.<name>.partial``, removed next time)."""
+    partial = target.with_name(f".{target.name}.partial")
+    _remove(partial)
+    shutil.copytree(source, partial)
+    old = target.with_name(f".{target.name}.old")
+    _remove(old)
+    if target.exists():
+        target.rename(old)
+    partial.rename(target)
+    _remove(old)
+    return target
 
 
 def _prune(root: Path, step: int, keep: int) -> None:

@@ -18,6 +18,7 @@ from thdpack.data.sources import SOURCE_FORMATS
 from thdpack.data.tokenize import CHAT_TEMPLATE_CHOICES
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
+from thdpack.models.hf_model import HFModelConfig
 from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.train.precision import PRECISIONS, precision_from_config
 from thdpack.train.schema import build, hydra_node
@@ -144,6 +145,12 @@ class TrainConfig:
     """How many checkpoints to keep (the newest, the one just saved always among them)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them
+    (less memory, about one more forward of compute; the same losses and gradients)."""
+    save_hf: bool = False
+    """model=hf: write a Hugging Face folder (``hf/`` in the checkpoint) at every checkpoint; the
+    last checkpoint always has one, copied to ``output_dir/hf`` at the end."""
     prefetch_steps: int = 2
     """Steps planned, collated, CP-sharded (and pinned on CUDA) ahead in a background thread while
     the device trains (0: in the training loop, between steps)."""
@@ -178,7 +185,17 @@ class TrainConfig:
 
 PackingConfig = PackingNode
 """The ``packing`` group's node (an alias kept for code that imported it by this name)."""
-ModelNode = hydra_node(ModelConfig, exclude=("attention",))  # the `attention` group sets it
+MODEL_KINDS = ("thdpack", "hf")
+ModelNode = hydra_node(
+    ModelConfig,
+    exclude=("attention",),  # the `attention` group sets it
+    extra=(("kind", str, "thdpack"), ("path", str | None, None), ("arch", str | None, None)),
+    optional=True,
+)
+"""The ``model`` group: ``thdpack.models.ModelConfig``'s fields for thdpack's decoder
+(``kind: thdpack``, the presets tiny / small / 114m), or with ``kind: hf`` a Hugging Face causal
+LM (``configs/model/hf.yaml``: ``thdpack.models.hf_model.HFModelConfig``): ``path``, a local
+folder, or ``arch`` with the size fields for a random initialisation."""
 AttentionNode = hydra_node(AttentionConfig)
 
 
@@ -197,8 +214,14 @@ class Config:
         self.packing_config(cp_size=self.parallel.cp_size)  # validates the packing group
         self.model_config()  # validates the model and attention groups together
 
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> ModelConfig | HFModelConfig:
         """The model's component config: the model group, with the attention group's config."""
+        _one_of("model.kind", self.model.kind, MODEL_KINDS)
+        if self.model.kind == "hf":
+            return build(HFModelConfig, self.model, attention=self.attention_config())
+        stray = [f"model.{name}={getattr(self.model, name)}" for name in ("path", "arch") if getattr(self.model, name)]
+        if stray:
+            raise ValueError(f"{', '.join(stray)} applies to Hugging Face models only: add model=hf, or drop it")
         return build(ModelConfig, self.model, attention=self.attention_config())
 
     def packing_config(

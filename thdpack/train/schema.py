@@ -40,11 +40,19 @@ def _hydra_type(annotation: Any) -> Any:
 
 
 @functools.cache
-def hydra_node(component: type, exclude: tuple[str, ...] = (), defaults: tuple[tuple[str, Any], ...] = ()) -> type:
+def hydra_node(
+    component: type,
+    exclude: tuple[str, ...] = (),
+    defaults: tuple[tuple[str, Any], ...] = (),
+    extra: tuple[tuple[str, Any, Any], ...] = (),
+    optional: bool = False,
+) -> type:
     """A writable, OmegaConf-typed twin dataclass of the frozen dataclass ``component``.
 
     ``exclude`` leaves out fields that another config group or the run sets (``build(..., **values)``);
-    ``defaults`` gives ``(name, value)`` defaults to fields the component requires.
+    ``defaults`` gives ``(name, value)`` defaults to fields the component requires; ``extra``
+    adds ``(name, type, default)`` fields of the group that the component does not have;
+    ``optional`` types every field ``T | None`` (a preset may null it).
     """
     given = dict(defaults)
     hints = typing.get_type_hints(component)
@@ -59,7 +67,9 @@ def hydra_node(component: type, exclude: tuple[str, ...] = (), defaults: tuple[t
             spec["default"] = f.default
         elif f.default_factory is not dataclasses.MISSING:
             spec["default_factory"] = f.default_factory
-        fields.append((f.name, _hydra_type(hints[f.name]), dataclasses.field(**spec)))
+        annotation = _hydra_type(hints[f.name])
+        fields.append((f.name, annotation | None if optional else annotation, dataclasses.field(**spec)))
+    fields += [(name, annotation, dataclasses.field(default=default)) for name, annotation, default in extra]
     return dataclasses.make_dataclass(f"{component.__name__}Node", fields, kw_only=True)
 
 

@@ -23,14 +23,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
 from thdpack.models import Transformer
+from thdpack.models.hf_model import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.packing.steps import Step
 from thdpack.thd import THDBatch, thd_pin_memory, thd_to_device
-from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
+from thdpack.train.activation_checkpointing import checkpoint_layers
+from thdpack.train.checkpoint import HF_FOLDER, copy_folder_atomic, load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.data import open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
@@ -59,13 +62,15 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
     """(wrapped model, inner model): identical initial weights on every rank, then DDP or FSDP2
     over the whole dp x cp world (CP ranks hold the same parameters and sum their gradients)."""
     model_cfg = cfg.model_config()
-    if model_cfg.vocab_size < vocab_size:
-        raise ValueError(
-            f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size}); "
-            f"set model.vocab_size={vocab_size}"
-        )
     precision = Precision.named(cfg.train.precision)
-    inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
+    if isinstance(model_cfg, HFModelConfig):
+        inner = build_hf_model(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
+    else:
+        _check_vocab(model_cfg.vocab_size, vocab_size, "model.vocab_size")
+        inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
+    _check_vocab(inner.config.vocab_size, vocab_size, "the model's vocab_size")
+    if cfg.train.activation_checkpointing:
+        checkpoint_layers(inner.layers)
     if cfg.parallel.dp_sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -76,6 +81,14 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
         return inner, inner
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(inner, device_ids=device_ids), inner
+
+
+def _check_vocab(model_vocab: int, tokenizer_vocab: int, name: str) -> None:
+    if model_vocab < tokenizer_vocab:
+        raise ValueError(
+            f"{name}={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
+            f"set model.vocab_size={tokenizer_vocab}, or a data.tokenizer that matches the model"
+        )
 
 
 def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
@@ -172,7 +185,10 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         _say(runtime, f"resumed from {resumed_from} (step {restored.step})")
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=first_step - 1) if runtime.is_main else None
     with StepPrefetcher(stream, _host_batches(runtime, train.loss_reduction), depth=train.prefetch_steps) as steps:
-        _loop(cfg, runtime, model, optimizer, scheduler, steps, metrics, first_step, autocast)
+        last_saved = _loop(cfg, runtime, model, optimizer, scheduler, steps, metrics, first_step, autocast)
+    if isinstance(inner, HFCausalLM) and runtime.is_main and last_saved is not None:
+        published = copy_folder_atomic(last_saved / HF_FOLDER, out / HF_FOLDER)
+        print(f"wrote {published} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 
     history = metrics.history if metrics is not None else []
     if runtime.is_main:
@@ -198,9 +214,11 @@ def _loop(
     metrics: MetricsLog | None,
     first_step: int,
     autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None,
-) -> None:
+) -> Path | None:
     """Steps ``first_step .. stop_at or steps``: no host sync inside a step until its optimizer
-    update is queued (the loss and the gradient norm are read back after it)."""
+    update is queued (the loss and the gradient norm are read back after it). Returns the last
+    checkpoint saved (None when the run had no step left)."""
+    folder = None
     train = cfg.train
     checkpoints = Path(train.output_dir) / "checkpoints"
     last_step = train.stop_at or train.steps
@@ -251,6 +269,9 @@ def _loop(
                 "stream": prepared.stream_state,
                 "config": _plain(cfg),
             }
+            export = None
+            if isinstance(_inner(model), HFCausalLM) and (train.save_hf or step_number == last_step):
+                export = _hf_export(model, cfg.data.tokenizer)
             folder = save_checkpoint(
                 checkpoints,
                 step_number,
@@ -258,8 +279,31 @@ def _loop(
                 optimizer=optimizer,
                 trainer_state=trainer_state,
                 keep=train.keep_checkpoints,
+                export=export,
             )
             _say(runtime, f"saved checkpoint {folder}")
+    return folder
+
+
+def _inner(model: torch.nn.Module) -> torch.nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _hf_export(model: torch.nn.Module, tokenizer: str) -> Callable[[Path], None]:
+    """The checkpoint's Hugging Face folder writer (collective: FSDP2 gathers the full weights)."""
+
+    def export(folder: Path) -> None:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            weights = {name.removeprefix("hf."): tensor for name, tensor in state.items()}
+            save_hf_folder(_inner(model), folder / HF_FOLDER, state_dict=weights, tokenizer=_tokenizer_path(tokenizer))
+
+    return export
+
+
+def _tokenizer_path(tokenizer: str) -> str | None:
+    """A user's tokenizer folder / tokenizer.json to copy into the HF folder (not the shipped gpt2)."""
+    return tokenizer if Path(tokenizer).expanduser().exists() else None
 
 
 def _plain(cfg: Config) -> dict[str, Any]:

@@ -10,7 +10,9 @@ import pytest
 from thdpack.attention import AttentionConfig
 from thdpack.models import MODEL_PRESETS, ModelConfig, Transformer
 
-MODEL_YAMLS = sorted((Path(__file__).resolve().parents[3] / "configs" / "model").glob("*.yaml"))
+ALL_MODEL_YAMLS = sorted((Path(__file__).resolve().parents[3] / "configs" / "model").glob("*.yaml"))
+MODEL_YAMLS = [path for path in ALL_MODEL_YAMLS if path.stem != "hf"]
+"""thdpack's decoder presets (hf.yaml is the Hugging Face group: tests/unit/models/test_models_hf_model.py)."""
 
 
 def test_defaults_are_the_cpu_training_model():

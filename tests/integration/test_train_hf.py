@@ -1,0 +1,141 @@
+"""``model=hf``: a Hugging Face causal LM trained by the trainer (issue 10, item 3).
+
+A random tiny Llama trains under ``torchrun`` with 2 processes and CP 2, resumes exactly, and
+writes a Hugging Face folder whose weights are the checkpoint's and that plain transformers loads
+with the logits of thdpack's packed, CP-ready model. In-process runs (one rank) cover a local
+folder as ``model.path``, FSDP2 with bf16-mixed, activation checkpointing and the config errors.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import losses, torchrun
+from test_train_checkpoints import config
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from thdpack.train.trainer import run
+
+transformers = pytest.importorskip("transformers", reason="model=hf needs transformers (thdpack[dev])")
+
+pytestmark = pytest.mark.distributed
+HF = ["model=hf", "train.checkpoint_every=2"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("stores")
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, cache) -> Path:
+    """4 steps of a random Llama, 2 processes, CP 2."""
+    out = tmp_path_factory.mktemp("straight")
+    torchrun(out, cache, *HF, "train.steps=4")
+    return out
+
+
+def _weights(folder: Path, tmp: Path) -> dict[str, torch.Tensor]:
+    """The model weights of a checkpoint folder, keyed like the Hugging Face model's."""
+    dcp_to_torch_save(folder / "dcp", tmp / "flat.pt")
+    model = torch.load(tmp / "flat.pt", weights_only=False)["model"]
+    return {name.removeprefix("hf."): tensor for name, tensor in model.items()}
+
+
+def test_cp2_run_resumes_exactly(tmp_path, cache, straight):
+    split = tmp_path / "split"
+    torchrun(split, cache, *HF, "train.steps=4", "train.stop_at=2")
+    result = torchrun(split, cache, *HF, "train.steps=4", "train.resume=true")
+    assert "(step 2)" in result.stdout
+    values = losses(straight)
+    assert len(values) == 4 and all(v == v for v in values)
+    assert losses(split) == values
+
+
+def test_the_hf_folder_holds_the_checkpoint_weights_and_loads_with_the_same_logits(tmp_path, straight):
+    from safetensors.torch import load_file
+
+    folder = straight / "hf"
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert (straight / "checkpoints" / "step_000004" / "hf" / "model.safetensors").is_file()  # verified with it
+    saved = load_file(folder / "model.safetensors")
+    trained = _weights(straight / "checkpoints" / "step_000004", tmp_path)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, trained[name]), name
+    assert set(trained) - set(saved) <= {"lm_head.weight"}  # tied to the embedding
+
+    from thdpack.models.hf_model import HFModelConfig, build_hf_model
+    from thdpack.packing import build_pack
+    from thdpack.thd import thd_collate
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert plain.config._attn_implementation in ("sdpa", "eager")
+    packed = build_hf_model(HFModelConfig(path=str(folder)), seed=0).eval()
+    torch.manual_seed(0)
+    lengths = [7, 3, 12]
+    samples = [{"input_ids": torch.randint(3, 1000, (n,)).tolist()} for n in lengths]
+    thd = thd_collate([build_pack(samples, (range(3), [0, 0, 0], lengths), 24)])
+    with torch.no_grad():
+        logits = packed(thd)
+        start = 0
+        for sample, n in zip(samples, lengths, strict=True):
+            alone = plain(input_ids=torch.tensor([sample["input_ids"]])).logits[0]
+            torch.testing.assert_close(logits[start : start + n], alone, atol=2e-5, rtol=1e-5)
+            start += n
+
+
+def test_a_local_folder_trains_with_fsdp_bf16_mixed_and_activation_checkpointing(tmp_path, cache, straight):
+    out = tmp_path / "from_folder"
+    overrides = [
+        "model=hf",
+        f"model.path={straight / 'hf'}",
+        "model.dim=null",
+        "model.n_layers=null",
+        "model.n_heads=null",
+        "model.n_kv_heads=null",
+        "model.ffn_dim=null",
+        "parallel.cp_size=1",
+        "parallel.dp_sharding=fsdp",
+        "train.precision=bf16-mixed",
+        "train.activation_checkpointing=true",
+        "train.steps=2",
+        "train.checkpoint_every=0",
+    ]
+    history = run(config(out, cache, *overrides))
+    assert len(history) == 2 and all(r["loss"] == r["loss"] for r in history)
+    assert history[0]["loss"] < losses(straight)[0]  # it starts from the trained weights, not random ones
+    assert (out / "hf" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("model", [[], ["model=hf"]], ids=["thdpack", "hf"])
+def test_activation_checkpointing_changes_no_loss(tmp_path, cache, model):
+    runs = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        run(config(out, cache, *model, "parallel.cp_size=1", "train.steps=2", f"train.activation_checkpointing={flag}"))
+        runs[flag] = losses(out)
+    assert runs["true"] == runs["false"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model=hf", "model.path=/nowhere"], "model.path='/nowhere' holds no config.json"),
+        (["model=hf", "model.arch=gpt2"], "model.arch='gpt2' is not one of llama, qwen2, mistral, gemma"),
+        (["model=hf", "model.path=/models/x", "model.arch=llama"], "its config.json decides the architecture"),
+        (["model.path=/models/x"], "model.path=/models/x applies to Hugging Face models only: add model=hf"),
+    ],
+)
+def test_bad_hf_settings_are_named(tmp_path, cache, overrides, message):
+    base = [
+        "model.dim=null",
+        "model.n_layers=null",
+        "model.n_heads=null",
+        "model.n_kv_heads=null",
+        "model.ffn_dim=null",
+    ]
+    extra = base if any("path" in o for o in overrides) and "model=hf" in overrides else []
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        run(config(tmp_path, cache, *overrides, *extra, "parallel.cp_size=1", "train.steps=1"))

@@ -1,0 +1,232 @@
+"""A Hugging Face causal LM behind thdpack's model interface: ``model(thd, cp_group=...) -> logits_TV``.
+
+The trainer's ``model=hf`` group builds one of these: from ``path``, a local folder as
+``save_pretrained`` writes it (``config.json`` + safetensors weights), or, without a path, a
+random initialisation of ``arch`` (llama, qwen2, mistral, gemma) at the given sizes for a dry run.
+Its attention is thdpack's (registered with transformers under :data:`ATTENTION_NAME`), so the
+same model trains on packed rows and on CP shards, with the run's attention backend.
+:func:`save_hf_folder` writes a folder that transformers loads back with any of its own
+attention implementations.
+
+What CP (and thdpack's attention) requires of the model: no attention-logit softcapping, no
+sliding window shorter than a sequence of the batch, only full / sliding attention layers
+(``thdpack.models.hf.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
+Mistral (window longer than the packs) and Gemma (1) qualify; Gemma 2 / 3 (softcapping,
+short windows) and Llama 4 (chunked layers) do not.
+
+Legend: ``T`` tokens of the batch (this rank's under CP), ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from thdpack._optional import require
+from thdpack.attention import AttentionConfig
+from thdpack.models.config import ModelConfig
+from thdpack.models.hf import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
+
+ATTENTION_NAME = "thdpack"
+"""``attn_implementation`` of the models built here."""
+ARCHITECTURES = {
+    "llama": "Llama",
+    "qwen2": "Qwen2",
+    "mistral": "Mistral",
+    "gemma": "Gemma",
+}
+"""``model.arch`` -> the transformers class prefix (``LlamaConfig``, ``LlamaForCausalLM``)."""
+SIZE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+_HF_SIZE_NAMES = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_dim": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "norm_eps": "rms_norm_eps",
+    "tie_embeddings": "tie_word_embeddings",
+    "init_std": "initializer_range",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFModelConfig:
+    """A Hugging Face causal LM (Hydra: ``model=hf``): a local folder, or an architecture at given sizes.
+
+    >>> kwargs = HFModelConfig(arch="qwen2", dim=64).transformers_kwargs()
+    >>> kwargs["hidden_size"], kwargs["num_hidden_layers"]   # the rest from the small preset
+    (64, 2)
+    >>> HFModelConfig(path="/models/x", dim=64)
+    Traceback (most recent call last):
+    ...
+    ValueError: model.path='/models/x': its config.json decides the architecture and sizes, so model.dim=64 ...
+    """
+
+    path: str | None = None
+    """A local folder with ``config.json`` and safetensors weights (nothing is downloaded)."""
+    arch: str | None = None
+    """Without ``path``: the architecture to initialise randomly (llama if None): llama, qwen2, mistral, gemma."""
+    vocab_size: int | None = None
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    rope_theta: float | None = None
+    norm_eps: float | None = None
+    tie_embeddings: bool | None = None
+    init_std: float | None = None
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """The backend and CP exchange of thdpack's attention inside the model."""
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in (*_HF_SIZE_NAMES, "arch") if getattr(self, name) is not None]
+        if self.path is not None and set_fields:
+            shown = ", ".join(f"model.{name}={getattr(self, name)!r}".replace("'", "") for name in set_fields)
+            raise ValueError(
+                f"model.path={self.path!r}: its config.json decides the architecture and sizes, so {shown} would "
+                "be ignored; drop it (and model.arch), or drop model.path for a random initialisation"
+            )
+        if self.path is None and (self.arch or "llama") not in ARCHITECTURES:
+            raise ValueError(
+                f"model.arch={self.arch!r} is not one of {', '.join(ARCHITECTURES)}; or give model.path, a local "
+                "Hugging Face folder"
+            )
+        for name in SIZE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"model.{name} must be an int >= 1, got {value!r}")
+
+    def transformers_kwargs(self) -> dict[str, Any]:
+        """The transformers config fields of a random initialisation: each size field that is
+        None takes the value of thdpack's ``small`` preset (a tiny model, not transformers' 7B default)."""
+        small = ModelConfig.preset("small")
+        kwargs = {
+            hf_name: getattr(small, name) if getattr(self, name) is None else getattr(self, name)
+            for name, hf_name in _HF_SIZE_NAMES.items()
+        }
+        if (self.arch or "llama") == "mistral":
+            kwargs["sliding_window"] = None  # full attention (Mistral v0.2+); thdpack attention has no windows
+        return kwargs
+
+
+class HFCausalLM(nn.Module):
+    """``model(thd, cp_group=...) -> logits_TV`` for a transformers causal LM (``self.hf``).
+
+    Every call goes through ``hf_packed_kwargs`` (positions reset per sequence, no cache, the THD
+    metadata and the CP group for thdpack's attention) and ``check_hf_attention``, so a model
+    whose attention cannot be exact on the batch is refused before it runs.
+    """
+
+    def __init__(self, hf_model: nn.Module, attention: AttentionConfig | None = None) -> None:
+        super().__init__()
+        self.hf = hf_model
+        self.attention = attention or AttentionConfig()
+
+    @property
+    def config(self) -> Any:
+        return self.hf.config
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder layers (what FSDP2 and activation checkpointing wrap one by one)."""
+        return self.hf.model.layers
+
+    def forward(self, thd: Mapping[str, Any], *, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """(T, V) logits of the tokens of ``thd`` (a THD batch or a CP shard, on the model's device)."""
+        sharded = thd.get("cp_size", 1) > 1
+        kwargs = hf_packed_kwargs(thd, cp_group=cp_group if sharded else None, model=self.hf)
+        kwargs[ATTENTION_CONFIG_KWARG] = self.attention
+        return self.hf(**kwargs).logits[0]
+
+
+def build_hf_model(
+    config: HFModelConfig, *, seed: int, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> HFCausalLM:
+    """The model of ``config`` with thdpack's attention, its parameters in ``dtype`` on ``device``.
+
+    A random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every rank
+    that builds it with the same seed holds identical weights.
+    """
+    transformers = require("transformers", "model=hf")
+    register_hf_attention(ATTENTION_NAME)
+    if config.path is not None:
+        folder = Path(config.path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ValueError(
+                f"model.path={config.path!r} holds no config.json: give a local Hugging Face model folder "
+                "(as save_pretrained writes it: config.json + *.safetensors)"
+            )
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, attn_implementation=ATTENTION_NAME, dtype=dtype or torch.float32, local_files_only=True
+        )
+    else:
+        prefix = ARCHITECTURES[config.arch or "llama"]
+        hf_config = getattr(transformers, f"{prefix}Config")(**config.transformers_kwargs())
+        hf_config._attn_implementation = ATTENTION_NAME
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            hf = getattr(transformers, f"{prefix}ForCausalLM")(hf_config)
+        if dtype is not None:
+            hf = hf.to(dtype)
+    hf.config.use_cache = False
+    hf.train()
+    return HFCausalLM(hf, config.attention).to(device)
+
+
+def save_hf_folder(
+    model: HFCausalLM,
+    folder: Path,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    tokenizer: str | None = None,
+) -> Path:
+    """``save_pretrained`` into ``folder`` (config.json + model.safetensors), loadable by plain
+    transformers with its own attention (``attn_implementation`` is not saved as thdpack's).
+
+    ``state_dict``: the full weights keyed like ``model.hf`` (FSDP2 gathers them first; None: the
+    model's own). ``tokenizer``: a tokenizer folder or tokenizer.json whose files are copied along.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = model.hf
+    saved_implementation = hf.config._attn_implementation
+    hf.config._attn_implementation = "sdpa"  # what a plain from_pretrained will use; ours needs registering
+    try:
+        hf.save_pretrained(folder, state_dict=dict(state_dict) if state_dict is not None else None)
+    finally:
+        hf.config._attn_implementation = saved_implementation
+    _drop_attention_name(folder / "config.json")
+    if tokenizer is not None:
+        _copy_tokenizer(Path(tokenizer).expanduser(), folder)
+    return folder
+
+
+def _drop_attention_name(config_json: Path) -> None:
+    """A saved ``attn_implementation`` naming thdpack's attention would fail to load elsewhere."""
+    config = json.loads(config_json.read_text())
+    if config.get("attn_implementation") == ATTENTION_NAME or config.get("_attn_implementation") == ATTENTION_NAME:
+        config.pop("attn_implementation", None)
+        config.pop("_attn_implementation", None)
+        config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def _copy_tokenizer(source: Path, folder: Path) -> None:
+    if source.is_file():
+        shutil.copy2(source, folder / "tokenizer.json")
+        return
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, folder / name)
