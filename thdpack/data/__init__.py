@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from thdpack.data.manifest import StoreBusyError, StoreError
 from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments
 from thdpack.data.sources import (
     SOURCE_FORMATS,
@@ -24,6 +25,7 @@ from thdpack.data.tokenize import (
     record_batches,
     tokenize_records,
 )
+from thdpack.data.verify import StoreVerification, verify_store
 
 __all__ = [
     "RECORD_KINDS",
@@ -37,6 +39,9 @@ __all__ = [
     "SourceConfig",
     "SourceFormat",
     "SourceReport",
+    "StoreBusyError",
+    "StoreError",
+    "StoreVerification",
     "TextTokenizer",
     "TokenStore",
     "TokenStoreWriter",
@@ -50,4 +55,5 @@ __all__ = [
     "record_batches",
     "record_segments",
     "tokenize_records",
+    "verify_store",
 ]

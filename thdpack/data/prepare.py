@@ -8,7 +8,10 @@ The output folder holds the token store (``tokens.bin``, ``offsets.npy``, ``loss
 SFT, ``manifest.json``; see ``thdpack.data.store``), the packing plan ``plan.npz``
 (``thdpack.plan.PackPlan.load``) planned over the store's sample lengths, and PNG plots (length
 histogram, pack fullness) when matplotlib is installed. ``manifest.json`` records the arguments,
-what every stage read and skipped, and the plan's ``PackingStats``.
+what every stage read and skipped, the files' checksums, and the plan's ``PackingStats``.
+
+One run writes a folder at a time: a run holds the folder's lock from its first file to its last
+(plots included), and a second run into the same folder stops at once naming the first.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from thdpack._optional import has_module
+from thdpack.data._lock import FolderLock
 from thdpack.data._progress import progress_bar
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, Source, SourceConfig
@@ -108,11 +112,13 @@ def write_token_store(
     overwrite: bool = False,
     progress: bool | None = None,
     verbose: bool = True,
+    lock: FolderLock | None = None,
 ) -> TokenStore:
     """Read ``inputs``, tokenize them and write a token store in ``out``; return it opened.
 
     The shared first half of ``thdpack prepare`` and of the trainer's data setup. Records and
     tokens that a stage skips are counted in the store's ``manifest.json`` and printed.
+    ``lock``: ``out``'s ``FolderLock``, held by the caller (else the writer takes it).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
@@ -127,6 +133,7 @@ def write_token_store(
         sample_format=sample_format,
         source=[s.describe() for s in sources],
         overwrite=overwrite,
+        lock=lock,
     )
     (out / PLAN_FILE).unlink(missing_ok=True)  # an older plan must never sit next to a new store
     with writer:
@@ -173,6 +180,11 @@ def _prepare(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     out: Path = args.out
+    with FolderLock(out) as lock:
+        return _prepare_locked(args, out, lock)
+
+
+def _prepare_locked(args: argparse.Namespace, out: Path, lock: FolderLock) -> int:
     store = write_token_store(
         args.inputs,
         out,
@@ -190,6 +202,7 @@ def _prepare(args: argparse.Namespace) -> int:
         limit=args.limit,
         overwrite=args.overwrite,
         progress=args.progress,
+        lock=lock,
     )
     lengths = store.lengths
     print(
