@@ -100,7 +100,7 @@ def sample_sizes(file: Path, offsets: np.ndarray) -> np.ndarray:
             problem = f"is out of order at index {i + 1}: offsets[{i + 1}]={b} < offsets[{i}]={a}"
         else:
             problem = f"gives sample {i} {b - a} tokens (offsets[{i}]={a}, offsets[{i + 1}]={b}); every sample has >= 2"
-        raise StoreError(file, f"{problem} ({len(bad)} such samples)")
+        raise StoreError(file, f"{problem} ({len(bad)} of {len(sizes)} samples bad)")
     return sizes
 
 
@@ -140,9 +140,8 @@ def verify_store(
     with shared_lock(folder):
         manifest = read_manifest(folder)
         if not has_checksums(manifest):
-            what = (
-                f"has no checksums (store version {manifest['version']}, {manifest.get('created_by', 'old thdpack')})"
-            )
+            writer = manifest.get("created_by", "an older thdpack")
+            what = f"has no checksums (store version {manifest['version']}, written by {writer})"
             if require_checksums:
                 raise StoreError(folder / MANIFEST_FILE, what)
             log.warning(
