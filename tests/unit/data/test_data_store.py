@@ -138,7 +138,9 @@ def test_writer_errors(tmp_path, gpt2):
 
 
 def test_reader_errors(tmp_path, gpt2):
-    with pytest.raises(StoreError, match=r"manifest.json is missing: .* holds no finished token store; run `thdpack prepare"):
+    with pytest.raises(
+        StoreError, match=r"manifest.json is missing: .* holds no finished token store; run `thdpack prepare"
+    ):
         TokenStore(tmp_path)
     store = written_out_store(tmp_path, gpt2)
     with pytest.raises(IndexError, match="sample 3 is out of range for a store of 3 samples"):
