@@ -157,7 +157,9 @@ def plot(lengths: np.ndarray, rows: list[Row], out_dir: Path) -> list[Path]:
 
 def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "input", nargs="?", help="lengths .npy / .txt, or a token store folder (default: embedded example)"
+        "input",
+        nargs="?",
+        help="lengths .npy / .txt, or a token store folder (verified in full first; default: embedded example)",
     )
     parser.add_argument("--pack-size", type=int, nargs="+", default=[4096], help="one or more pack sizes")
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (slots rounded to 2*cp)")
