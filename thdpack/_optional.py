@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import re
 from types import ModuleType
 
 # extra name in pyproject.toml for each optional import root
@@ -66,6 +67,26 @@ def has_transformer_engine() -> bool:
     except Exception:  # TE raises assorted errors without CUDA / with a mismatched build
         return False
     return True
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """The leading numeric release of a version string.
+
+    >>> parse_version("2.18.0.dev0+abc"), parse_version("2.5")
+    ((2, 18, 0), (2, 5))
+    """
+    numbers = re.match(r"\d+(?:\.\d+)*", text.strip())
+    if numbers is None:
+        raise ValueError(f"cannot read a version number from {text!r}")
+    return tuple(int(part) for part in numbers.group(0).split("."))
+
+
+@functools.cache
+def transformer_engine_version() -> tuple[int, ...] | None:
+    """The installed Transformer Engine's version, e.g. (2, 18, 0); None when it does not import."""
+    if not has_transformer_engine():
+        return None
+    return parse_version(importlib.import_module("transformer_engine").__version__)
 
 
 @functools.cache

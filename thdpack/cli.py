@@ -1,6 +1,6 @@
 """The ``thdpack`` command.
 
-    thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR
+    thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR [--on-bad-record skip]
     thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
     thdpack verify --cp-size N [--dp-size M] [--dtype float64]
 

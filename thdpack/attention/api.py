@@ -87,14 +87,7 @@ def thd_attention(
     meta = thd_meta(thd)
     cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
     _check_layout(q, meta, cp_group, cp_size)
-    situation = CallFacts(
-        device=q.device,
-        dtype=q.dtype,
-        cp=cp_size > 1,
-        cp_comm_type=config.cp_comm_type,
-        need_lse=return_lse,
-        need_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
-    )
+    situation = CallFacts.of(q, k, v, cp=cp_size > 1, cp_comm_type=config.cp_comm_type, need_lse=return_lse)
     backend, reason = choose_backend(config.backend, situation)
     log_choice(backend, reason, situation)
     call = AttentionCall(

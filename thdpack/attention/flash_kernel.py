@@ -26,12 +26,43 @@ from thdpack.thd.tokens import TokenPlacement
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why FlashAttention-2 tiles cannot run here, or None when they can."""
+MIN_CAPABILITY = (8, 0)
+"""FlashAttention-2 runs on Ampere (sm80) and newer; T4 (sm75) and V100 (sm70) abort."""
+MAX_HEAD_DIM = 256
+
+
+def unavailable_reason(
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    capability: tuple[int, int] | None = None,
+    head_dim: int | None = None,
+    head_dim_v: int | None = None,
+) -> str | None:
+    """Why FlashAttention-2 kernels (flash-attn's, and PyTorch's own behind ``varlen_attn`` and the
+    ring's tiles) cannot run here, or None when they can.
+
+    The rules are FlashAttention-2's own checks (``flash_api.cpp``): CUDA fp16 / bf16, compute
+    capability 8.0 or newer, one head dim for Q, K and V, a multiple of 8 and at most 256.
+    ``capability`` / ``head_dim`` / ``head_dim_v`` left None are not checked.
+
+    >>> unavailable_reason(torch.device("cuda"), torch.bfloat16, capability=(7, 5))
+    'FlashAttention-2 kernels need compute capability 8.0 (Ampere) or newer, this GPU is sm75'
+    >>> unavailable_reason(torch.device("cuda"), torch.bfloat16, head_dim=80, head_dim_v=64)
+    'FlashAttention-2 kernels need V to have the head dim of Q and K (80), got 64'
+    """
     if device.type != "cuda":
         return f"FlashAttention kernels need CUDA tensors, got device {device.type!r}"
     if dtype not in HALF_DTYPES:
         return f"FlashAttention kernels need float16 or bfloat16, got {dtype}"
+    if capability is not None and tuple(capability) < MIN_CAPABILITY:
+        major, minor = capability
+        return f"FlashAttention-2 kernels need compute capability 8.0 (Ampere) or newer, this GPU is sm{major}{minor}"
+    if head_dim is not None:
+        if head_dim_v is not None and head_dim_v != head_dim:
+            return f"FlashAttention-2 kernels need V to have the head dim of Q and K ({head_dim}), got {head_dim_v}"
+        if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+            return f"FlashAttention-2 kernels need a head dim that is a multiple of 8 and at most 256, got {head_dim}"
     if not hasattr(torch.ops.aten, "_flash_attention_forward"):
         return f"torch {torch.__version__} has no aten._flash_attention_forward (needs torch >= 2.2)"
     return None

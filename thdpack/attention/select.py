@@ -21,6 +21,12 @@ CPU, with or without CP            math (exact tiles with backward; flex has no 
                                    torch >= 2.11; sdpa needs a dense T x T mask, returns no LSE)
 =================================  ===============================================================
 
+Every candidate states its own problem (``AttentionBackend.problem``), so ``auto`` skips what
+would crash on the GPU at hand: FlashAttention-2 kernels (``flash``, ``varlen``, the ring's FA2
+tiles) below compute capability 8.0, for head dims that are not a multiple of 8 or exceed 256, or
+when V's head dim differs from Q's (``flash_kernel.unavailable_reason``); ``te`` with
+``cp_comm_type="all_gather"`` before Transformer Engine 2.18 (no THD in its all-gather CP).
+
 On CPU the math kernel's per-sequence tiles beat SDPA's dense masked kernel as packs grow
 (``benchmarks/attention_bench.py``, 2 cores, fp32, 8/2 heads x 64, SFT-like packs, forward +
 backward: 56 vs 67 ms at 1024 tokens, 0.47 vs 1.08 s at 4096, 0.77 vs 4.43 s at 8192).

@@ -1,9 +1,20 @@
-"""The data side: sources -> tokenization (with SFT masks) -> token store -> ``thdpack prepare``."""
+"""The data side: sources -> tokenization (with SFT masks, chat templates, a bad-record policy) -> token
+store -> ``thdpack prepare``."""
 
 from __future__ import annotations
 
+from thdpack.data.bad_records import (
+    BAD_RECORD_REASONS,
+    ON_BAD_RECORD,
+    BadRecord,
+    BadRecordReason,
+    BadRecords,
+    OnBadRecord,
+    RecordOrigin,
+)
+from thdpack.data.chat_template import ChatTemplate, RenderedChat
 from thdpack.data.manifest import StoreBusyError, StoreError
-from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments
+from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, chat_messages, detect_kind, record_segments
 from thdpack.data.sources import (
     SOURCE_FORMATS,
     Source,
@@ -28,10 +39,19 @@ from thdpack.data.tokenize import (
 from thdpack.data.verify import StoreVerification, verify_store
 
 __all__ = [
+    "BAD_RECORD_REASONS",
+    "ON_BAD_RECORD",
     "RECORD_KINDS",
     "SAMPLE_FORMATS",
     "SOURCE_FORMATS",
+    "BadRecord",
+    "BadRecordReason",
+    "BadRecords",
+    "ChatTemplate",
+    "OnBadRecord",
     "RecordKind",
+    "RecordOrigin",
+    "RenderedChat",
     "SampleEncoder",
     "SampleFormat",
     "Segment",
@@ -48,6 +68,7 @@ __all__ = [
     "TokenizeConfig",
     "TokenizeReport",
     "TokenizedSample",
+    "chat_messages",
     "detect_format",
     "detect_kind",
     "load_tokenizer",

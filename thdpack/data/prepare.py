@@ -3,12 +3,19 @@
     thdpack prepare stdlib --tokenizer gpt2 --pack-size 4096 --out runs/stdlib   # embedded corpus
     thdpack prepare data/*.jsonl --pack-size 8192 --cp-size 2 --out runs/web
     thdpack prepare alpaca_data.json --pack-size 2048 --algorithm bfd --out runs/alpaca
+    thdpack prepare sharegpt.jsonl --tokenizer models/qwen --pack-size 4096 --on-bad-record skip --out runs/chat
 
 The output folder holds the token store (``tokens.bin``, ``offsets.npy``, ``loss_mask.bin`` for
 SFT, ``manifest.json``; see ``thdpack.data.store``), the packing plan ``plan.npz``
 (``thdpack.plan.PackPlan.load``) planned over the store's sample lengths, and PNG plots (length
 histogram, pack fullness) when matplotlib is installed. ``manifest.json`` records the arguments,
 what every stage read and skipped, the files' checksums, and the plan's ``PackingStats``.
+
+Bad records (``thdpack.data.bad_records``: a chat with no messages or no assistant turn, an
+unknown role, a line that is not JSON, ...) stop the run naming the file, line and problem
+(``--on-bad-record fail``, the default), or with ``--on-bad-record skip`` are skipped: counted
+per reason in ``manifest.json["skipped_records"]``, printed, and listed one JSON line each
+(origin, path, line, reason, message) in ``skipped_records.jsonl``.
 
 One run writes a folder at a time: a run holds the folder's lock from its first file to its last
 (plots included), and a second run into the same folder stops at once naming the first.
@@ -30,10 +37,12 @@ import numpy as np
 from thdpack._optional import has_module
 from thdpack.data._lock import FolderLock
 from thdpack.data._progress import progress_bar
+from thdpack.data.bad_records import ON_BAD_RECORD, BadRecords
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, Source, SourceConfig
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest, write_manifest
 from thdpack.data.tokenize import (
+    CHAT_TEMPLATE_CHOICES,
     SAMPLE_FORMATS,
     SampleEncoder,
     TokenizeConfig,
@@ -43,6 +52,7 @@ from thdpack.data.tokenize import (
 from thdpack.plan import ALGORITHMS, OVERFLOWS, plan_packs
 
 PLAN_FILE = "plan.npz"
+SKIPPED_FILE = "skipped_records.jsonl"
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +64,12 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         help="jsonl / json / parquet file, HF save_to_disk folder, text folder, or 'stdlib' "
         "(several are read one after another)",
     )
-    parser.add_argument("--tokenizer", default="gpt2", help="'gpt2' (shipped) or a tokenizer.json path (default: gpt2)")
+    parser.add_argument(
+        "--tokenizer",
+        default="gpt2",
+        help="'gpt2' (shipped), a tokenizer.json, or a Hugging Face tokenizer folder (tokenizer.json + "
+        "tokenizer_config.json; its chat template renders chat records) (default: gpt2)",
+    )
     parser.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
@@ -73,6 +88,21 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-eos", action="store_true", help="do not append EOS to documents and responses")
     parser.add_argument("--eos-id", type=int, help="EOS token id (default: the tokenizer's)")
     parser.add_argument("--train-on-prompt", action="store_true", help="SFT: prompt tokens are targets too")
+    parser.add_argument(
+        "--chat-template",
+        default="auto",
+        choices=CHAT_TEMPLATE_CHOICES,
+        help="chat records: the tokenizer's own chat template when it has one (auto), always it (tokenizer), "
+        "or the plain '### User:' template (plain) (default: auto)",
+    )
+    parser.add_argument(
+        "--on-bad-record",
+        default="fail",
+        choices=ON_BAD_RECORD,
+        help="a record that cannot be a sample (empty chat, no assistant turn, unknown role, bad JSON): stop "
+        f"naming its file and line (fail), or skip it, counted per reason and listed in {SKIPPED_FILE} "
+        "(skip) (default: fail)",
+    )
     parser.add_argument(
         "--sample-format",
         default="labels",
@@ -117,15 +147,20 @@ def write_token_store(
     """Read ``inputs``, tokenize them and write a token store in ``out``; return it opened.
 
     The shared first half of ``thdpack prepare`` and of the trainer's data setup. Records and
-    tokens that a stage skips are counted in the store's ``manifest.json`` and printed.
-    ``lock``: ``out``'s ``FolderLock``, held by the caller (else the writer takes it).
+    tokens that a stage skips are counted in the store's ``manifest.json`` and printed; bad
+    records follow ``tokenize_config.on_bad_record`` (skipped ones are listed in
+    ``out/skipped_records.jsonl``). ``lock``: ``out``'s ``FolderLock``, held by the caller (else
+    the writer takes it).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
     source_config = source_config or SourceConfig()
     tokenize_config = tokenize_config or TokenizeConfig()
-    sources = [Source(path, source_config) for path in inputs]
-    encoder = SampleEncoder(load_tokenizer(tokenizer), tokenize_config)
+    skip = tokenize_config.on_bad_record == "skip"
+    # one policy and tally for the whole pass: sources skip lines that are not JSON, the encoder the rest
+    bad_records = BadRecords(tokenize_config.on_bad_record, log=out / SKIPPED_FILE if skip else None)
+    sources = [Source(path, source_config, bad_records=bad_records) for path in inputs]
+    encoder = SampleEncoder(load_tokenizer(tokenizer), tokenize_config, bad_records=bad_records)
     start = time.perf_counter()
     writer = TokenStoreWriter(
         out,
@@ -135,8 +170,10 @@ def write_token_store(
         overwrite=overwrite,
         lock=lock,
     )
-    (out / PLAN_FILE).unlink(missing_ok=True)  # an older plan must never sit next to a new store
-    with writer:
+    # an older plan or skip list must never sit next to a new store
+    (out / PLAN_FILE).unlink(missing_ok=True)
+    (out / SKIPPED_FILE).unlink(missing_ok=True)
+    with writer, bad_records:
         bar = progress_bar(total=limit, desc="tokenize", unit="rec", enabled=progress)
 
         def read() -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
@@ -151,8 +188,11 @@ def write_token_store(
         finally:
             bar.close()
         if writer.num_samples == 0:
-            raise ValueError(f"no samples to store: {encoder.report}; check the inputs and --kind / --text-key")
+            raise ValueError(
+                f"no samples to store: {encoder.report}; {bad_records}; check the inputs and --kind / --text-key"
+            )
         seconds = time.perf_counter() - start
+        template = encoder.chat_template
         writer.close(
             extra={
                 "prepare": {
@@ -160,8 +200,10 @@ def write_token_store(
                     "limit": limit,
                     "tokenize": {**dataclasses.asdict(tokenize_config), "eos_id": encoder.eos_id},
                     "tokenize_report": dataclasses.asdict(encoder.report),
+                    "chat_template": {"source": template.source, "sha256": template.sha256} if template else None,
                     "seconds": round(seconds, 3),
-                }
+                },
+                "skipped_records": bad_records.summary(),
             }
         )
     if verbose:
@@ -196,6 +238,8 @@ def _prepare_locked(args: argparse.Namespace, out: Path, lock: FolderLock) -> in
             append_eos=not args.no_eos,
             eos_id=args.eos_id,
             mask_prompt=not args.train_on_prompt,
+            chat_template=args.chat_template,
+            on_bad_record=args.on_bad_record,
             batch_size=args.batch_size,
         ),
         sample_format=args.sample_format,
@@ -235,6 +279,7 @@ def _prepare_locked(args: argparse.Namespace, out: Path, lock: FolderLock) -> in
     print(f"\n{plan.stats}\n")
     _write_plots(store, plan, args.no_plots, out)
     files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]
+    files += [SKIPPED_FILE] if (out / SKIPPED_FILE).exists() else []
     print(f"wrote {out}/: {', '.join(files)}, {PLAN_FILE}, manifest.json")
     return 0
 
@@ -253,6 +298,10 @@ def _print_reading(
         print(f"stopped after the first {limit:,} records (--limit)")
     report = encoder.report
     print(f"tokenized ({encoder.tokenizer.name}): {report}")
+    if encoder.chat_template is not None and report.chat_template:
+        print(f"chat records rendered with the chat template of {encoder.chat_template.source}")
+    if encoder.bad_records.policy == "skip":
+        print(str(encoder.bad_records))
     print(
         f"stored {writer.num_samples:,} samples, {writer.num_tokens:,} tokens ({writer.dtype.name}) in "
         f"{seconds:.1f} s: {report.records / seconds:,.0f} records/s, "

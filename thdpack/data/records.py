@@ -9,11 +9,13 @@ of text that are either prompt (masked out of the loss) or target, and where the
   is Stanford Alpaca's published prompt format (below), masked; the output and EOS are targets.
 - ``chat`` (SFT): ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}]}``,
   or ShareGPT's ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}]}``.
-  Every message is rendered as ``### System:`` / ``### User:`` / ``### Assistant:`` then a newline
+  When the tokenizer has its own chat template (a Hugging Face tokenizer folder), that template
+  renders the conversation (``thdpack.data.chat_template``). Otherwise this plain template does:
+  every message is rendered as ``### System:`` / ``### User:`` / ``### Assistant:`` then a newline
   and its content; messages are separated by a blank line. Each assistant content and the EOS
   after it are targets; everything else (headers, system and user turns, separators) is masked.
-  The GPT-2 tokenizer has no chat special tokens, so the template is plain text; a model with its
-  own chat template should be given records already rendered with it (as ``text``) or use this.
+  A chat needs at least one message and one assistant turn; roles outside the ones above, an
+  empty conversation or no assistant turn make it a bad record (``thdpack.data.bad_records``).
 
 The Alpaca prompt (with an input; without one the input sentence and section are left out):
 
@@ -35,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
+
+from thdpack.data.bad_records import BadRecord
 
 RecordKind = Literal["text", "alpaca", "chat"]
 RECORD_KINDS: tuple[str, ...] = get_args(RecordKind)
@@ -65,7 +69,8 @@ class Segment:
 
 
 def detect_kind(record: Mapping[str, Any], text_key: str = "text", origin: str = "record") -> RecordKind:
-    """The kind of a record from its keys; ``ValueError`` naming ``origin`` and the keys otherwise.
+    """The kind of a record from its keys; ``BadRecord`` (a ``ValueError``) naming ``origin`` and the
+    keys otherwise.
 
     >>> detect_kind({"instruction": "Add 2 and 3.", "input": "", "output": "5"})
     'alpaca'
@@ -78,9 +83,11 @@ def detect_kind(record: Mapping[str, Any], text_key: str = "text", origin: str =
         return "alpaca"
     if text_key in record:
         return "text"
-    raise ValueError(
-        f"{origin} has keys {sorted(record)}; expected {text_key!r} (text), 'instruction' + 'output' "
-        "(alpaca) or 'messages' (chat); set text_key (--text-key) to the field holding the text"
+    raise BadRecord(
+        origin,
+        "unknown_kind",
+        f"has keys {sorted(record)}; expected {text_key!r} (text), 'instruction' + 'output' (alpaca) or "
+        "'messages' / 'conversations' (chat); set text_key (--text-key) to the field holding the text",
     )
 
 
@@ -95,7 +102,8 @@ def record_segments(
 ) -> list[Segment]:
     """Split a record into prompt and target segments (see the module docstring for the templates).
 
-    ``mask_prompt=False`` makes every segment a target (training on the prompt too).
+    ``mask_prompt=False`` makes every segment a target (training on the prompt too). A record that
+    does not fit its kind raises ``BadRecord`` (a ``ValueError``) naming ``origin`` and the reason.
 
     >>> record_segments({"instruction": "Say hi.", "output": "Hi!"}, "alpaca")[1]
     Segment(text='Hi!', target=True, eos=True)
@@ -131,12 +139,12 @@ def _string(record: Mapping[str, Any], key: str, origin: str, *, optional: bool 
     if key not in record:
         if optional:
             return ""
-        raise ValueError(f"{origin} has no field {key!r} (its keys: {sorted(record)})")
+        raise BadRecord(origin, "missing_field", f"has no field {key!r} (its keys: {sorted(record)})")
     value = record[key]
     if value is None and optional:
         return ""
     if not isinstance(value, str):
-        raise ValueError(f"{origin}: field {key!r} must be a string, got {type(value).__name__}")
+        raise BadRecord(origin, "wrong_type", f"field {key!r} must be a string, got {type(value).__name__}")
     return value
 
 
@@ -151,32 +159,59 @@ def _alpaca_segments(record: Mapping[str, Any], append_eos: bool, origin: str) -
     return [Segment(prompt, target=False), Segment(output, target=True, eos=append_eos)]
 
 
-def _chat_messages(record: Mapping[str, Any], origin: str) -> list[tuple[str, str]]:
-    """``(role, content)`` pairs from OpenAI-style ``messages`` or ShareGPT ``conversations``."""
+def chat_messages(record: Mapping[str, Any], origin: str = "record") -> list[tuple[str, str]]:
+    """``(role, content)`` pairs from OpenAI-style ``messages`` or ShareGPT ``conversations``; roles
+    are ``system`` / ``user`` / ``assistant`` (ShareGPT's ``human`` / ``gpt`` renamed).
+
+    Raises ``BadRecord`` for a conversation that is empty, has no assistant turn, an unknown role
+    or a message that is not ``{role: str, content: str}``.
+
+    >>> chat_messages({"conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]})
+    [('user', '2+2?'), ('assistant', '4')]
+    >>> chat_messages({"id": "x", "conversations": []}, "chats.jsonl line 2")
+    Traceback (most recent call last):
+    ...
+    thdpack.data.bad_records.BadRecord: chats.jsonl line 2: 'conversations' is empty: no messages to train on
+    """
     sharegpt = "messages" not in record
-    if sharegpt and "conversations" not in record:
-        raise ValueError(f"{origin} has no 'messages' or 'conversations' field (its keys: {sorted(record)})")
-    messages = record["conversations" if sharegpt else "messages"]
+    field_name = "conversations" if sharegpt else "messages"
+    if field_name not in record:
+        keys = sorted(record)
+        raise BadRecord(origin, "missing_field", f"has no 'messages' or 'conversations' field (its keys: {keys})")
+    messages = record[field_name]
     if not isinstance(messages, list):
-        raise ValueError(f"{origin}: 'messages' must be a list, got {type(messages).__name__}")
+        raise BadRecord(origin, "wrong_type", f"{field_name!r} must be a list, got {type(messages).__name__}")
+    if not messages:
+        raise BadRecord(origin, "empty_conversation", f"{field_name!r} is empty: no messages to train on")
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     valid = list(_SHAREGPT_ROLES) if sharegpt else list(CHAT_HEADERS)
     pairs = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"{origin}: message {i} must be a mapping, got {type(message).__name__}")
+            raise BadRecord(origin, "wrong_type", f"message {i} must be a mapping, got {type(message).__name__}")
         role = message.get(role_key)
         if role not in valid:
-            raise ValueError(f"{origin}: message {i} has {role_key}={role!r}; use one of {valid}")
-        content = _string(message, content_key, f"{origin} message {i}")
+            raise BadRecord(origin, "unknown_role", f"message {i} has {role_key}={role!r}; use one of {valid}")
+        content = message.get(content_key)
+        if not isinstance(content, str):
+            found = "no field" if content_key not in message else f"a {type(content).__name__} in field"
+            raise BadRecord(
+                origin,
+                "missing_field" if content_key not in message else "wrong_type",
+                f"message {i} has {found} {content_key!r}; it must be a string (its keys: {sorted(message)})",
+            )
         pairs.append((_SHAREGPT_ROLES[role] if sharegpt else role, content))
+    if not any(role == "assistant" for role, _ in pairs):
+        roles = [message[role_key] for message in messages]
+        assistant = "gpt" if sharegpt else "assistant"
+        raise BadRecord(origin, "no_assistant_turn", f"has no {assistant!r} message to train on (its roles: {roles})")
     return pairs
 
 
 def _chat_segments(record: Mapping[str, Any], append_eos: bool, origin: str) -> list[Segment]:
     segments: list[Segment] = []
     prompt = ""  # masked text waiting for the next target
-    for i, (role, content) in enumerate(_chat_messages(record, origin)):
+    for i, (role, content) in enumerate(chat_messages(record, origin)):
         prompt += (CHAT_SEPARATOR if i else "") + CHAT_HEADERS[role]
         if role == "assistant":
             segments.append(Segment(prompt, target=False))

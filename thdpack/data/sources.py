@@ -24,7 +24,10 @@ names (a folder's files, then its sub-folders), hidden files and folders skipped
 Nothing is dropped silently: empty records (no text, no values) are skipped and counted in
 ``Source.report``; blank lines in jsonl are counted too. Undecodable bytes raise ``ValueError``
 naming the file and line, unless ``decode_errors="replace"`` (the default for ``stdlib``, where
-four test files are deliberately not UTF-8), which counts the documents it repaired.
+four test files are deliberately not UTF-8), which counts the documents it repaired. A jsonl line
+that is not JSON, or a record that is not an object, is a bad record: the source's
+``BadRecords`` policy (``thdpack.data.bad_records``) fails on it naming the line (default) or
+skips, counts and logs it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import IO, Any, Literal, get_args
 
 from thdpack._optional import require
 from thdpack.data._json_array import iter_json_array
+from thdpack.data.bad_records import BadRecord, BadRecords, RecordOrigin
 
 SourceFormat = Literal["jsonl", "json", "parquet", "hf", "text", "stdlib"]
 SOURCE_FORMATS: tuple[str, ...] = get_args(SourceFormat)
@@ -86,6 +90,8 @@ class SourceReport:
     """Blank lines between jsonl records (not records; counted so nothing goes unseen)."""
     decode_replaced: int = 0
     """Documents whose undecodable bytes were replaced by U+FFFD (``decode_errors="replace"``)."""
+    skipped_bad: int = 0
+    """Lines skipped as bad records (not JSON, not an object) under ``on_bad_record="skip"``."""
 
     def __str__(self) -> str:
         parts = [f"{self.records} records", f"{self.skipped_empty} empty skipped"]
@@ -93,6 +99,8 @@ class SourceReport:
             parts.append(f"{self.blank_lines} blank lines")
         if self.decode_replaced:
             parts.append(f"{self.decode_replaced} with undecodable bytes replaced")
+        if self.skipped_bad:
+            parts.append(f"{self.skipped_bad} bad skipped")
         return ", ".join(parts)
 
 
@@ -146,8 +154,12 @@ class Source:
     '1 records, 1 empty skipped'
     """
 
-    def __init__(self, path: str | os.PathLike[str], config: SourceConfig | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], config: SourceConfig | None = None, *, bad_records: BadRecords | None = None
+    ) -> None:
         self.config = config or SourceConfig()
+        self.bad_records = bad_records or BadRecords("fail")
+        """Fails on, or skips and counts, lines that are not JSON objects (shared with the encoder)."""
         self.path = Path(path)
         if self.config.format == "auto":
             self.format: SourceFormat = detect_format(path)
@@ -182,8 +194,9 @@ class Source:
         for _, record in self.records_with_origin():
             yield record
 
-    def records_with_origin(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Yield ``(origin, record)``; ``origin`` says where the record is ("data.jsonl line 7")."""
+    def records_with_origin(self) -> Iterator[tuple[RecordOrigin, dict[str, Any]]]:
+        """Yield ``(origin, record)``; ``origin`` (a ``RecordOrigin``) says where the record is
+        ("data.jsonl line 7")."""
         self.report = SourceReport()
         readers = {
             "jsonl": self._jsonl,
@@ -194,8 +207,13 @@ class Source:
             "stdlib": self._text,
         }
         for origin, record in readers[self.format]():
-            if not isinstance(record, Mapping):
-                raise ValueError(f"{origin}: expected a JSON object (a mapping), got {type(record).__name__}")
+            if not isinstance(record, (Mapping, BadRecord)):
+                kind = type(record).__name__
+                record = BadRecord(origin, "not_an_object", f"expected a JSON object (a mapping), got {kind}")
+            if isinstance(record, BadRecord):
+                self.bad_records.handle(record)  # raises under on_bad_record="fail"
+                self.report.skipped_bad += 1
+                continue
             if _is_blank(record):
                 self.report.skipped_empty += 1
                 continue
@@ -214,27 +232,30 @@ class Source:
             self.report.decode_replaced += 1
             return raw.decode("utf-8", errors="replace")
 
-    def _jsonl(self) -> Iterator[tuple[str, Any]]:
+    def _jsonl(self) -> Iterator[tuple[RecordOrigin, Any]]:
+        """``(origin, record)``, or ``(origin, BadRecord)`` for a line that is not JSON."""
         with _open_binary(self.path) as f:
             for lineno, raw in enumerate(f, start=1):
-                origin = f"{self.path} line {lineno}"
+                origin = RecordOrigin(self.path, line=lineno)
                 if not raw.strip():
                     self.report.blank_lines += 1
                     continue
                 if lineno == 1:
                     raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark (Windows editors)
                 try:
-                    record = json.loads(self._decode(raw, origin))
+                    # without its line break, so that an error at the end of the line names its column
+                    record = json.loads(self._decode(raw.rstrip(b"\r\n"), origin))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{origin}: malformed JSON: {err.msg} (column {err.colno})") from err
+                    record = BadRecord(origin, "malformed_json", f"malformed JSON: {err.msg} (column {err.colno})")
                 yield origin, record
 
-    def _json(self) -> Iterator[tuple[str, Any]]:
+    def _json(self) -> Iterator[tuple[RecordOrigin, Any]]:
+        # malformed JSON inside an array raises: the parser cannot find where the next element starts
         with _open_binary(self.path) as f:
             for index, line, record in iter_json_array(f, str(self.path), errors=self.decode_errors):
-                yield f"{self.path} record {index} (line {line})", record
+                yield RecordOrigin(self.path, record=index, line=line), record
 
-    def _parquet(self) -> Iterator[tuple[str, Any]]:
+    def _parquet(self) -> Iterator[tuple[RecordOrigin, Any]]:
         pq = require("pyarrow.parquet", "reading parquet files")
         try:
             parquet = pq.ParquetFile(self.path)
@@ -243,10 +264,10 @@ class Source:
         row = 0
         for batch in parquet.iter_batches(batch_size=1024):
             for record in batch.to_pylist():
-                yield f"{self.path} row {row}", record
+                yield RecordOrigin(self.path, row=row), record
                 row += 1
 
-    def _hf(self) -> Iterator[tuple[str, Any]]:
+    def _hf(self) -> Iterator[tuple[RecordOrigin, Any]]:
         datasets = require("datasets", "reading a Hugging Face datasets folder (save_to_disk)")
         loaded = datasets.load_from_disk(str(self.path))
         split = self.config.split
@@ -260,9 +281,9 @@ class Source:
         elif split is not None:
             raise ValueError(f"split={split!r} given, but {self.path} holds a single Dataset without splits")
         for row, record in enumerate(loaded.with_format(None)):
-            yield f"{self.path} row {row}", record
+            yield RecordOrigin(self.path, row=row), record
 
-    def _text(self) -> Iterator[tuple[str, Any]]:
+    def _text(self) -> Iterator[tuple[RecordOrigin, Any]]:
         files = [self.path] if self.path.is_file() else list(self._walk_files())
         for file in files:
             rel = file.name if file == self.path else file.relative_to(self.path).as_posix()
@@ -274,7 +295,7 @@ class Source:
             if not text.strip():  # the record would not be blank: it carries its path
                 self.report.skipped_empty += 1
                 continue
-            yield str(file), {"text": text, "path": rel}
+            yield RecordOrigin(file), {"text": text, "path": rel}
 
     def _walk_files(self) -> Iterator[Path]:
         stdlib = self.format == "stdlib"

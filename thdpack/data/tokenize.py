@@ -1,10 +1,21 @@
 """Tokenization: the shipped GPT-2 tokenizer or any Hugging Face tokenizer, batched, with SFT masks.
 
 ``load_tokenizer("gpt2")`` loads the GPT-2 byte-level BPE shipped in ``thdpack/assets`` (see its
-README for source and licences); a path to any HF ``tokenizer.json`` (or a folder holding one),
-a ``tokenizers.Tokenizer`` or a fast ``transformers`` tokenizer work too. The tokenizer's own
+README for source and licences); a path to any HF ``tokenizer.json``, a Hugging Face tokenizer
+folder (``tokenizer.json`` + ``tokenizer_config.json``, as ``save_pretrained`` writes it), a
+``tokenizers.Tokenizer`` or a fast ``transformers`` tokenizer work too. The tokenizer's own
 special tokens (BOS templates) are not added; thdpack appends only EOS (``<|endoftext|>`` = 50256
-for GPT-2) after each document and after each SFT response, unless ``append_eos=False``.
+for GPT-2; a folder's ``eos_token``) after each document and after each SFT response, unless
+``append_eos=False``.
+
+Chat records are rendered with the tokenizer's own chat template when it has one (a folder's
+``chat_template.jinja`` / ``tokenizer_config.json``, a ``transformers`` tokenizer's
+``chat_template``; ``thdpack.data.chat_template``), else with the plain template of
+``thdpack.data.records``. A rendered chat is tokenized in one piece and its targets are the
+tokens whose character offsets overlap an assistant turn (its content and end-of-turn tokens);
+the template's own end-of-turn tokens end each turn, so no EOS is appended. Records that cannot
+become samples (``thdpack.data.bad_records``) fail naming the record, or with
+``on_bad_record="skip"`` are skipped and counted per reason.
 
 A record becomes a ``TokenizedSample``: the full token row ``tokens (n,)`` and ``target_mask (n,)``
 (True where a token is a training target: every token of a document, the response and its EOS
@@ -28,6 +39,7 @@ in SFT). Models see it in one of two equivalent sample formats (``SampleFormat``
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,11 +51,23 @@ import numpy as np
 
 from thdpack._optional import require
 from thdpack.data._progress import progress_bar
-from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, detect_kind, record_segments, text_chars
+from thdpack.data.bad_records import ON_BAD_RECORD, BadRecord, BadRecords, OnBadRecord
+from thdpack.data.chat_template import ChatTemplate, RenderedChat
+from thdpack.data.records import (
+    RECORD_KINDS,
+    RecordKind,
+    Segment,
+    chat_messages,
+    detect_kind,
+    record_segments,
+    text_chars,
+)
 from thdpack.packing.layout import IGNORE_INDEX
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)
+ChatTemplateChoice = Literal["auto", "tokenizer", "plain"]
+CHAT_TEMPLATE_CHOICES: tuple[str, ...] = get_args(ChatTemplateChoice)
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZERS = {"gpt2": ASSETS / "gpt2_tokenizer.json"}
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -59,11 +83,19 @@ class TokenizeConfig:
     text_key: str = "text"
     """Field holding a document's text (``text`` records)."""
     append_eos: bool = True
-    """Append EOS after each document and each SFT response (so the model learns to stop)."""
+    """Append EOS after each document and each SFT response (so the model learns to stop); chats
+    rendered with the tokenizer's chat template end each turn with the template's own tokens."""
     eos_id: int | None = None
     """EOS token id; None: the tokenizer's ``<|endoftext|>`` / ``</s>`` / eos token."""
     mask_prompt: bool = True
     """SFT: prompt tokens are not targets (label -100); False trains on the prompt too."""
+    chat_template: ChatTemplateChoice = "auto"
+    """Chat records: ``"auto"`` renders them with the tokenizer's chat template when it has one,
+    else with the plain template; ``"tokenizer"`` requires the tokenizer's; ``"plain"`` always
+    uses the plain one (``thdpack.data.records``)."""
+    on_bad_record: OnBadRecord = "fail"
+    """Records that cannot become samples (``thdpack.data.bad_records``): ``"fail"`` raises naming
+    the record and what is wrong; ``"skip"`` skips them, counted per reason."""
     batch_size: int = 512
     """Records per ``encode_batch`` call (the tokenizer parallelises inside a batch)."""
     batch_chars: int = 4_000_000
@@ -79,34 +111,51 @@ class TokenizeConfig:
             raise ValueError(f"batch_chars must be >= 1, got {self.batch_chars}")
         if self.eos_id is not None and self.eos_id < 0:
             raise ValueError(f"eos_id must be a token id >= 0, got {self.eos_id}")
+        if self.chat_template not in CHAT_TEMPLATE_CHOICES:
+            raise ValueError(f"unknown chat_template {self.chat_template!r}; use one of {list(CHAT_TEMPLATE_CHOICES)}")
+        if self.on_bad_record not in ON_BAD_RECORD:
+            raise ValueError(f"unknown on_bad_record {self.on_bad_record!r}; use one of {list(ON_BAD_RECORD)}")
 
 
 class TextTokenizer:
-    """A ``tokenizers.Tokenizer`` with what a token store records: name, sha256, vocab size, EOS."""
+    """A ``tokenizers.Tokenizer`` with what a token store records: name, sha256, vocab size, EOS,
+    and the tokenizer's own chat template when it has one."""
 
-    def __init__(self, backend: Any, *, name: str, sha256: str, eos_id: int | None) -> None:
+    def __init__(
+        self, backend: Any, *, name: str, sha256: str, eos_id: int | None, chat_template: ChatTemplate | None = None
+    ) -> None:
         self.backend = backend
         self.name = name
         self.sha256 = sha256
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.eos_id = eos_id
-        # encode_batch_fast (tokenizers >= 0.21) skips offsets, which we never use
+        self.chat_template = chat_template
+        # encode_batch_fast (tokenizers >= 0.21) skips offsets, which only rendered chats need
         self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, without the tokenizer's special-token template."""
         return [e.ids for e in self._encode(list(texts), add_special_tokens=False)]
 
+    def encode_batch_with_offsets(self, texts: Sequence[str]) -> list[tuple[list[int], np.ndarray]]:
+        """``(ids, offsets)`` of each text: ``offsets`` (n, 2) int64, the ``[start, end)`` characters
+        of the text each token came from."""
+        encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
+        return [(e.ids, np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2)) for e in encodings]
+
     def __repr__(self) -> str:
-        return f"TextTokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+        template = f", chat_template={self.chat_template.source!r}" if self.chat_template else ""
+        return f"TextTokenizer(name={self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}{template})"
 
 
 def load_tokenizer(spec: str | os.PathLike[str] | Any) -> TextTokenizer:
-    """``"gpt2"`` (shipped), a ``tokenizer.json`` path or folder, or a tokenizer object.
+    """``"gpt2"`` (shipped), a ``tokenizer.json`` path, a tokenizer folder, or a tokenizer object.
 
-    Objects: a ``tokenizers.Tokenizer``, or a fast ``transformers`` tokenizer (its
-    ``backend_tokenizer`` is used; its ``eos_token_id`` is the EOS). Raises ``ValueError`` for a
-    path that is missing or not a tokenizer, ``TypeError`` for other objects.
+    A folder holds ``tokenizer.json`` and optionally ``tokenizer_config.json`` (its ``eos_token``
+    is the EOS) and a chat template. Objects: a ``tokenizers.Tokenizer``, or a fast
+    ``transformers`` tokenizer (its ``backend_tokenizer`` encodes; its ``eos_token_id`` is the EOS,
+    its ``chat_template`` renders chats). Raises ``ValueError`` for a path that is missing or not a
+    tokenizer, ``TypeError`` for other objects.
     """
     if isinstance(spec, TextTokenizer):
         return spec
@@ -121,7 +170,9 @@ def load_tokenizer(spec: str | os.PathLike[str] | Any) -> TextTokenizer:
         sha = hashlib.sha256(backend.to_str().encode()).hexdigest()
         eos = getattr(spec, "eos_token_id", None)
         name = str(getattr(spec, "name_or_path", "") or type(spec).__name__)
-        return TextTokenizer(backend, name=name, sha256=sha, eos_id=eos if eos is not None else _find_eos(backend))
+        eos = eos if eos is not None else _find_eos(backend)
+        template = ChatTemplate.from_transformers(spec)
+        return TextTokenizer(backend, name=name, sha256=sha, eos_id=eos, chat_template=template)
     raise TypeError(
         f"cannot use a {type(spec).__name__} as a tokenizer; pass 'gpt2', a tokenizer.json path, a "
         "tokenizers.Tokenizer or a fast transformers tokenizer (one with .backend_tokenizer)"
@@ -132,12 +183,14 @@ def _load_from_path(spec: str | os.PathLike[str]) -> TextTokenizer:
     tokenizers = require("tokenizers", "tokenizing text")
     name = str(spec)
     path = SHIPPED_TOKENIZERS.get(name, Path(spec))
-    if path.is_dir():
-        path = path / "tokenizer.json"
+    folder = path if path.is_dir() else None
+    if folder is not None:
+        path = folder / "tokenizer.json"
     if not path.is_file():
         raise ValueError(
             f"tokenizer {name!r} is neither a shipped one ({sorted(SHIPPED_TOKENIZERS)}) nor an existing "
-            "tokenizer.json (or a folder holding one)"
+            "tokenizer.json (or a Hugging Face tokenizer folder holding one; slow-only tokenizers without "
+            "a tokenizer.json are not supported: save a fast one with save_pretrained)"
         )
     data = path.read_bytes()
     try:
@@ -146,7 +199,30 @@ def _load_from_path(spec: str | os.PathLike[str]) -> TextTokenizer:
         raise ValueError(
             f"cannot read {path} as a Hugging Face tokenizer.json ({err}); pass 'gpt2' or a valid tokenizer.json"
         ) from err
-    return TextTokenizer(backend, name=name, sha256=hashlib.sha256(data).hexdigest(), eos_id=_find_eos(backend))
+    eos_id = _config_eos(folder, backend) if folder is not None else None
+    return TextTokenizer(
+        backend,
+        name=name,
+        sha256=hashlib.sha256(data).hexdigest(),
+        eos_id=eos_id if eos_id is not None else _find_eos(backend),
+        chat_template=ChatTemplate.from_folder(folder) if folder is not None else None,
+    )
+
+
+def _config_eos(folder: Path, backend: Any) -> int | None:
+    """The id of ``eos_token`` in the folder's ``tokenizer_config.json`` (a string or an
+    ``{"content": ...}`` added-token entry), or None when it names none the vocabulary holds."""
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        token = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON ({err.msg}, line {err.lineno})") from err
+    if isinstance(token, dict):
+        token = token.get("content")
+    token_id = backend.token_to_id(token) if isinstance(token, str) else None
+    return int(token_id) if token_id is not None else None
 
 
 def _find_eos(backend: Any) -> int | None:
@@ -190,7 +266,8 @@ class TokenizedSample:
 
 @dataclass
 class TokenizeReport:
-    """Counts of one tokenization pass; every record is either a sample or counted as skipped."""
+    """Counts of one tokenization pass; every record is either a sample or counted as skipped:
+    ``records == samples + skipped_too_short + skipped_no_target + skipped_bad``."""
 
     records: int = 0
     samples: int = 0
@@ -201,22 +278,43 @@ class TokenizeReport:
     skipped_too_short: int = 0
     """Records with fewer than 2 tokens: nothing to predict."""
     skipped_no_target: int = 0
-    """Records whose tokens are all masked (e.g. a chat with no assistant turn)."""
+    """Records whose tokens are all masked (e.g. an alpaca record with an empty output and no EOS)."""
+    skipped_bad: int = 0
+    """Bad records skipped under ``on_bad_record="skip"`` (their reasons: ``SampleEncoder.bad_records``)."""
+    chat_template: int = 0
+    """Chat records rendered with the tokenizer's own chat template (the others: the plain one)."""
     kinds: dict[str, int] = field(default_factory=dict)
 
     def __str__(self) -> str:
         kinds = ", ".join(f"{k}: {v}" for k, v in sorted(self.kinds.items()))
+        template = f"; {self.chat_template} chats in the tokenizer's chat template" if self.chat_template else ""
         return (
             f"{self.records} records ({kinds}) -> {self.samples} samples, {self.tokens} tokens "
             f"({self.target_tokens} targets); skipped {self.skipped_too_short} too short (< 2 tokens), "
-            f"{self.skipped_no_target} without targets"
+            f"{self.skipped_no_target} without targets, {self.skipped_bad} bad{template}"
         )
 
 
-class SampleEncoder:
-    """Turns batches of records into ``TokenizedSample``s; ``report`` counts what it did."""
+Prepared = list[Segment] | RenderedChat
+"""A record ready to encode: plain-template segments, or a chat rendered by the tokenizer's template."""
+_Encoded = tuple[list[list[int]], list[tuple[list[int], np.ndarray]]]
+"""``SampleEncoder._encode``: the ids of every segment, then ``(ids, offsets)`` of every rendered chat."""
 
-    def __init__(self, tokenizer: TextTokenizer | str | os.PathLike[str] | Any, config: TokenizeConfig | None = None):
+
+class SampleEncoder:
+    """Turns batches of records into ``TokenizedSample``s; ``report`` counts what it did.
+
+    ``bad_records``: the bad-record policy and tally to use (shared with the sources of the same
+    pass); by default a new one with ``config.on_bad_record``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: TextTokenizer | str | os.PathLike[str] | Any,
+        config: TokenizeConfig | None = None,
+        *,
+        bad_records: BadRecords | None = None,
+    ):
         self.tokenizer = load_tokenizer(tokenizer)
         self.config = config or TokenizeConfig()
         self.eos_id = self.config.eos_id if self.config.eos_id is not None else self.tokenizer.eos_id
@@ -227,6 +325,15 @@ class SampleEncoder:
             )
         if self.eos_id is not None and self.eos_id >= self.tokenizer.vocab_size:
             raise ValueError(f"eos_id={self.eos_id} is outside the vocabulary (size {self.tokenizer.vocab_size})")
+        if self.config.chat_template == "tokenizer" and self.tokenizer.chat_template is None:
+            raise ValueError(
+                f"chat_template='tokenizer' but tokenizer {self.tokenizer.name!r} has no chat template; pass a "
+                "Hugging Face tokenizer folder with one (chat_template.jinja or 'chat_template' in "
+                "tokenizer_config.json), or chat_template='auto' / 'plain' (--chat-template)"
+            )
+        self.chat_template = self.tokenizer.chat_template if self.config.chat_template != "plain" else None
+        """The template that renders chat records; None: the plain template."""
+        self.bad_records = bad_records or BadRecords(self.config.on_bad_record)
         self.report = TokenizeReport()
 
     def encode(
@@ -236,8 +343,8 @@ class SampleEncoder:
 
         ``origins`` name the records in error messages ("data.jsonl line 7"); default "record i".
         """
-        per_record = self._segments(records, origins)
-        return self._assemble(per_record, self.tokenizer.encode_batch(_texts(per_record)))
+        prepared = self._prepare(records, origins)
+        return self._assemble(prepared, self._encode(prepared))
 
     def encode_stream(
         self, batches: Iterable[tuple[Sequence[Mapping[str, Any]], Sequence[str] | None]]
@@ -249,44 +356,68 @@ class SampleEncoder:
         between batches. At most two batches are in flight.
         """
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="thdpack-tokenize") as pool:
-            pending: tuple[list[list[Segment]], Future[list[list[int]]]] | None = None
+            pending: tuple[list[Prepared], Future[_Encoded]] | None = None
             for records, origins in batches:
-                per_record = self._segments(records, origins)
-                encoding = pool.submit(self.tokenizer.encode_batch, _texts(per_record))
+                prepared = self._prepare(records, origins)
+                encoding = pool.submit(self._encode, prepared)
                 if pending is not None:
                     yield self._assemble(pending[0], pending[1].result())
-                pending = (per_record, encoding)
+                pending = (prepared, encoding)
             if pending is not None:
                 yield self._assemble(pending[0], pending[1].result())
 
-    def _segments(self, records: Sequence[Mapping[str, Any]], origins: Sequence[str] | None) -> list[list[Segment]]:
-        cfg = self.config
-        per_record = []
+    def _prepare(self, records: Sequence[Mapping[str, Any]], origins: Sequence[str] | None) -> list[Prepared]:
+        """Each record's segments or rendered chat; bad records go to the ``bad_records`` policy."""
+        prepared: list[Prepared] = []
         for i, record in enumerate(records):
             origin = origins[i] if origins is not None else f"record {self.report.records + i}"
-            kind = cfg.kind if cfg.kind != "auto" else detect_kind(record, cfg.text_key, origin)
-            self.report.kinds[kind] = self.report.kinds.get(kind, 0) + 1
-            per_record.append(
-                record_segments(
-                    record,
-                    kind,
-                    text_key=cfg.text_key,
-                    append_eos=cfg.append_eos,
-                    mask_prompt=cfg.mask_prompt,
-                    origin=origin,
-                )
-            )
+            try:
+                prepared.append(self._prepare_one(record, origin))
+            except BadRecord as err:
+                self.bad_records.handle(err)  # raises under on_bad_record="fail"
+                self.report.skipped_bad += 1
         self.report.records += len(records)
-        return per_record
+        return prepared
 
-    def _assemble(self, per_record: list[list[Segment]], encoded: list[list[int]]) -> list[TokenizedSample]:
-        ids = iter(encoded)
+    def _prepare_one(self, record: Mapping[str, Any], origin: str) -> Prepared:
+        cfg = self.config
+        kind = cfg.kind if cfg.kind != "auto" else detect_kind(record, cfg.text_key, origin)
+        self.report.kinds[kind] = self.report.kinds.get(kind, 0) + 1
+        if kind == "chat" and self.chat_template is not None:
+            rendered = self.chat_template.render(chat_messages(record, origin), origin)
+            self.report.chat_template += 1
+            return rendered
+        return record_segments(
+            record,
+            kind,
+            text_key=cfg.text_key,
+            append_eos=cfg.append_eos,
+            mask_prompt=cfg.mask_prompt,
+            origin=origin,
+        )
+
+    def _encode(self, prepared: list[Prepared]) -> _Encoded:
+        """Token ids of every segment, and ids with offsets of every rendered chat (in order)."""
+        segments = [s.text for p in prepared if not isinstance(p, RenderedChat) for s in p]
+        chats = [p.text for p in prepared if isinstance(p, RenderedChat)]
+        return (
+            self.tokenizer.encode_batch(segments) if segments else [],
+            self.tokenizer.encode_batch_with_offsets(chats) if chats else [],
+        )
+
+    def _assemble(self, prepared: list[Prepared], encoded: _Encoded) -> list[TokenizedSample]:
+        segment_ids, chat_ids = iter(encoded[0]), iter(encoded[1])
         samples: list[TokenizedSample] = []
-        for segments in per_record:
+        for item in prepared:
+            if isinstance(item, RenderedChat):
+                ids, offsets = next(chat_ids)
+                mask = span_mask(offsets, item.spans) if self.config.mask_prompt else np.ones(len(ids), dtype=bool)
+                self._add(samples, [ids], [mask])
+                continue
             pieces: list[list[int]] = []
             marks: list[np.ndarray] = []
-            for segment in segments:
-                seg_ids = next(ids)
+            for segment in item:
+                seg_ids = next(segment_ids)
                 if segment.eos:
                     seg_ids = [*seg_ids, self.eos_id]
                 pieces.append(seg_ids)
@@ -295,6 +426,7 @@ class SampleEncoder:
         return samples
 
     def _add(self, samples: list[TokenizedSample], pieces: list[list[int]], marks: list[np.ndarray]) -> None:
+        assert pieces, "every record kind yields at least one segment"
         if len(pieces) == 1:
             tokens, target_mask = np.asarray(pieces[0], dtype=np.int64), marks[0]
         else:
@@ -313,8 +445,22 @@ class SampleEncoder:
         samples.append(TokenizedSample(tokens, target_mask))
 
 
-def _texts(per_record: list[list[Segment]]) -> list[str]:
-    return [segment.text for segments in per_record for segment in segments]
+def span_mask(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``(n,) bool``: True for the tokens whose ``[start, end)`` character offsets ``(n, 2)`` overlap
+    one of the character ``spans``. A token cut by a span's edge is a target (as ``transformers``'
+    assistant masks do): it holds characters the model has to produce.
+
+    >>> offsets = np.array([[0, 5], [5, 7], [7, 12], [12, 22], [22, 23]])  # "hello", "\\n", "world", ...
+    >>> span_mask(offsets, [(7, 22)]).tolist()
+    [False, False, True, True, False]
+    >>> span_mask(offsets, [(6, 8)]).tolist()
+    [False, True, True, False, False]
+    """
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), dtype=bool)
+    for start, end in spans:
+        mask |= (starts < end) & (ends > start)
+    return mask
 
 
 def record_batches(

@@ -15,6 +15,19 @@ sequences with batch size 1 (transformers 5.x; research/ring_attention.md sectio
   detection is skipped: every token then attends the whole row. ``hf_packed_kwargs`` passes
   ``use_cache=False``; :func:`check_hf_attention` refuses implementations that are not exact.
 * No context parallelism: every one of those attends within the row it is given.
+* Sliding windows (Mistral's ``sliding_window``, Gemma 2/3's ``"sliding_attention"`` layers) and
+  attention softcapping (Gemma 2's ``attn_logit_softcapping``) are part of transformers' own
+  masks and scores: exact on a row with eager / sdpa / flex. thdpack's attention implements
+  neither: :func:`check_hf_attention` refuses a window shorter than a sequence of the batch, any
+  softcap, and layer kinds other than full and sliding attention (Llama 4's chunked layers).
+* ``flex_attention`` on the CPU takes float32 / float16 / bfloat16 only (torch's inductor
+  fails to compile float64 after seconds with an ``InductorError``); ``check_hf_attention``
+  refuses a float64 CPU model up front.
+* Float64 checks: transformers computes some steps in float32 whatever the model's dtype
+  (RMSNorm, RoPE, eager's softmax, the loss: ``.float()`` / ``.to(torch.float32)``), so a
+  float64 model agrees with itself packed vs alone only to float32 rounding (measured: 4e-8 on
+  logits with eager, where the float32 softmax sums rows of different lengths in a different
+  order). ``tests/_hf_cases.py`` keeps those steps in float64 for the 1e-10 exactness tests.
 * The loss: ``labels`` are shifted inside the model unless ``shift_labels`` is given; thdpack's
   labels are already shifted, so pass both (``hf_packed_kwargs(..., include_labels=True)``),
   plus ``num_items_in_batch`` = ``thdpack.loss.count_loss_tokens(...)`` for the global token mean.
@@ -44,6 +57,7 @@ import torch.distributed as dist
 
 from thdpack._optional import require
 from thdpack.attention import AttentionConfig, thd_attention
+from thdpack.thd.meta import thd_meta
 
 THD_KWARG = "thdpack_thd"
 """Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""
@@ -157,7 +171,9 @@ def hf_attention_forward(
             when ``is_causal`` is None).
         query: (1, Nq, T, H); key, value: (1, Nkv, T, H) (GQA without repeated heads).
         attention_mask: must be None (packed rows carry no mask; see the module docstring).
-        dropout, sliding_window, softcap: unsupported; 0.0 / None, else ``ValueError``.
+        dropout, softcap: unsupported; 0.0 / None, else ``ValueError``.
+        sliding_window: None, or a window no sequence of the batch is longer than (it changes
+            nothing then); else ``ValueError`` naming ``config.sliding_window``.
         scaling: softmax scale (None = ``H ** -0.5``).
         kwargs: the model call's keywords: ``thdpack_thd`` (+ ``thdpack_cp_group``) from
             ``hf_packed_kwargs``, or at least ``cu_seq_lens_q`` and ``max_length_q``.
@@ -172,16 +188,15 @@ def hf_attention_forward(
         )
     if dropout:
         raise ValueError(f"thdpack attention has no dropout, got dropout={dropout}; set attention_dropout=0.0")
-    if sliding_window is not None or softcap is not None:
-        raise ValueError(
-            f"thdpack attention supports neither sliding windows nor softcapping (got sliding_window="
-            f"{sliding_window}, softcap={softcap}); use a model without them"
-        )
+    if softcap is not None:
+        raise ValueError(_softcap_refusal(softcap))
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(
             f"thdpack attention takes one packed row, query (1, heads, T, head_dim); got shape {tuple(query.shape)}"
         )
     thd = _metadata(kwargs, total_tokens=query.shape[2])
+    if sliding_window is not None:
+        _check_window(sliding_window, thd)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_TNH, k_TNH, v_TNH = (t[0].transpose(0, 1) for t in (query, key, value))
     config = AttentionConfig(causal=causal, softmax_scale=scaling)
@@ -212,24 +227,86 @@ def check_hf_attention(model: torch.nn.Module, thd: Mapping[str, Any]) -> None:
     Without CP, ``eager`` / ``sdpa`` / ``flex_attention`` are exact through transformers'
     detection of sequences from ``position_ids`` (``hf_packed_kwargs`` turns the cache off for
     it), ``flash_attention_2/3`` through ``cu_seq_lens_q/k``, thdpack's registered attention
-    through the batch's metadata; any other implementation is refused. On a CP shard only
+    through the batch's metadata; any other implementation is refused, and so is
+    ``flex_attention`` on a float64 CPU model (torch cannot compile it). On a CP shard only
     thdpack's registered attention is exact: the others would attend within the rank's chunks.
+    thdpack's attention also refuses a config whose attention it does not implement
+    (``config.attn_logit_softcapping``, a ``config.sliding_window`` shorter than a sequence of
+    ``thd``, ``config.layer_types`` other than full and sliding attention).
     """
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     fix = f"load the model with attn_implementation={register_hf_attention.__name__}() (thdpack's attention)"
-    if thd.get("cp_size", 1) > 1:
-        if implementation not in _REGISTERED:
-            raise ValueError(
-                f"the model's attention {implementation!r} cannot run a CP shard: each rank holds only chunks of every "
-                f"sequence and needs the other ranks' keys; {fix}"
-            )
+    if thd.get("cp_size", 1) > 1 and implementation not in _REGISTERED:
+        raise ValueError(
+            f"the model's attention {implementation!r} cannot run a CP shard: each rank holds only chunks of every "
+            f"sequence and needs the other ranks' keys; {fix}"
+        )
+    if implementation in _REGISTERED:
+        _check_config(config, thd)
         return
-    if implementation not in (*POSITION_MASKED, *VARLEN, *_REGISTERED):
+    if implementation not in (*POSITION_MASKED, *VARLEN):
         raise ValueError(
             f"the model's attention {implementation!r} is not known to be exact on a packed row (sequences could "
             f"attend to each other); use one of {', '.join(POSITION_MASKED + VARLEN)}, or {fix}"
         )
+    parameter = next(model.parameters(), None)
+    if implementation == "flex_attention" and parameter is not None and _float64_cpu(parameter):
+        raise ValueError(
+            "flex_attention cannot run a float64 model on the CPU: torch's CPU FlexAttention takes float32, "
+            f"float16 and bfloat16 (torch {torch.__version__} fails to compile float64 with an InductorError); "
+            "use attn_implementation='sdpa' or 'eager' for a float64 check, or run the model in float32"
+        )
+
+
+_ROW_FIX = "run transformers' own attention (attn_implementation='eager' / 'sdpa') on packed rows without CP"
+_LAYER_KINDS = ("full_attention", "sliding_attention")
+"""``config.layer_types`` entries thdpack's attention implements (a sliding layer within its window)."""
+
+
+def _check_config(config: Any, thd: Mapping[str, Any]) -> None:
+    """Refuse what the model's layers would ask of thdpack's attention and it cannot do, before
+    any forward: the same rules ``hf_attention_forward`` applies to each layer's call."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(_softcap_refusal(softcap))
+    layer_types = getattr(config, "layer_types", None) or []
+    other = sorted(set(layer_types) - set(_LAYER_KINDS))
+    if other:
+        raise ValueError(
+            f"config.layer_types has {other} layers; thdpack attention implements {' and '.join(_LAYER_KINDS)} "
+            f"only, and would attend wrongly in those; {_ROW_FIX}"
+        )
+    window = getattr(config, "sliding_window", None)
+    # Mistral's layers all use config.sliding_window; Gemma 2/3 and Qwen2 only the "sliding_attention" ones
+    if window is not None and (not layer_types or "sliding_attention" in layer_types):
+        _check_window(window, thd)
+
+
+def _check_window(window: int, thd: Mapping[str, Any]) -> None:
+    """A sliding window lets query ``q`` see keys ``q - window < k <= q`` (transformers' rule): it
+    changes nothing unless some real sequence is longer than ``window``. Reads host lengths."""
+    if window >= thd.get("max_seqlen", 0):
+        return  # no slot is wider than the window: nothing to look up
+    lengths_S = thd_meta(thd).lengths_S
+    if len(lengths_S) and int(lengths_S.max()) > window:
+        s = int(lengths_S.argmax())
+        raise ValueError(
+            f"config.sliding_window={window} is shorter than sequence {s} of the batch ({int(lengths_S[s])} tokens): "
+            "thdpack attention has no sliding window, so that sequence would attend beyond it; keep every sequence "
+            f"within {window} tokens (pack_size <= {window} with overflow='split'), or {_ROW_FIX}"
+        )
+
+
+def _softcap_refusal(softcap: float) -> str:
+    return (
+        f"the model softcaps its attention scores (config.attn_logit_softcapping={softcap}) and thdpack attention "
+        f"cannot, so every score would change; {_ROW_FIX} (eager applies the softcap, sdpa refuses it)"
+    )
+
+
+def _float64_cpu(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float64 and tensor.device.type == "cpu"
 
 
 def _metadata(kwargs: Mapping[str, Any], *, total_tokens: int) -> Mapping[str, Any]:

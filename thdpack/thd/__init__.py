@@ -2,7 +2,7 @@
 
 ``format`` holds the formats (keys, dtypes, the -1000 sentinel) and their validation; ``batch``
 the functions that build batches (``collate``, ``to_thd``, ``thd_collate``,
-``split_micro_batches``, ``thd_to_device``).
+``split_micro_batches``, ``thd_to_device``, ``thd_pin_memory``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from thdpack.thd.batch import (
     sequence_lengths,
     split_micro_batches,
     thd_collate,
+    thd_pin_memory,
     thd_to_device,
     to_thd,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "sequence_lengths",
     "split_micro_batches",
     "thd_collate",
+    "thd_pin_memory",
     "thd_to_device",
     "to_thd",
     "validate_thd",

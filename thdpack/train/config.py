@@ -12,11 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from thdpack.attention import AttentionConfig
+from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
+from thdpack.data.tokenize import CHAT_TEMPLATE_CHOICES
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
 from thdpack.packing.dataset import PackedDatasetConfig
+from thdpack.train.precision import PRECISIONS, precision_from_config
 from thdpack.train.schema import build, hydra_node
 
 DP_SHARDINGS = ("ddp", "fsdp")
@@ -24,7 +27,6 @@ DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
 # PackedDatasetConfig fields the trainer sets from the run (CP size, DP layout, the tokenizer's pad id)
 PACKING_RUNTIME_FIELDS = ("cp_size", "rank", "world_size", "pad_id")
-DTYPES = ("float32", "float64", "bfloat16")
 
 
 def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -44,26 +46,36 @@ class DataConfig:
     inputs: list[str] = field(default_factory=lambda: ["stdlib"])
     """Files / folders read in order; 'stdlib' = this Python's standard library sources."""
     tokenizer: str = "gpt2"
-    """'gpt2' (shipped with thdpack) or a tokenizer.json path."""
+    """'gpt2' (shipped with thdpack), a tokenizer.json path, or a Hugging Face tokenizer folder
+    (tokenizer.json + tokenizer_config.json; its chat template renders chat records)."""
     format: str = "auto"
     """Input format (auto-detected from the path by default)."""
     kind: str = "auto"
     """Record kind: text, alpaca (SFT, prompt masked) or chat; auto-detected by default."""
+    chat_template: str = "auto"
+    """Chat records: the tokenizer's chat template when it has one (auto), always it (tokenizer),
+    or the plain '### User:' template (plain)."""
+    on_bad_record: str = "fail"
+    """Records that cannot be samples (empty chat, no assistant turn, unknown role, bad JSON): fail
+    naming the file and line, or skip them (counted per reason in the store's manifest.json,
+    listed in its skipped_records.jsonl)."""
     limit: int | None = None
     """Read only the first N records (a quick trial); None reads everything."""
     cache_dir: str = "~/.cache/thdpack/stores"
     """Token stores are cached here, one per (inputs, tokenizer, limit, ...) fingerprint; a damaged
     one is rebuilt."""
     store: str | None = None
-    """A token store folder written by ``thdpack prepare``, trained on as it is (inputs, tokenizer,
-    format, kind, limit and cache_dir are then unused); verified in full before the first step,
-    and a damaged one stops the run naming the file."""
+    """A token store folder written by ``thdpack prepare``, trained on as it is (the other data
+    fields are then unused); verified in full before the first step, and a damaged one stops the
+    run naming the file."""
 
     def __post_init__(self) -> None:
         if not self.inputs:
             raise ValueError("data.inputs is empty: name at least one file, folder or 'stdlib'")
         _one_of("data.format", self.format, ("auto", *SOURCE_FORMATS))
         _one_of("data.kind", self.kind, ("auto", *RECORD_KINDS))
+        _one_of("data.chat_template", self.chat_template, CHAT_TEMPLATE_CHOICES)
+        _one_of("data.on_bad_record", self.on_bad_record, ON_BAD_RECORD)
         if self.limit is not None:
             _at_least("data.limit", self.limit, 1)
 
@@ -113,8 +125,11 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 disables)."""
     loss_reduction: str = "token_mean"
     """token_mean (the unpacked token mean over the global batch) or sequence_mean."""
-    dtype: str = "float32"
-    """Parameter and compute dtype: float32, float64 or bfloat16."""
+    precision: str | None = None
+    """fp32 (default), bf16-mixed (fp32 master weights and optimizer state, bf16 compute: autocast
+    under DDP, MixedPrecisionPolicy under FSDP2) or fp64. See ``thdpack.train.precision``."""
+    dtype: str | None = None
+    """Deprecated (warns): float32 / float64 / bfloat16 mean precision fp32 / fp64 / bf16-mixed."""
     seed: int = 0
     """Model initialisation and every other random choice of the run."""
     output_dir: str = "outputs/train"
@@ -134,6 +149,9 @@ class TrainConfig:
     """How many checkpoints to keep (the newest, the one just saved always among them)."""
     log_every: int = 1
     """Print a progress line every N steps (metrics.jsonl gets every step)."""
+    prefetch_steps: int = 2
+    """Steps planned, collated, CP-sharded (and pinned on CUDA) ahead in a background thread while
+    the device trains (0: in the training loop, between steps)."""
     plot: bool = True
     """Write loss.png at the end (needs matplotlib)."""
 
@@ -146,6 +164,7 @@ class TrainConfig:
         _at_least("train.checkpoint_every", self.checkpoint_every, 0)
         _at_least("train.keep_checkpoints", self.keep_checkpoints, 1)
         _at_least("train.log_every", self.log_every, 1)
+        _at_least("train.prefetch_steps", self.prefetch_steps, 0)
         if self.resume and self.overwrite:
             raise ValueError(
                 "train.resume=true and train.overwrite=true contradict each other: resume continues the "
@@ -156,7 +175,10 @@ class TrainConfig:
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _one_of("train.loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
-        _one_of("train.dtype", self.dtype, DTYPES)
+        if self.precision is not None:
+            _one_of("train.precision", self.precision, PRECISIONS)
+        self.precision = precision_from_config(self.precision, self.dtype)
+        self.dtype = None
 
 
 PackingConfig = PackingNode

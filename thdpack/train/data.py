@@ -28,6 +28,15 @@ from thdpack.train.config import DataConfig
 log = logging.getLogger(__name__)
 
 
+# the files of a tokenizer folder that decide the tokens (vocabulary, EOS, chat template)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _file_key(path: Path) -> str:
+    stat = path.stat() if path.exists() else None
+    return f"{path}:{stat.st_size if stat else '-'}:{stat.st_mtime_ns if stat else '-'}"
+
+
 def store_fingerprint(data: DataConfig) -> str:
     """A short hash of everything that decides the token store's content."""
     inputs = []
@@ -35,14 +44,17 @@ def store_fingerprint(data: DataConfig) -> str:
         if spec == "stdlib":
             inputs.append(f"stdlib:{sys.version_info[:3]}:{sysconfig.get_paths()['stdlib']}")
         else:
-            path = Path(spec).expanduser().resolve()
-            stat = path.stat() if path.exists() else None
-            inputs.append(f"{path}:{stat.st_size if stat else '-'}:{stat.st_mtime_ns if stat else '-'}")
+            inputs.append(_file_key(Path(spec).expanduser().resolve()))
+    tokenizer = Path(data.tokenizer).expanduser().resolve()
+    tokenizer_files = [_file_key(tokenizer / name) for name in _TOKENIZER_FILES] if tokenizer.is_dir() else []
     key = {
         "inputs": inputs,
         "tokenizer": data.tokenizer,
+        "tokenizer_files": tokenizer_files,
         "format": data.format,
         "kind": data.kind,
+        "chat_template": data.chat_template,
+        "on_bad_record": data.on_bad_record,
         "limit": data.limit,
         "thdpack": __version__,
     }
@@ -117,7 +129,11 @@ def _build_cache(data: DataConfig, path: Path, *, damaged: bool) -> None:
         tmp,
         tokenizer=data.tokenizer,
         source_config=SourceConfig(format=data.format),
-        tokenize_config=TokenizeConfig(kind=data.kind),
+        tokenize_config=TokenizeConfig(
+            kind=data.kind,
+            chat_template=data.chat_template,
+            on_bad_record=data.on_bad_record,
+        ),
         limit=data.limit,
         overwrite=True,
     )

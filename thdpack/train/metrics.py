@@ -35,6 +35,8 @@ class StepMetrics:
     step_seconds: float
     imbalance_tokens: float
     imbalance_attention: float
+    data_wait_seconds: float = 0.0
+    """How long the step waited for its batches from the prefetch thread (host stall)."""
 
     def line(self, steps: int) -> str:
         return (

@@ -84,13 +84,16 @@ def forward_backward(
     grad_average_size: int,
     group: dist.ProcessGroup | None = None,
     hooks: StepHooks = NO_HOOKS,
+    autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None = None,
 ) -> StepLoss:
     """Forward and backward of one optimizer step's micro-batches (this rank's shards).
 
     ``grad_average_size``: the ranks the gradient reduction of ``model`` (DDP / FSDP2) averages
     over; ``group``: the DP x CP group whose loss tokens make the denominator (None: the default
-    group). Gradients end up synchronised. Returns the step's ``StepLoss`` (``.value()`` is the
-    global loss, ``.loss_tokens`` the global count of loss tokens).
+    group); ``autocast``: ``device -> context`` the forward pass runs in (``Precision.autocast``;
+    the loss is computed outside it, in fp32 or wider). Gradients end up synchronised. Returns
+    the step's ``StepLoss`` (``.value()`` is the global loss, ``.loss_tokens`` the global count
+    of loss tokens).
     """
     per_sequence = "loss_weights" in micro[0]
     step_loss = StepLoss.begin(
@@ -101,7 +104,8 @@ def forward_backward(
     )
     for k, mb in enumerate(micro):
         with micro_step_context(model, sync=k == len(micro) - 1):
-            logits_TV = model(mb, cp_group=cp_group)
+            with contextlib.nullcontext() if autocast is None else autocast(mb["input_ids"].device):
+                logits_TV = model(mb, cp_group=cp_group)
             if hooks.logits is not None:
                 hooks.logits(k, logits_TV, mb)
             if hooks.loss is None:
@@ -112,12 +116,18 @@ def forward_backward(
     return step_loss
 
 
-def global_grad_norm(model: torch.nn.Module, clip: float) -> float:
-    """Clip the gradients' global norm to ``clip`` (0: no clipping); returns the norm before it."""
+def clip_grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
+    """Clip the gradients' global norm to ``clip`` (0: no clipping); returns the norm before it as
+    a 0-d tensor on the device, so that the optimizer step is queued before anything reads it."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
         norm = norm.full_tensor()
-    return float(norm)
+    return norm
+
+
+def global_grad_norm(model: torch.nn.Module, clip: float) -> float:
+    """:func:`clip_grad_norm` read back as a float (a host sync)."""
+    return float(clip_grad_norm(model, clip))
 
 
 def collate_micro_batches(micro_batches: Sequence[Sequence[Any]]) -> list[THDBatch]:

@@ -12,9 +12,11 @@ The loss and gradients then equal those of the same global batch run unpacked on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,15 +28,18 @@ from torch.nn.parallel import DistributedDataParallel
 from thdpack.models import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
+from thdpack.packing.steps import Step
+from thdpack.thd import THDBatch, thd_pin_memory, thd_to_device
 from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.data import open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
+from thdpack.train.precision import Precision
+from thdpack.train.prefetch import StepPrefetcher
 from thdpack.train.runtime import Runtime, init_runtime, shutdown
-from thdpack.train.step import collate_micro_batches, forward_backward, global_grad_norm, prepare_micro_batches
+from thdpack.train.step import clip_grad_norm, collate_micro_batches, forward_backward, prepare_micro_batches
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def lr_lambda(train: TrainConfig):
@@ -59,13 +64,15 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size}); "
             f"set model.vocab_size={vocab_size}"
         )
-    inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=DTYPES[cfg.train.dtype])
+    precision = Precision.named(cfg.train.precision)
+    inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
     if cfg.parallel.dp_sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
+        policy = {} if precision.fsdp_policy() is None else {"mp_policy": precision.fsdp_policy()}
         for block in inner.layers:
-            fully_shard(block, mesh=runtime.world_mesh)
-        fully_shard(inner, mesh=runtime.world_mesh)
+            fully_shard(block, mesh=runtime.world_mesh, **policy)
+        fully_shard(inner, mesh=runtime.world_mesh, **policy)
         return inner, inner
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(inner, device_ids=device_ids), inner
@@ -88,6 +95,19 @@ def shard_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, re
         device=runtime.device,
         reduction=reduction,
     )
+
+
+def host_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, reduction: str) -> list[THDBatch]:
+    """:func:`shard_micro_batches` without the copy: on the host, pinned when the device is CUDA
+    (the prefetch thread's half of the work; the training loop copies them, non-blocking)."""
+    host = prepare_micro_batches(
+        collate_micro_batches(micro_batches),
+        cp_size=runtime.cp_size,
+        cp_rank=runtime.cp_rank,
+        device=torch.device("cpu"),
+        reduction=reduction,
+    )
+    return [thd_pin_memory(mb) for mb in host] if runtime.device.type == "cuda" else host
 
 
 def run(cfg: Config) -> list[dict[str, Any]]:
@@ -133,7 +153,10 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
     optimizer = build_optimizer(model, train)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
     params = sum(p.numel() for p in inner.parameters())
-    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}")
+    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}, precision {train.precision}")
+    precision = Precision.named(train.precision)
+    # FSDP2's MixedPrecisionPolicy already computes in bf16; DDP needs autocast for it
+    autocast = None if cfg.parallel.dp_sharding == "fsdp" else precision.autocast
 
     checkpoints = out / "checkpoints"
     first_step = 1
@@ -151,19 +174,54 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         first_step = restored.step + 1
         _say(runtime, f"resumed from {resumed_from} (step {restored.step})")
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=first_step - 1) if runtime.is_main else None
+    with StepPrefetcher(stream, _host_batches(runtime, train.loss_reduction), depth=train.prefetch_steps) as steps:
+        _loop(cfg, runtime, model, optimizer, scheduler, steps, metrics, first_step, autocast)
 
+    history = metrics.history if metrics is not None else []
+    if runtime.is_main:
+        print("\n" + summary(history, wall_seconds=time.perf_counter() - start_wall))
+        print(padding_comparison(store.lengths, dataset.stats))
+        if train.plot and plot_loss(history, out / "loss.png"):
+            print(f"wrote {out / 'loss.png'}")
+        print(f"wrote {out / 'metrics.jsonl'}")
+    return history
+
+
+def _host_batches(runtime: Runtime, reduction: str) -> Callable[[Step], list[THDBatch]]:
+    return lambda step: host_micro_batches(step.micro_batches, runtime, reduction=reduction)
+
+
+def _loop(
+    cfg: Config,
+    runtime: Runtime,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    steps: StepPrefetcher,
+    metrics: MetricsLog | None,
+    first_step: int,
+    autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None,
+) -> None:
+    """Steps ``first_step .. stop_at or steps``: no host sync inside a step until its optimizer
+    update is queued (the loss and the gradient norm are read back after it)."""
+    train = cfg.train
+    checkpoints = Path(train.output_dir) / "checkpoints"
     last_step = train.stop_at or train.steps
     for step_number in range(first_step, last_step + 1):
         tick = time.perf_counter()
-        step = stream.next_step()
-        micro = shard_micro_batches(step.micro_batches, runtime, reduction=train.loss_reduction)
-        step_loss = forward_backward(model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size)
-        grad_norm = global_grad_norm(model, train.grad_clip)
+        prepared = steps.next()
+        step = prepared.step
+        micro = [thd_to_device(mb, runtime.device, non_blocking=True) for mb in prepared.micro_batches]
+        step_loss = forward_backward(
+            model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size, autocast=autocast
+        )
+        grad_norm_t = clip_grad_norm(model, train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss = float(step_loss.value())
+        grad_norm = float(grad_norm_t)
         loss_tokens = int(step_loss.loss_tokens)
         seconds = time.perf_counter() - tick
         if metrics is not None:
@@ -182,6 +240,7 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
                 step_seconds=seconds,
                 imbalance_tokens=step.imbalance.tokens,
                 imbalance_attention=step.imbalance.attention,
+                data_wait_seconds=steps.wait_seconds,
             )
             metrics.write(record)
             if step_number % train.log_every == 0 or step_number == train.steps:
@@ -192,7 +251,7 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         if step_number == last_step or (every and step_number % every == 0):
             trainer_state = {
                 "scheduler": scheduler.state_dict(),
-                "stream": stream.state_dict(),
+                "stream": prepared.stream_state,
                 "config": _plain(cfg),
             }
             folder = save_checkpoint(
@@ -204,15 +263,6 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
                 keep=train.keep_checkpoints,
             )
             _say(runtime, f"saved checkpoint {folder}")
-
-    history = metrics.history if metrics is not None else []
-    if runtime.is_main:
-        print("\n" + summary(history, wall_seconds=time.perf_counter() - start_wall))
-        print(padding_comparison(store.lengths, dataset.stats))
-        if train.plot and plot_loss(history, out / "loss.png"):
-            print(f"wrote {out / 'loss.png'}")
-        print(f"wrote {out / 'metrics.jsonl'}")
-    return history
 
 
 def _plain(cfg: Config) -> dict[str, Any]:

@@ -15,17 +15,41 @@ from thdpack.attention.select import BACKEND_TABLE, CP_ALGORITHMS, PREFERENCES, 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
-def _situation(device=CPU, dtype=torch.float32, *, cp=False, comm="p2p", lse=False, grad=True):
-    return CallFacts(device=device, dtype=dtype, cp=cp, cp_comm_type=comm, need_lse=lse, need_grad=grad)
+def _situation(
+    device=CPU,
+    dtype=torch.float32,
+    *,
+    cp=False,
+    comm="p2p",
+    lse=False,
+    grad=True,
+    head_dim=64,
+    head_dim_v=None,
+    sm=None,
+):
+    capability = (sm if sm is not None else (9, 0)) if device.type == "cuda" else None
+    return CallFacts(
+        device=device,
+        dtype=dtype,
+        cp=cp,
+        cp_comm_type=comm,
+        need_lse=lse,
+        need_grad=grad,
+        head_dim=head_dim,
+        head_dim_v=head_dim if head_dim_v is None else head_dim_v,
+        capability=capability,
+    )
 
 
 @pytest.fixture
 def installed(monkeypatch):
-    """Pretend which optional packages import: installed(te=..., flash=..., varlen=..., flex=...)."""
+    """Pretend which optional packages import: installed(te=..., flash=..., varlen=..., flex=...,
+    te_version=...)."""
 
-    def set_installed(*, te=False, flash=False, varlen=False, flex=True):
+    def set_installed(*, te=False, flash=False, varlen=False, flex=True, te_version=(2, 20, 0)):
         for name, value in (
             ("has_transformer_engine", te),
+            ("transformer_engine_version", te_version if te else None),
             ("has_flash_attn", flash),
             ("has_varlen_attn", varlen),
             ("has_flex_attention", flex),
@@ -220,3 +244,72 @@ def test_each_backend_states_its_problem(installed, backend, situation, packages
 )
 def test_a_cp_shard_runs_the_algorithm_the_table_names(backend, situation, runs):
     assert select.attend_function(backend, situation) is runs
+
+
+# --- rules that keep a GPU from crashing (issue 11, defects 2-4): faked versions, GPUs and shapes
+
+
+def test_te_all_gather_needs_transformer_engine_2_18_for_thd(installed, caplog):
+    situation = _situation(CUDA, torch.bfloat16, cp=True, comm="all_gather")
+    installed(te=True, te_version=(2, 17, 1))
+    with pytest.raises(ValueError, match=r"needs Transformer Engine >= 2\.18 for THD.*found 2\.17\.1"):
+        choose_backend("te", situation)
+    with caplog.at_level(logging.INFO, logger="thdpack.attention"):
+        backend, reason = choose_backend("auto", situation)
+        log_choice(backend, reason, situation)
+    assert backend == "math" and "skipped te (backend 'te' with cp_comm_type='all_gather' needs" in reason
+    assert "Transformer Engine >= 2.18" in caplog.records[-1].getMessage()
+    installed(te=True, te_version=(2, 18, 0))
+    assert choose_backend("te", situation)[0] == "te"
+    installed(te=True, te_version=(2, 5, 0))  # the P2P ring took THD long before
+    assert choose_backend("te", _situation(CUDA, torch.bfloat16, cp=True, comm="p2p"))[0] == "te"
+
+
+@pytest.mark.parametrize("sm", [(7, 0), (7, 5)])  # V100, T4
+def test_flash_attention_2_kernels_are_skipped_below_sm80(installed, sm):
+    installed(flash=True, varlen=True)
+    backend, reason = choose_backend("auto", _situation(CUDA, torch.float16, sm=sm))
+    assert backend == "flex"
+    assert (
+        f"flash (backend 'flash': FlashAttention-2 kernels need compute capability 8.0 (Ampere) or newer, this GPU is sm{sm[0]}{sm[1]}"
+        in reason
+    )
+    assert choose_backend("auto", _situation(CUDA, torch.float16, cp=True, sm=sm))[0] == "math"  # no FA2 ring tiles
+    for forced in ("flash", "varlen"):
+        with pytest.raises(ValueError, match=r"compute capability 8\.0"):
+            choose_backend(forced, _situation(CUDA, torch.float16, sm=sm))
+    assert choose_backend("auto", _situation(CUDA, torch.float16, sm=(8, 0)))[0] == "flash"
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "head_dim_v", "message"),
+    [
+        (72 + 4, None, "a multiple of 8 and at most 256, got 76"),
+        (320, None, "a multiple of 8 and at most 256, got 320"),
+        (128, 64, "V to have the head dim of Q and K \\(128\\), got 64"),
+    ],
+)
+def test_flash_attention_2_kernels_are_skipped_for_head_dims_they_cannot_take(installed, head_dim, head_dim_v, message):
+    installed(flash=True, varlen=True)
+    situation = _situation(CUDA, torch.bfloat16, head_dim=head_dim, head_dim_v=head_dim_v)
+    backend, reason = choose_backend("auto", situation)
+    assert backend == "flex" and "flash (backend 'flash': FlashAttention-2" in reason
+    assert "varlen (backend 'varlen': FlashAttention-2" in reason
+    with pytest.raises(ValueError, match=message):
+        choose_backend("varlen", situation)
+    cp = _situation(CUDA, torch.bfloat16, cp=True, head_dim=head_dim, head_dim_v=head_dim_v)
+    assert choose_backend("auto", cp)[0] == "math"
+    with pytest.raises(ValueError, match=message):
+        choose_backend("flash", cp)
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128, 256])
+def test_head_dims_flash_attention_2_takes(installed, head_dim):
+    installed(flash=True)
+    assert choose_backend("auto", _situation(CUDA, torch.bfloat16, head_dim=head_dim))[0] == "flash"
+
+
+def test_call_facts_read_the_head_dims_and_leave_the_capability_to_cuda():
+    q, k, v = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16, requires_grad=True), torch.zeros(4, 1, 8)
+    facts = CallFacts.of(q, k, v, cp=False, cp_comm_type="p2p", need_lse=True)
+    assert (facts.head_dim, facts.head_dim_v, facts.capability, facts.need_grad) == (16, 8, None, True)

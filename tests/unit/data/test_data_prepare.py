@@ -173,3 +173,75 @@ def test_concurrent_overwrites_leave_one_runs_complete_store(tmp_path):
     for i in (0, len(docs) // 2, len(docs) - 1):  # the tokens are the winner's
         assert store.tokenized(i).tokens.tolist() == [*gpt2.encode_batch([docs[i]])[0], gpt2.eos_id]
     assert sorted(np.concatenate(list(PackPlan.load(out / "plan.npz"))).tolist()) == list(range(len(docs)))
+
+
+@pytest.fixture
+def sharegpt(tmp_path):
+    """ShareGPT as it is found: an empty conversation, one without a reply, an unknown speaker."""
+    path = tmp_path / "sharegpt.jsonl"
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]},
+        {"id": "b", "conversations": []},
+        {"id": "c", "conversations": [{"from": "human", "value": "only a question"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "q"}, {"from": "bing", "value": "x"}]},
+        {"id": "e", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"}]},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_bad_records_fail_naming_the_line_by_default(sharegpt, tmp_path, capsys):
+    # the old code named only line 4 (the unknown role); without it, line 2's empty conversation
+    # crashed with "need at least one array to concatenate"
+    assert prepare(str(sharegpt), "--pack-size", "64", "--out", str(tmp_path / "out"), "--no-plots") == 2
+    err = capsys.readouterr().err
+    assert f"error: {sharegpt} line 2: 'conversations' is empty: no messages to train on; " in err
+    assert "--on-bad-record skip" in err
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_bad_records_skipped_are_counted_printed_and_listed(sharegpt, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = [str(sharegpt), "--pack-size", "64", "--out", str(out), "--no-plots"]
+    assert prepare(*args, "--on-bad-record", "skip") == 0
+    printed = capsys.readouterr().out
+    assert (
+        "skipped 3 bad records (empty_conversation 1, no_assistant_turn 1, unknown_role 1); "
+        f"listed in {out / 'skipped_records.jsonl'}"
+    ) in printed
+    assert "0 without targets, 3 bad" in printed and "skipped_records.jsonl, plan.npz" in printed
+    assert len(TokenStore(out)) == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped_records"] == {
+        "policy": "skip",
+        "total": 3,
+        "by_reason": {"empty_conversation": 1, "no_assistant_turn": 1, "unknown_role": 1},
+        "file": "skipped_records.jsonl",
+    }
+    assert manifest["prepare"]["tokenize"]["on_bad_record"] == "skip"
+    assert manifest["prepare"]["tokenize_report"]["skipped_bad"] == 3
+    logged = [json.loads(line) for line in (out / "skipped_records.jsonl").read_text().splitlines()]
+    assert [(e["path"], e["line"], e["reason"]) for e in logged] == [
+        (str(sharegpt), 2, "empty_conversation"),
+        (str(sharegpt), 3, "no_assistant_turn"),
+        (str(sharegpt), 4, "unknown_role"),
+    ]
+    assert logged[1]["message"] == "has no 'gpt' message to train on (its roles: ['human'])"
+    # a new store never keeps an older skip list
+    good = tmp_path / "good.jsonl"
+    good.write_text(sharegpt.read_text().splitlines()[0] + "\n")
+    assert prepare(str(good), "--pack-size", "64", "--out", str(out), "--no-plots", "--overwrite") == 0
+    assert not (out / "skipped_records.jsonl").exists()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["skipped_records"] == {"policy": "fail", "total": 0, "by_reason": {}, "file": None}
+
+
+def test_all_records_bad_is_an_error_with_the_counts(tmp_path, capsys):
+    # the old code crashed here with "need at least one array to concatenate"
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"id": 1, "messages": []}\n{"id": 2, "messages": []}\n')
+    out = str(tmp_path / "out")
+    assert prepare(str(path), "--pack-size", "64", "--out", out, "--on-bad-record", "skip") == 2
+    err = capsys.readouterr().err
+    assert "no samples to store: 2 records (chat: 2) -> 0 samples" in err
+    assert "skipped 2 bad records (empty_conversation 2)" in err

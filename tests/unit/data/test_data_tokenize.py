@@ -114,7 +114,7 @@ def test_sample_formats_train_the_same_targets(gpt2):
 
 def test_skips_are_counted_not_silent(gpt2):
     encoder = SampleEncoder(gpt2, TokenizeConfig(append_eos=False))
-    out = encoder.encode([{"text": "Hi"}, {"text": "Hello world"}, {"messages": [{"role": "user", "content": "q"}]}])
+    out = encoder.encode([{"text": "Hi"}, {"text": "Hello world"}, {"instruction": "q", "output": ""}])
     assert [s.tokens.tolist() for s in out] == [[15496, 995]]
     report = encoder.report
     assert (report.records, report.samples, report.skipped_too_short, report.skipped_no_target) == (
@@ -123,8 +123,8 @@ def test_skips_are_counted_not_silent(gpt2):
         1,
         1,
     )
-    assert report.kinds == {"text": 2, "chat": 1}
-    assert "skipped 1 too short (< 2 tokens), 1 without targets" in str(report)
+    assert report.kinds == {"text": 2, "alpaca": 1}
+    assert "skipped 1 too short (< 2 tokens), 1 without targets, 0 bad" in str(report)
 
 
 def test_streaming_batches_equal_one_batch(gpt2):
@@ -133,7 +133,7 @@ def test_streaming_batches_equal_one_batch(gpt2):
     whole = SampleEncoder(gpt2).encode(records)
     assert [s.tokens.tolist() for s in streamed] == [s.tokens.tolist() for s in whole]
     broken = [*records[:3], {"body": "no text"}, *records[3:]]
-    with pytest.raises(ValueError, match=r"^record 3 has keys \['body'\]"):  # counted across batches
+    with pytest.raises(ValueError, match=r"^record 3: has keys \['body'\]"):  # counted across batches
         list(tokenize_records(broken, gpt2, TokenizeConfig(batch_size=2), progress=False))
 
 
@@ -169,13 +169,13 @@ def test_other_tokenizers_paths_objects_and_errors(tmp_path, gpt2):
 
 def test_record_errors_name_the_record(gpt2):
     encoder = SampleEncoder(gpt2)
-    with pytest.raises(ValueError, match=r"d.jsonl line 4 has keys \['body', 'id'\]; expected 'text' \(text\)"):
+    with pytest.raises(ValueError, match=r"d.jsonl line 4: has keys \['body', 'id'\]; expected 'text' \(text\)"):
         encoder.encode([{"body": "x", "id": 1}], ["d.jsonl line 4"])
     with pytest.raises(
         ValueError, match=r"record 0: message 0 has role='tool'; use one of \['system', 'user', 'assistant'\]"
     ):
         encoder.encode([{"messages": [{"role": "tool", "content": "x"}]}])
-    with pytest.raises(ValueError, match=r"record 0 has no field 'output' \(its keys: \['instruction', 'text'\]\)"):
+    with pytest.raises(ValueError, match=r"record 0: has no field 'output' \(its keys: \['instruction', 'text'\]\)"):
         SampleEncoder(gpt2, TokenizeConfig(kind="alpaca")).encode([{"instruction": "x", "text": "y"}])
     with pytest.raises(ValueError, match=r"field 'output' must be a string, got int"):
         encoder.encode([{"instruction": "x", "output": 5}])

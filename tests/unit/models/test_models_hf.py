@@ -136,8 +136,15 @@ def test_attention_function_honours_is_causal():
             r"got an attention_mask of shape \(1, 1, 8, 8\); packed rows need none",
         ),
         ({"dropout": 0.1}, r"thdpack attention has no dropout, got dropout=0.1"),
-        ({"sliding_window": 4}, r"supports neither sliding windows nor softcapping \(got sliding_window=4"),
-        ({"softcap": 30.0}, r"softcap=30.0\)"),
+        (
+            {"sliding_window": 2},
+            r"config.sliding_window=2 is shorter than sequence 0 of the batch \(3 tokens\): thdpack attention has no "
+            r"sliding window",
+        ),
+        (
+            {"softcap": 30.0},
+            r"softcaps its attention scores \(config.attn_logit_softcapping=30.0\) and thdpack attention cannot",
+        ),
         (
             {"drop kwargs": True},
             r"thdpack attention needs the packing metadata: call the model with \*\*hf_packed_kwargs",
@@ -150,6 +157,17 @@ def test_attention_function_errors(extra, match):
     q = _bhtd(0, 2)
     with pytest.raises(ValueError, match=match):
         hf_attention_forward(_Layer(), q, q, q, mask, **extra, **kwargs)
+
+
+@pytest.mark.parametrize("window", [3, 4, 100])
+def test_a_window_no_sequence_outgrows_changes_nothing(window):
+    """Sequences of 3 and 2 tokens in slots of 4: a window of 3 or more never binds."""
+    thd = _thd()
+    q, k, v = _bhtd(0, 2), _bhtd(1, 2), _bhtd(2, 2)
+    out, _ = hf_attention_forward(_Layer(), q, k, v, None, sliding_window=window, **hf_packed_kwargs(thd))
+    want = thd_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), thd)
+    real = ~thd["padding_mask"]
+    torch.testing.assert_close(out[0][real], want[real], rtol=0, atol=1e-12)
 
 
 def test_attention_function_rejects_a_batch_of_rows():

@@ -52,10 +52,48 @@ class CallFacts:
     cp_comm_type: CpCommType
     need_lse: bool
     need_grad: bool
+    head_dim: int | None = None
+    """Q's and K's head dim (None: not checked)."""
+    head_dim_v: int | None = None
+    """V's head dim (None: not checked)."""
+    capability: tuple[int, int] | None = None
+    """The CUDA device's compute capability, e.g. (9, 0) on an H100 (None: not CUDA / not checked)."""
 
     @property
     def cuda_half(self) -> bool:
         return self.device.type == "cuda" and self.dtype in flash_kernel.HALF_DTYPES
+
+    def flash_problem(self) -> str | None:
+        """Why FlashAttention-2 kernels cannot run this call (``flash_kernel.unavailable_reason``)."""
+        return flash_kernel.unavailable_reason(
+            self.device, self.dtype, capability=self.capability, head_dim=self.head_dim, head_dim_v=self.head_dim_v
+        )
+
+    @classmethod
+    def of(
+        cls,
+        q_TNH: torch.Tensor,
+        k_TNH: torch.Tensor,
+        v_TNH: torch.Tensor,
+        *,
+        cp: bool,
+        cp_comm_type: CpCommType,
+        need_lse: bool,
+    ) -> CallFacts:
+        """The facts of a call on ``q, k, v`` (device, dtype, head dims, the GPU's capability)."""
+        device = q_TNH.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        return cls(
+            device=device,
+            dtype=q_TNH.dtype,
+            cp=cp,
+            cp_comm_type=cp_comm_type,
+            need_lse=need_lse,
+            need_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q_TNH, k_TNH, v_TNH)),
+            head_dim=q_TNH.shape[-1],
+            head_dim_v=v_TNH.shape[-1],
+            capability=capability,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -163,7 +201,7 @@ class AttentionBackend:
                 f"cp_comm_type={s.cp_comm_type!r} runs math tiles; use backend='math' (or 'te'), or "
                 f"cp_comm_type='p2p' for the {self.name!r} ring"
             )
-        reason = flash_kernel.unavailable_reason(s.device, s.dtype) if algorithm == "ring_flash" else None
+        reason = s.flash_problem() if algorithm == "ring_flash" else None
         if reason is not None:
             return ValueError(f"backend {self.name!r} under context parallelism: {reason}; use backend='math'")
         return None
@@ -171,7 +209,7 @@ class AttentionBackend:
 
 def needs_cuda_half(backend: str, s: CallFacts) -> Exception | None:
     """The error for a FlashAttention-family kernel outside CUDA fp16 / bf16, or None."""
-    reason = flash_kernel.unavailable_reason(s.device, s.dtype)
+    reason = s.flash_problem()
     if reason is None:
         return None
     return ValueError(f"backend {backend!r}: {reason}; use backend='math' (any device and dtype) or 'flex'")

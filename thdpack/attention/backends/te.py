@@ -23,6 +23,8 @@ from thdpack.attention.backends.base import AttentionBackend, AttentionCall, Att
 # DotProductAttention modules hold no weights (vanilla softmax); one per configuration
 _MODULES: dict[tuple[Any, ...], Any] = {}
 _CP_STREAMS: dict[torch.device, Any] = {}
+ALL_GATHER_THD_SINCE = (2, 18)
+"""The first Transformer Engine whose all-gather context parallelism takes THD."""
 
 
 def kernel_problem(s: CallFacts) -> Exception | None:
@@ -37,6 +39,14 @@ def kernel_problem(s: CallFacts) -> Exception | None:
         return ValueError(
             "backend 'te' does not return the LSE (DotProductAttention has no such output); "
             "use backend='varlen' / 'flash' (CUDA) or 'math'"
+        )
+    version = _optional.transformer_engine_version()
+    if s.cp and s.cp_comm_type == "all_gather" and version is not None and version < ALL_GATHER_THD_SINCE:
+        found = ".".join(map(str, version))
+        return ValueError(
+            f"backend 'te' with cp_comm_type='all_gather' needs Transformer Engine >= 2.18 for THD batches "
+            f"(before it AttnFuncWithCPAndKVAllGather asserts qkv_format != 'thd'), found {found}; "
+            "use cp_comm_type='p2p', upgrade Transformer Engine, or backend='math'"
         )
     return None
 

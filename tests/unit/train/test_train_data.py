@@ -1,0 +1,70 @@
+"""The trainer's token store: the data config's bad-record policy and chat template reach it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from thdpack.train.config import DataConfig
+from thdpack.train.data import open_token_store, store_fingerprint
+
+pytest.importorskip("tokenizers", reason="the trainer tokenizes (pip install 'thdpack[hf]')")
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+
+
+@pytest.fixture
+def chats(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    good = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"id": 7, "messages": []}) + "\n")
+    return path
+
+
+def test_on_bad_record_reaches_the_store(chats, tmp_path):
+    data = DataConfig(inputs=[str(chats)], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"chats.jsonl line 2: 'messages' is empty: no messages to train on"):
+        open_token_store(data, is_local_main=True, barrier=lambda: None)
+    skipping = DataConfig(inputs=[str(chats)], cache_dir=str(tmp_path / "cache"), on_bad_record="skip")
+    assert store_fingerprint(skipping) != store_fingerprint(data)
+    store = open_token_store(skipping, is_local_main=True, barrier=lambda: None)
+    assert len(store) == 1
+    assert store.manifest["skipped_records"]["by_reason"] == {"empty_conversation": 1}
+    logged = json.loads((store.path / "skipped_records.jsonl").read_text())
+    assert (logged["line"], logged["reason"]) == (2, "empty_conversation")
+
+
+def test_data_config_checks_the_new_options(tmp_path):
+    with pytest.raises(ValueError, match=r"data.on_bad_record='drop' is not one of 'fail', 'skip'"):
+        DataConfig(on_bad_record="drop")
+    with pytest.raises(ValueError, match=r"data.chat_template='chatml' is not one of 'auto', 'tokenizer', 'plain'"):
+        DataConfig(chat_template="chatml")
+
+
+def test_a_changed_tokenizer_folder_changes_the_fingerprint(tmp_path):
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text("{}")
+    data = DataConfig(tokenizer=str(folder), cache_dir=str(tmp_path / "cache"))
+    before = store_fingerprint(data)
+    (folder / "chat_template.jinja").write_text("{{ messages }}")
+    assert store_fingerprint(data) != before
+
+
+@pytest.mark.parametrize("preset", ["jsonl", "stdlib"])
+def test_the_data_presets_compose_with_the_new_options(preset):
+    hydra = pytest.importorskip("hydra")
+    from omegaconf import OmegaConf
+
+    from thdpack.train.config import Config, register_configs
+
+    register_configs()
+    overrides = [f"data={preset}", "data.on_bad_record=skip", "data.chat_template=plain"]
+    with hydra.initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        cfg = OmegaConf.to_object(hydra.compose("train", overrides=overrides))
+    assert isinstance(cfg, Config)
+    assert (cfg.data.on_bad_record, cfg.data.chat_template) == ("skip", "plain")
+    with hydra.initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        default = OmegaConf.to_object(hydra.compose("train", overrides=[f"data={preset}"]))
+    assert (default.data.on_bad_record, default.data.chat_template) == ("fail", "auto")

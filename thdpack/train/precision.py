@@ -1,0 +1,105 @@
+"""Numeric precision of a training run: where the weights live and what the matmuls compute in.
+
+``fp32`` and ``fp64`` train in one dtype. ``bf16-mixed`` is mixed precision the way AMP, NeMo
+and torchtitan do it: fp32 master weights and fp32 AdamW state, bf16 compute, the loss in fp32
+(``loss.cross_entropy_sum`` upcasts the logits), fp32 checkpoints.
+
+* DDP: the forward pass runs under ``torch.autocast(bfloat16)`` (CUDA and CPU): matmuls in bf16,
+  the residual stream, norms and rotary angles stay fp32; gradients arrive in fp32.
+* FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: FSDP all-gathers bf16
+  copies of the sharded fp32 weights for compute and reduce-scatters the gradients in fp32
+  into the fp32 shards (torchtitan's setting); autocast is not needed on top.
+
+Pure bf16 (bf16 weights and optimizer state) is not offered: an AdamW update of 6e-4 on a
+weight of 1.0 rounds away in bf16 (its spacing at 1.0 is 2**-7 = 7.8e-3), so norm gains never
+move and weight decay does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+PRECISIONS = ("fp32", "bf16-mixed", "fp64")
+LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16-mixed"}
+"""``train.dtype`` (the old key) -> ``train.precision``."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One of :data:`PRECISIONS`, resolved to dtypes.
+
+    >>> Precision.named("bf16-mixed")
+    Precision(name='bf16-mixed', param_dtype=torch.float32, compute_dtype=torch.bfloat16)
+    >>> Precision.named("fp64").compute_dtype is None
+    True
+    """
+
+    name: str
+    param_dtype: torch.dtype
+    """Master weights, gradients, optimizer state and checkpoints."""
+    compute_dtype: torch.dtype | None
+    """The autocast / FSDP compute dtype; None: compute in ``param_dtype``."""
+
+    @classmethod
+    def named(cls, name: str) -> Precision:
+        if name == "fp32":
+            return cls(name, torch.float32, None)
+        if name == "fp64":
+            return cls(name, torch.float64, None)
+        if name == "bf16-mixed":
+            return cls(name, torch.float32, torch.bfloat16)
+        raise ValueError(f"unknown precision {name!r}; valid: {', '.join(PRECISIONS)}")
+
+    def autocast(self, device: torch.device | str) -> contextlib.AbstractContextManager:
+        """The forward pass's context: bf16 autocast for ``bf16-mixed``, else nothing."""
+        if self.compute_dtype is None:
+            return contextlib.nullcontext()
+        device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
+        return torch.autocast(device_type, dtype=self.compute_dtype)
+
+    def fsdp_policy(self):
+        """FSDP2's ``MixedPrecisionPolicy`` (bf16 compute, fp32 reduce), or None."""
+        if self.compute_dtype is None:
+            return None
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.param_dtype)
+
+
+def precision_from_config(precision: str | None, dtype: str | None) -> str:
+    """``train.precision``, honouring the old ``train.dtype`` key with a warning.
+
+    ``train.dtype=bfloat16`` used to train in pure bf16 (no fp32 master weights); it now means
+    ``bf16-mixed``. Both keys set to different things is an error.
+
+    >>> precision_from_config(None, None), precision_from_config("fp64", None)
+    ('fp32', 'fp64')
+    """
+    if dtype is None:
+        return precision or "fp32"
+    if dtype not in LEGACY_DTYPES:
+        raise ValueError(
+            f"train.dtype={dtype!r} is not one of {', '.join(LEGACY_DTYPES)}; "
+            f"train.dtype is replaced by train.precision ({' | '.join(PRECISIONS)})"
+        )
+    mapped = LEGACY_DTYPES[dtype]
+    if precision is not None and precision != mapped:
+        raise ValueError(
+            f"train.dtype={dtype} (meaning train.precision={mapped}) contradicts train.precision={precision}; "
+            "drop train.dtype, it is replaced by train.precision"
+        )
+    note = (
+        " (fp32 master weights and optimizer state, bf16 compute: pure bf16 lost the small updates)"
+        if dtype == "bfloat16"
+        else ""
+    )
+    warnings.warn(
+        f"train.dtype is deprecated: train.dtype={dtype} now means train.precision={mapped}{note}",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return mapped

@@ -1,0 +1,120 @@
+"""The next steps' batches, made on the host while the device trains on this one.
+
+Planning a step, building its packs, collating them to THD and CP-sharding them is host work (a
+few hundred microseconds to milliseconds per step, ``benchmarks/thd_bench.py``). Done between two
+steps it leaves the GPU idle; :class:`StepPrefetcher` does it in a background thread, ``depth``
+steps ahead, and on CUDA pins the batches so that the trainer's ``non_blocking`` copies overlap
+with compute. The stream's order is kept (one producer), and each prepared step carries the
+stream's state right after it, which is what a checkpoint after that step must save: the thread
+has already advanced the stream further.
+
+The work releases the GIL in its numpy / torch kernels, so the thread overlaps with the training
+step's Python too. ``depth=0`` prepares each step in the calling thread (no thread at all).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from thdpack.packing.steps import Step, StepStream
+from thdpack.thd import THDBatch
+
+_POLL_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One step, ready for the device."""
+
+    step: Step
+    micro_batches: list[THDBatch]
+    """This rank's micro-batches as ``prepare`` returned them (host; pinned on CUDA)."""
+    stream_state: dict[str, Any]
+    """``stream.state_dict()`` right after this step: what a checkpoint after it saves."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+class StepPrefetcher:
+    """Prepared steps of ``stream``, in order, made ``depth`` steps ahead in a background thread.
+
+    >>> from thdpack.packing import PackedDataset
+    >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4, 7)]
+    >>> stream = PackedDataset(samples, 8, seed=0).step_stream(micro_batches=1, packs_per_micro_batch=1)
+    >>> with StepPrefetcher(stream, lambda step: [], depth=2) as steps:
+    ...     [steps.next().stream_state["position"] for _ in range(3)]
+    [1, 2, 3]
+    """
+
+    def __init__(self, stream: StepStream, prepare: Callable[[Step], list[THDBatch]], *, depth: int = 2) -> None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
+        self.stream, self.prepare, self.depth = stream, prepare, depth
+        self.wait_seconds = 0.0
+        """How long the last :meth:`next` waited for its step (the host stalled the step by this)."""
+        self._queue: queue.Queue[PreparedStep | _Failure] = queue.Queue(maxsize=max(depth, 1))
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._produce, name="thdpack-step-prefetch", daemon=True)
+            self._thread.start()
+
+    def _make(self) -> PreparedStep:
+        step = self.stream.next_step()
+        return PreparedStep(step=step, micro_batches=self.prepare(step), stream_state=self.stream.state_dict())
+
+    def _produce(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item: PreparedStep | _Failure = self._make()
+            except BaseException as error:  # handed to the consumer, which raises it
+                item = _Failure(error)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=_POLL_SECONDS)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, _Failure):
+                return
+
+    def next(self) -> PreparedStep:
+        """The next step; raises what preparing it raised (the original exception)."""
+        tick = time.perf_counter()
+        if self._thread is None:
+            item: PreparedStep | _Failure = self._make()
+        else:
+            if self._stop.is_set():
+                raise RuntimeError("StepPrefetcher.next() after close()")
+            while True:
+                try:
+                    item = self._queue.get(timeout=_POLL_SECONDS)
+                    break
+                except queue.Empty:
+                    if not self._thread.is_alive() and self._queue.empty():
+                        raise RuntimeError("the step prefetch thread ended without a step or an error") from None
+        self.wait_seconds = time.perf_counter() - tick
+        if isinstance(item, _Failure):
+            self.close()
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the step it is making, which is discarded)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()  # a producer waiting on a full queue sees the stop within _POLL_SECONDS
+
+    def __enter__(self) -> StepPrefetcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
