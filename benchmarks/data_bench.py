@@ -1,4 +1,4 @@
-"""Data pipeline throughput: read, tokenize, store write, random-access read; peak memory.
+"""Data pipeline throughput: read, tokenize, store write, verify, random-access read; peak memory.
 
     python benchmarks/data_bench.py                                # the embedded stdlib corpus
     python benchmarks/data_bench.py --input ../shared/data/alpaca_data.json --json out.json
@@ -22,6 +22,7 @@ import numpy as np
 from thdpack.data.sources import Source
 from thdpack.data.store import TokenStore, TokenStoreWriter
 from thdpack.data.tokenize import SampleEncoder, TokenizeConfig, record_batches
+from thdpack.data.verify import verify_store
 
 
 def peak_rss_mib() -> float:
@@ -85,6 +86,17 @@ def main() -> int:
                 "rate": tokens / seconds,
                 "unit": "tokens/s",
                 "note": f"{writer.dtype.name}",
+            }
+        )
+        checked = verify_store(folder)
+        rows.append(
+            {
+                "stage": "store verify",
+                "seconds": checked.seconds,
+                "items": checked.bytes_read,
+                "rate": checked.bytes_read / checked.seconds,
+                "unit": "bytes/s",
+                "note": "sha256 of every file, token ids, offsets (before training)",
             }
         )
         store = TokenStore(folder)

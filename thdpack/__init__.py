@@ -71,6 +71,8 @@ _EXPORTS = {
     # data
     "TokenStore": "thdpack.data.store",
     "TokenStoreWriter": "thdpack.data.store",
+    "StoreError": "thdpack.data.manifest",
+    "verify_store": "thdpack.data.verify",
     "load_tokenizer": "thdpack.data.tokenize",
     "SampleEncoder": "thdpack.data.tokenize",
 }

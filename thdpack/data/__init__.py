@@ -13,6 +13,7 @@ from thdpack.data.bad_records import (
     RecordOrigin,
 )
 from thdpack.data.chat_template import ChatTemplate, RenderedChat
+from thdpack.data.manifest import StoreBusyError, StoreError
 from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, chat_messages, detect_kind, record_segments
 from thdpack.data.sources import (
     SOURCE_FORMATS,
@@ -35,6 +36,7 @@ from thdpack.data.tokenize import (
     record_batches,
     tokenize_records,
 )
+from thdpack.data.verify import StoreVerification, verify_store
 
 __all__ = [
     "BAD_RECORD_REASONS",
@@ -57,6 +59,9 @@ __all__ = [
     "SourceConfig",
     "SourceFormat",
     "SourceReport",
+    "StoreBusyError",
+    "StoreError",
+    "StoreVerification",
     "TextTokenizer",
     "TokenStore",
     "TokenStoreWriter",
@@ -71,4 +76,5 @@ __all__ = [
     "record_batches",
     "record_segments",
     "tokenize_records",
+    "verify_store",
 ]

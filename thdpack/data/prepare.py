@@ -9,13 +9,16 @@ The output folder holds the token store (``tokens.bin``, ``offsets.npy``, ``loss
 SFT, ``manifest.json``; see ``thdpack.data.store``), the packing plan ``plan.npz``
 (``thdpack.plan.PackPlan.load``) planned over the store's sample lengths, and PNG plots (length
 histogram, pack fullness) when matplotlib is installed. ``manifest.json`` records the arguments,
-what every stage read and skipped, and the plan's ``PackingStats``.
+what every stage read and skipped, the files' checksums, and the plan's ``PackingStats``.
 
 Bad records (``thdpack.data.bad_records``: a chat with no messages or no assistant turn, an
 unknown role, a line that is not JSON, ...) stop the run naming the file, line and problem
 (``--on-bad-record fail``, the default), or with ``--on-bad-record skip`` are skipped: counted
 per reason in ``manifest.json["skipped_records"]``, printed, and listed one JSON line each
 (origin, path, line, reason, message) in ``skipped_records.jsonl``.
+
+One run writes a folder at a time: a run holds the folder's lock from its first file to its last
+(plots included), and a second run into the same folder stops at once naming the first.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from thdpack._optional import has_module
+from thdpack.data._lock import FolderLock
 from thdpack.data._progress import progress_bar
 from thdpack.data.bad_records import ON_BAD_RECORD, BadRecords
 from thdpack.data.records import RECORD_KINDS
@@ -138,13 +142,15 @@ def write_token_store(
     overwrite: bool = False,
     progress: bool | None = None,
     verbose: bool = True,
+    lock: FolderLock | None = None,
 ) -> TokenStore:
     """Read ``inputs``, tokenize them and write a token store in ``out``; return it opened.
 
     The shared first half of ``thdpack prepare`` and of the trainer's data setup. Records and
     tokens that a stage skips are counted in the store's ``manifest.json`` and printed; bad
     records follow ``tokenize_config.on_bad_record`` (skipped ones are listed in
-    ``out/skipped_records.jsonl``).
+    ``out/skipped_records.jsonl``). ``lock``: ``out``'s ``FolderLock``, held by the caller (else
+    the writer takes it).
     """
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be >= 1, got {limit}")
@@ -162,6 +168,7 @@ def write_token_store(
         sample_format=sample_format,
         source=[s.describe() for s in sources],
         overwrite=overwrite,
+        lock=lock,
     )
     # an older plan or skip list must never sit next to a new store
     (out / PLAN_FILE).unlink(missing_ok=True)
@@ -215,6 +222,11 @@ def _prepare(args: argparse.Namespace) -> int:
         seed=args.seed,
     )
     out: Path = args.out
+    with FolderLock(out) as lock:
+        return _prepare_locked(args, out, lock)
+
+
+def _prepare_locked(args: argparse.Namespace, out: Path, lock: FolderLock) -> int:
     store = write_token_store(
         args.inputs,
         out,
@@ -234,6 +246,7 @@ def _prepare(args: argparse.Namespace) -> int:
         limit=args.limit,
         overwrite=args.overwrite,
         progress=args.progress,
+        lock=lock,
     )
     lengths = store.lengths
     print(

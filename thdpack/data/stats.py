@@ -2,6 +2,7 @@
 
 thdpack stats                                   # the embedded example (CPython stdlib, GPT-2 tokens)
 thdpack stats lengths.npy --pack-size 8192 --cp-size 2 --plot-dir out/
+thdpack stats runs/web --pack-size 8192         # a token store: verified in full first (non-zero exit if damaged)
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+import warnings
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack._optional import has_module
+from thdpack.data.verify import verify_store
 from thdpack.plan import ALGORITHMS, OVERFLOWS, PackingStats, plan_packs
 
 EXAMPLE = "python311_stdlib.gpt2.lengths.npy"
@@ -28,7 +31,11 @@ def example_lengths_path() -> Path:
 
 
 def load_lengths(path: str | Path) -> np.ndarray:
-    """Sequence lengths from ``.npy``, a text file (one integer per line), or a thdpack token store."""
+    """Sequence lengths from ``.npy``, a text file (one integer per line), or a thdpack token store.
+
+    ``(S,)`` int64 with S >= 1; an empty or 2-D file is a ``ValueError`` naming it. A store's
+    lengths come from its offsets (checked in order, not read in full: ``verify_store`` does that).
+    """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
@@ -37,15 +44,23 @@ def load_lengths(path: str | Path) -> np.ndarray:
 
         if not (path / "manifest.json").exists():
             raise ValueError(f"{path} is a folder but not a thdpack token store (no manifest.json)")
-        return TokenStore(path).lengths
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False)
-    if path.suffix in (".txt", ".csv", ""):
+        lengths = TokenStore(path).lengths
+    elif path.suffix == ".npy":
+        lengths = np.load(path, allow_pickle=False)
+    elif path.suffix in (".txt", ".csv", ""):
         try:
-            return np.loadtxt(path, dtype=np.int64, ndmin=1)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # numpy warns on an empty file: reported below instead
+                lengths = np.loadtxt(path, dtype=np.int64, ndmin=1)
         except ValueError as err:
             raise ValueError(f"{path}: expected one integer length per line ({err})") from err
-    raise ValueError(f"{path}: unsupported lengths file {path.suffix!r}; use .npy, .txt or a token store folder")
+    else:
+        raise ValueError(f"{path}: unsupported lengths file {path.suffix!r}; use .npy, .txt or a token store folder")
+    if lengths.ndim != 1 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"{path} holds {lengths.dtype} of shape {lengths.shape}; expected 1-D integer lengths")
+    if len(lengths) == 0:
+        raise ValueError(f"{path} holds no lengths (0 sequences); give a file with one length per sequence")
+    return lengths.astype(np.int64, copy=False)
 
 
 @dataclass(frozen=True)
@@ -142,7 +157,9 @@ def plot(lengths: np.ndarray, rows: list[Row], out_dir: Path) -> list[Path]:
 
 def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "input", nargs="?", help="lengths .npy / .txt, or a token store folder (default: embedded example)"
+        "input",
+        nargs="?",
+        help="lengths .npy / .txt, or a token store folder (verified in full first; default: embedded example)",
     )
     parser.add_argument("--pack-size", type=int, nargs="+", default=[4096], help="one or more pack sizes")
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (slots rounded to 2*cp)")
@@ -158,12 +175,16 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_stats(args: argparse.Namespace) -> int:
     source = Path(args.input) if args.input else example_lengths_path()
-    lengths = np.asarray(load_lengths(source)).astype(np.int64, copy=False)
+    if source.is_dir():  # a token store: read every byte against its checksums before trusting it
+        print(verify_store(source))
+    lengths = load_lengths(source)
     print(f"input: {source if args.input else EXAMPLE_NOTE}")
     empty = int((lengths == 0).sum())
     if empty:
         print(f"skipped {empty:,} empty sequences (length 0): they hold no token to train on")
         lengths = lengths[lengths != 0]
+        if not len(lengths):
+            raise ValueError(f"{source}: all {empty:,} sequences are empty; there is nothing to pack")
     print(
         f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens, lengths min {lengths.min():,} / "
         f"median {int(np.median(lengths)):,} / max {lengths.max():,}\n"

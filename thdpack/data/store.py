@@ -9,9 +9,15 @@ A store folder holds:
 - ``loss_mask.bin`` (only when some token is not a target, i.e. SFT): ``uint8`` aligned with
   ``tokens.bin``, 1 where the token is a training target. Absent: every token is a target.
 - ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256, vocab size,
-  EOS), dtype, counts, the sample format, the source, and whatever the writer's caller adds (the
+  EOS), dtype, counts, the sample format, the source, each data file's size and sha256 (hashed
+  while it was written), the range of token ids, and whatever the writer's caller adds (the
   ``prepare`` command adds its arguments and the packing plan's stats). Written last: a folder
-  without it is an unfinished store.
+  without it is an unfinished store. Fields and checks: ``thdpack.data.manifest``.
+
+One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.data._lock``) until
+the manifest is written, so two writers can never mix their files. A damaged store is a
+``StoreError`` naming the file: ``TokenStore`` checks sizes and the offsets' order when it opens
+(cheap), ``verify_store`` (``thdpack.data.verify``) reads every byte against the checksums.
 
 ``TokenStore(path)`` is a read-only ``Sequence`` of samples in the manifest's sample format
 (``thdpack.data.tokenize``): ``store[i] -> {"input_ids", "labels"}`` or ``{"input_ids",
@@ -33,7 +39,6 @@ maps the files itself; memory per access is the sample's size, whatever the stor
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -43,43 +48,44 @@ from typing import Any, overload
 import numpy as np
 
 from thdpack import __version__
+from thdpack._checksum import CHUNK_BYTES, HashingWriter
+from thdpack.data._lock import FolderLock
+from thdpack.data.manifest import (
+    LOSS_MASK_FILE,
+    MANIFEST_FILE,
+    OFFSETS_FILE,
+    STORE_FILES,
+    STORE_FORMAT,
+    STORE_VERSION,
+    TOKENS_FILE,
+    StoreError,
+    read_manifest,
+    write_manifest,
+)
 from thdpack.data.tokenize import SAMPLE_FORMATS, SampleFormat, TextTokenizer, TokenizedSample
+from thdpack.data.verify import check_offsets_ends, check_sizes, sample_sizes
 
-STORE_FORMAT = "thdpack-token-store"
-STORE_VERSION = 1
-TOKENS_FILE = "tokens.bin"
-OFFSETS_FILE = "offsets.npy"
-LOSS_MASK_FILE = "loss_mask.bin"
-MANIFEST_FILE = "manifest.json"
-STORE_FILES = (TOKENS_FILE, OFFSETS_FILE, LOSS_MASK_FILE, MANIFEST_FILE)
+__all__ = [
+    "LOSS_MASK_FILE",
+    "MANIFEST_FILE",
+    "OFFSETS_FILE",
+    "STORE_FILES",
+    "STORE_FORMAT",
+    "STORE_VERSION",
+    "TOKENS_FILE",
+    "StoreError",
+    "TokenStore",
+    "TokenStoreWriter",
+    "read_manifest",
+    "token_dtype",
+    "write_manifest",
+]
 _CHUNK = 1 << 20  # tokens per buffered write / copy
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """``uint16`` when every id fits (vocab_size <= 65,536), else ``int32``."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
-
-
-def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest of the store at ``path``; ``ValueError`` when there is no finished store."""
-    file = Path(path) / MANIFEST_FILE
-    if not file.is_file():
-        raise ValueError(f"{path} holds no token store ({MANIFEST_FILE} is missing); run `thdpack prepare` first")
-    manifest = json.loads(file.read_text())
-    if manifest.get("format") != STORE_FORMAT or manifest.get("version") != STORE_VERSION:
-        raise ValueError(
-            f"{file} is not a {STORE_FORMAT} v{STORE_VERSION} manifest "
-            f"(format={manifest.get('format')!r}, version={manifest.get('version')!r})"
-        )
-    return manifest
-
-
-def write_manifest(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
-    """Write ``manifest.json`` atomically (a reader sees the old or the new file, never half)."""
-    final = Path(path) / MANIFEST_FILE
-    partial = final.with_name(f".{MANIFEST_FILE}.partial")
-    partial.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    os.replace(partial, final)
 
 
 class TokenStore(Sequence[dict[str, np.ndarray]]):
@@ -97,31 +103,15 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
         self.dtype = np.dtype(self.manifest["dtype"])
         self.num_tokens: int = self.manifest["num_tokens"]
         self._num_samples: int = self.manifest["num_samples"]
-        self._check_files()
+        check_sizes(self.path, self.manifest)
         self._tokens: np.ndarray | None = None
         self._offsets: np.ndarray | None = None
         self._mask: np.ndarray | None = None
         self._lengths: np.ndarray | None = None
 
-    def _check_files(self) -> None:
-        expected = {TOKENS_FILE: self.num_tokens * self.dtype.itemsize}
-        if self.manifest["has_loss_mask"]:
-            expected[LOSS_MASK_FILE] = self.num_tokens
-        for name, size in expected.items():
-            file = self.path / name
-            actual = file.stat().st_size if file.is_file() else None
-            if actual != size:
-                raise ValueError(
-                    f"{file} has {actual} bytes, the manifest implies {size}; the store is damaged: prepare it again"
-                )
-
     def _open(self) -> None:
         offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r")
-        if offsets.shape != (self._num_samples + 1,) or offsets[0] != 0 or offsets[-1] != self.num_tokens:
-            raise ValueError(
-                f"{self.path / OFFSETS_FILE} does not match the manifest ({self._num_samples} samples, "
-                f"{self.num_tokens} tokens); the store is damaged: prepare it again"
-            )
+        check_offsets_ends(self.path / OFFSETS_FILE, offsets, self.num_tokens)
         if self.num_tokens == 0:  # numpy cannot memory-map an empty file
             self._tokens = np.zeros(0, dtype=self.dtype)
         else:
@@ -136,7 +126,7 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
         if self._lengths is None:
             if self._offsets is None:
                 self._open()
-            row = np.diff(np.asarray(self._offsets, dtype=np.int64))
+            row = sample_sizes(self.path / OFFSETS_FILE, self._offsets)
             self._lengths = row - 1 if self.sample_format == "labels" else row
         return self._lengths
 
@@ -183,7 +173,10 @@ class TokenStoreWriter:
     """Streams ``TokenizedSample``s into a new store folder with bounded memory.
 
     Use as a context manager (an exception removes the partial files) or call ``close()``.
-    ``overwrite=False`` refuses a folder that already holds store files.
+    ``overwrite=False`` refuses a folder that already holds store files. The writer holds the
+    folder's lock from here until ``close()`` / ``abort()`` (a second writer gets a
+    ``StoreBusyError`` naming this one); ``lock``: a ``FolderLock`` of ``path`` the caller already
+    holds (and keeps, to write more files beside the store, as ``thdpack prepare`` does).
     """
 
     def __init__(
@@ -194,19 +187,27 @@ class TokenStoreWriter:
         sample_format: SampleFormat = "labels",
         source: Any = None,
         overwrite: bool = False,
+        lock: FolderLock | None = None,
     ) -> None:
         if sample_format not in SAMPLE_FORMATS:
             raise ValueError(f"unknown sample_format {sample_format!r}; use one of {list(SAMPLE_FORMATS)}")
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
-        present = [name for name in STORE_FILES if (self.path / name).exists()]
-        if present and not overwrite:
-            raise FileExistsError(
-                f"{self.path} already holds token store files {present}; pass overwrite=True (--overwrite) "
-                "or choose another folder"
-            )
-        for name in present:
-            (self.path / name).unlink()
+        if lock is not None:
+            assert lock.held and lock.file == FolderLock(self.path).file, "lock must be held, on this folder"
+        self._own_lock = FolderLock(self.path).acquire() if lock is None else None
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            present = [name for name in STORE_FILES if (self.path / name).exists()]
+            if present and not overwrite:
+                raise FileExistsError(
+                    f"{self.path} already holds token store files {present}; pass overwrite=True (--overwrite) "
+                    "or choose another folder"
+                )
+            for name in present:
+                (self.path / name).unlink()
+        except BaseException:
+            self._release()
+            raise
         self.tokenizer = tokenizer
         self.sample_format = sample_format
         self.source = source
@@ -215,14 +216,16 @@ class TokenStoreWriter:
         self.num_tokens = 0  # flushed and buffered
         self.num_target_tokens = 0
         self.max_length = 0
+        self.min_id: int | None = None
+        self.max_id: int | None = None
         self._flushed = 0
         self._buffer: list[TokenizedSample] = []
         self._buffered = 0
         # the writer owns its files across add() calls; close() / abort() close them all together
         self._files = contextlib.ExitStack()
-        self._tokens_file = self._files.enter_context(open(self.path / TOKENS_FILE, "wb"))  # noqa: SIM115
+        self._tokens_out = HashingWriter(self._files.enter_context(open(self.path / TOKENS_FILE, "wb")))  # noqa: SIM115
         self._offsets_tmp = self._files.enter_context(tempfile.TemporaryFile(dir=self.path))  # noqa: SIM115
-        self._mask_file: Any = None
+        self._mask_out: HashingWriter | None = None
         self._closed = False
 
     def add(self, sample: TokenizedSample) -> None:
@@ -260,38 +263,44 @@ class TokenStoreWriter:
                 f"sample {which} has token id {int(tokens[bad])}, outside [0, {self.tokenizer.vocab_size}) "
                 f"of tokenizer {self.tokenizer.name!r}; its eos_id or the records' ids are wrong"
             )
-        tokens.astype(self.dtype).tofile(self._tokens_file)
+        self.min_id = lo if self.min_id is None else min(self.min_id, lo)
+        self.max_id = hi if self.max_id is None else max(self.max_id, hi)
+        self._tokens_out.write(tokens.astype(self.dtype))
         ends = self._flushed + np.cumsum([len(s.tokens) for s in self._buffer], dtype=np.int64)
-        ends.tofile(self._offsets_tmp)
+        ends.astype("<i8").tofile(self._offsets_tmp)
         masks = [s.target_mask for s in self._buffer]
-        if self._mask_file is None and not all(m.all() for m in masks):
+        if self._mask_out is None and not all(m.all() for m in masks):
             self._start_mask_file()
-        if self._mask_file is not None:
-            np.concatenate(masks).astype(np.uint8).tofile(self._mask_file)
+        if self._mask_out is not None:
+            self._mask_out.write(np.concatenate(masks).astype(np.uint8))
         self._flushed += len(tokens)
         self._buffer, self._buffered = [], 0
 
     def _start_mask_file(self) -> None:
         """The first sample with a masked token: back-fill 'target' for everything written so far."""
-        self._mask_file = self._files.enter_context(open(self.path / LOSS_MASK_FILE, "wb"))  # noqa: SIM115
+        self._mask_out = HashingWriter(self._files.enter_context(open(self.path / LOSS_MASK_FILE, "wb")))  # noqa: SIM115
         ones = np.ones(_CHUNK, dtype=np.uint8)
         for start in range(0, self._flushed, _CHUNK):
-            ones[: min(_CHUNK, self._flushed - start)].tofile(self._mask_file)
+            self._mask_out.write(ones[: min(_CHUNK, self._flushed - start)])
+
+    def _write_offsets(self) -> dict[str, Any]:
+        """``offsets.npy`` from the sample ends gathered so far; its checksum."""
+        with open(self.path / OFFSETS_FILE, "wb") as f:
+            out = HashingWriter(f)
+            header = {"descr": "<i8", "fortran_order": False, "shape": (self.num_samples + 1,)}
+            np.lib.format.write_array_header_1_0(out, header)
+            out.write(np.zeros(1, dtype="<i8"))
+            self._offsets_tmp.seek(0)
+            while chunk := self._offsets_tmp.read(CHUNK_BYTES):
+                out.write(chunk)
+        return out.digest()
 
     def close(self, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Flush, write ``offsets.npy`` and ``manifest.json`` (with ``extra`` merged in); return it."""
         self._flush()
-        self._tokens_file.flush()
-        offsets = np.lib.format.open_memmap(
-            self.path / OFFSETS_FILE, mode="w+", dtype=np.int64, shape=(self.num_samples + 1,)
-        )
-        offsets[0] = 0
-        self._offsets_tmp.seek(0)
-        for start in range(1, self.num_samples + 1, _CHUNK):
-            chunk = np.fromfile(self._offsets_tmp, dtype=np.int64, count=_CHUNK)
-            offsets[start : start + len(chunk)] = chunk
-        offsets.flush()
-        del offsets
+        checksums = {TOKENS_FILE: self._tokens_out.digest(), OFFSETS_FILE: self._write_offsets()}
+        if self._mask_out is not None:
+            checksums[LOSS_MASK_FILE] = self._mask_out.digest()
         self._files.close()
         manifest = {
             "format": STORE_FORMAT,
@@ -309,12 +318,15 @@ class TokenStoreWriter:
             "num_tokens": self.num_tokens,
             "num_target_tokens": self.num_target_tokens,
             "max_tokens_per_sample": self.max_length,
-            "has_loss_mask": self._mask_file is not None,
+            "has_loss_mask": self._mask_out is not None,
+            "token_ids": {"min": self.min_id, "max": self.max_id},
+            "checksums": checksums,
             "source": self.source,
             **(extra or {}),
         }
         write_manifest(self.path, manifest)
         self._closed = True
+        self._release()
         return manifest
 
     def abort(self) -> None:
@@ -323,6 +335,11 @@ class TokenStoreWriter:
         for name in STORE_FILES:
             (self.path / name).unlink(missing_ok=True)
         self._closed = True
+        self._release()
+
+    def _release(self) -> None:
+        if self._own_lock is not None:
+            self._own_lock.release()
 
     def __enter__(self) -> TokenStoreWriter:
         return self

@@ -23,7 +23,6 @@ checkpoints is refused unless it resumes them (``train.resume=true``) or clears 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -41,6 +40,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from thdpack._checksum import file_digest
+
 log = logging.getLogger(__name__)
 LATEST = "latest"
 MANIFEST = "checksums.json"
@@ -52,7 +53,6 @@ HF_FOLDER = "hf"
 """A ``model=hf`` checkpoint's Hugging Face folder (``save_pretrained``), and the run's final copy."""
 """Files every checkpoint's manifest lists (the rank files depend on the world size)."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
-_CHUNK = 1 << 20
 
 
 def rng_state() -> dict[str, Any]:
@@ -77,19 +77,6 @@ class Restored:
 
 
 # -- files, manifests, verification --------------------------------------------------------
-
-
-def file_digest(path: Path) -> dict[str, Any] | None:
-    """``{"size": bytes, "sha256": hex}`` of ``path``, or None when it is not a file."""
-    if not path.is_file():
-        return None
-    sha = hashlib.sha256()
-    size = 0
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": sha.hexdigest()}
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -63,7 +63,12 @@ class DataConfig:
     limit: int | None = None
     """Read only the first N records (a quick trial); None reads everything."""
     cache_dir: str = "~/.cache/thdpack/stores"
-    """Token stores are cached here, one per (inputs, tokenizer, limit, ...) fingerprint."""
+    """Token stores are cached here, one per (inputs, tokenizer, limit, ...) fingerprint; a damaged
+    one is rebuilt."""
+    store: str | None = None
+    """A token store folder written by ``thdpack prepare``, trained on as it is (the other data
+    fields are then unused); verified in full before the first step, and a damaged one stops the
+    run naming the file."""
 
     def __post_init__(self) -> None:
         if not self.inputs:

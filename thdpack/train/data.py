@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -16,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from thdpack import __version__
+from thdpack.data.manifest import StoreError
 from thdpack.data.prepare import write_token_store
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.tokenize import TokenizeConfig
+from thdpack.data.verify import verify_store
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -58,37 +61,93 @@ def store_fingerprint(data: DataConfig) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def open_token_store(data: DataConfig, *, is_local_main: bool, barrier: Any) -> TokenStore:
-    """The run's token store, tokenized once per machine and cached in ``data.cache_dir``.
-
-    The local main rank builds it into a temporary folder and renames it into place (atomic on
-    one file system), while the other ranks wait at ``barrier``.
-    """
+def cache_path(data: DataConfig) -> Path:
+    """The cached store's folder for ``data`` (one per fingerprint)."""
     name = Path(data.inputs[0]).stem if data.inputs[0] != "stdlib" else "stdlib"
-    path = Path(data.cache_dir).expanduser() / f"{name}-{data.tokenizer.replace('/', '_')}-{store_fingerprint(data)}"
-    if is_local_main and not (path / "manifest.json").exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        print(f"tokenizing {', '.join(data.inputs)} with {data.tokenizer} into {path} (once; cached)", flush=True)
-        write_token_store(
-            data.inputs,
-            tmp,
-            tokenizer=data.tokenizer,
-            source_config=SourceConfig(format=data.format),
-            tokenize_config=TokenizeConfig(
-                kind=data.kind,
-                chat_template=data.chat_template,
-                on_bad_record=data.on_bad_record,
-            ),
-            limit=data.limit,
-            overwrite=True,
-        )
-        try:
-            tmp.rename(path)
-        except OSError:  # another machine sharing the cache finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+    return Path(data.cache_dir).expanduser() / f"{name}-{data.tokenizer.replace('/', '_')}-{store_fingerprint(data)}"
+
+
+def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, barrier: Any) -> TokenStore:
+    """The run's token store, read in full before the first step by the local main rank: every
+    file against its checksums, every token id below ``vocab_size`` (the model's).
+
+    ``data.store`` set: that folder (written by ``thdpack prepare``) as it is; damage is a
+    ``StoreError`` naming the file. Otherwise the cache in ``data.cache_dir``, tokenized once per
+    machine: the local main rank builds it into a temporary folder and renames it into place
+    (atomic on one file system) while the other ranks wait at ``barrier``; a damaged cache (a file
+    deleted, cut short or changed, or written before checksums) is rebuilt with a warning naming
+    the file.
+    """
+    if data.store is not None:
+        path = Path(data.store).expanduser()
+        if is_local_main:
+            print(verify_store(path, vocab_size=vocab_size), flush=True)
+        barrier()
+        return TokenStore(path)
+    path = cache_path(data)
+    if is_local_main:
+        _ensure_cache(data, path, vocab_size)
     barrier()
-    return TokenStore(path)
+    try:
+        return TokenStore(path)
+    except StoreError as err:  # changed between the local main rank's check and this rank's open
+        raise StoreError(err.file, err.problem, "the token cache changed while the run started; run again") from err
+
+
+def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
+    damage = _cache_damage(path, vocab_size)
+    if damage is None:
+        return
+    if path.exists():
+        # the fix StoreError suggests is for prepared stores: a cache repairs itself
+        log.warning("token cache %s is damaged: %s %s; rebuilding it", path, damage.file, damage.problem)
+    print(f"tokenizing {', '.join(data.inputs)} with {data.tokenizer} into {path} (once; cached)", flush=True)
+    _build_cache(data, path, damaged=path.exists())
+    damage = _cache_damage(path, vocab_size)
+    if damage is not None:
+        raise StoreError(
+            damage.file,
+            f"{damage.problem}, right after the token cache was rebuilt",
+            f"check the disk that holds data.cache_dir={data.cache_dir}, or set data.cache_dir to another folder",
+        )
+
+
+def _cache_damage(path: Path, vocab_size: int) -> StoreError | None:
+    """None when the cache at ``path`` is intact (it says so), else what is wrong with it."""
+    try:
+        print(verify_store(path, vocab_size=vocab_size, require_checksums=True), flush=True)
+    except StoreError as err:
+        return err
+    return None
+
+
+def _build_cache(data: DataConfig, path: Path, *, damaged: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    write_token_store(
+        data.inputs,
+        tmp,
+        tokenizer=data.tokenizer,
+        source_config=SourceConfig(format=data.format),
+        tokenize_config=TokenizeConfig(
+            kind=data.kind,
+            chat_template=data.chat_template,
+            on_bad_record=data.on_bad_record,
+        ),
+        limit=data.limit,
+        overwrite=True,
+    )
+    if damaged:
+        # move the damaged folder out of the way (a rename: a reader never sees half of it); when
+        # another machine sharing the cache already did, or installed a new one, there is nothing here
+        aside = path.with_name(f"{path.name}.damaged-{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            path.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
+    try:
+        tmp.rename(path)
+    except OSError:  # another machine sharing the cache installed one first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pad_id_of(store: TokenStore) -> int:

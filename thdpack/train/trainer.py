@@ -150,8 +150,11 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         f"({dist.get_backend()}), {cfg.parallel.dp_sharding.upper()}",
     )
 
-    store = open_token_store(cfg.data, is_local_main=runtime.local_rank == 0, barrier=dist.barrier)
-    _say(runtime, f"data: {', '.join(cfg.data.inputs)} -> {store}: {real_lengths_summary(store.lengths)}")
+    store = open_token_store(
+        cfg.data, vocab_size=cfg.model_config().vocab_size, is_local_main=runtime.local_rank == 0, barrier=dist.barrier
+    )
+    origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
+    _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")
     packing = cfg.packing_config(
         cp_size=runtime.cp_size, rank=runtime.dp_rank, world_size=runtime.dp_size, pad_id=pad_id_of(store)
     )

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from thdpack._optional import has_module
+from thdpack.data import verify_store
+from thdpack.data._lock import FolderLock
 from thdpack.data.prepare import add_prepare_arguments, run_prepare
 from thdpack.data.store import TokenStore
+from thdpack.data.tokenize import load_tokenizer
 from thdpack.plan import PackPlan
+
+REPO = Path(__file__).resolve().parents[3]
 
 pytest.importorskip("tokenizers", reason="prepare tokenizes (pip install 'thdpack[hf]')")
 
@@ -100,6 +109,70 @@ def test_errors_are_messages(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit):
         prepare(str(corpus), "--format", "csv", "--pack-size", "64", "--out", out)
     assert "invalid choice: 'csv'" in capsys.readouterr().err
+
+
+def test_out_naming_a_file_is_a_message(corpus, tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert prepare(str(corpus), "--pack-size", "64", "--out", str(tmp_path / "notes.txt")) == 2
+    err = capsys.readouterr().err  # "[Errno 17] File exists" before
+    assert f"thdpack prepare: error: {tmp_path / 'notes.txt'} is an existing file, not a folder" in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_folder_being_written_is_refused_and_left_alone(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert prepare(str(corpus), "--pack-size", "64", "--out", str(out), "--no-plots") == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with FolderLock(out):  # as another `thdpack prepare --overwrite` would hold it
+        assert prepare(str(corpus), "--pack-size", "128", "--out", str(out), "--overwrite") == 2
+    assert f"{out} is being written by another process (pid {os.getpid()} on " in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert verify_store(out).num_samples == 7
+
+
+def test_the_manifest_keeps_its_checksums_after_the_plan_is_added(corpus, tmp_path):
+    assert prepare(str(corpus), "--pack-size", "64", "--out", str(tmp_path / "out"), "--no-plots") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert set(manifest["checksums"]) == {"tokens.bin", "offsets.npy"} and "plan" in manifest
+    assert verify_store(tmp_path / "out").checksums
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "out"]  # the lock file went too
+
+
+@pytest.mark.distributed
+def test_concurrent_overwrites_leave_one_runs_complete_store(tmp_path):
+    """Two real `thdpack prepare --overwrite` processes into one folder (a mix of one run's
+    manifest and the other's tokens before): the second stops, or waits its turn by luck."""
+    texts = {"a": [("alpha " * (5 + i % 40)).strip() for i in range(6000)]}
+    texts["b"] = [("beta gamma " * (3 + i % 30)).strip() for i in range(5000)]
+    for name, docs in texts.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "thdpack.cli", "prepare", "--pack-size", "512", "--out", str(out)]
+    runs = {
+        name: subprocess.Popen(
+            [*command, str(tmp_path / f"{name}.jsonl"), "--overwrite", "--no-plots", "--no-progress"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in texts
+    }
+    results = {name: (run.wait(timeout=300), run.stderr.read()) for name, run in runs.items()}  # type: ignore[union-attr]
+    for code, err in results.values():
+        assert code == 0 or (code == 2 and f"{out} is being written by another process (pid" in err), err
+    assert 0 in [code for code, _ in results.values()]
+    result = verify_store(out)  # the manifest's checksums match the files
+    winner = Path(json.loads((out / "manifest.json").read_text())["source"][0]["path"]).stem
+    assert results[winner][0] == 0
+    store = TokenStore(out)
+    docs = texts[winner]
+    assert result.num_samples == len(store) == len(docs)
+    gpt2 = load_tokenizer("gpt2")
+    for i in (0, len(docs) // 2, len(docs) - 1):  # the tokens are the winner's
+        assert store.tokenized(i).tokens.tolist() == [*gpt2.encode_batch([docs[i]])[0], gpt2.eos_id]
+    assert sorted(np.concatenate(list(PackPlan.load(out / "plan.npz"))).tolist()) == list(range(len(docs)))
 
 
 @pytest.fixture

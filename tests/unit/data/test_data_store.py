@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thdpack.data import store as store_module
-from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest, token_dtype
+from thdpack.data.store import StoreError, TokenStore, TokenStoreWriter, read_manifest, token_dtype
 from thdpack.data.tokenize import TokenizedSample, load_tokenizer
 
 pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
@@ -138,7 +138,9 @@ def test_writer_errors(tmp_path, gpt2):
 
 
 def test_reader_errors(tmp_path, gpt2):
-    with pytest.raises(ValueError, match=r"holds no token store \(manifest.json is missing\); run `thdpack prepare`"):
+    with pytest.raises(
+        StoreError, match=r"manifest.json is missing: .* holds no finished token store; run `thdpack prepare"
+    ):
         TokenStore(tmp_path)
     store = written_out_store(tmp_path, gpt2)
     with pytest.raises(IndexError, match="sample 3 is out of range for a store of 3 samples"):
@@ -147,7 +149,7 @@ def test_reader_errors(tmp_path, gpt2):
         store["0"]
     with open(tmp_path / "tokens.bin", "r+b") as f:
         f.truncate(10)
-    with pytest.raises(ValueError, match=r"tokens.bin has 10 bytes, the manifest implies 18; the store is damaged"):
+    with pytest.raises(StoreError, match=r"tokens.bin has 10 bytes, manifest.json implies 18 .*; the store is damaged"):
         TokenStore(tmp_path)
 
 

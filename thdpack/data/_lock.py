@@ -1,0 +1,134 @@
+"""One writer per store folder: an exclusive ``flock`` held from the first byte to the manifest.
+
+Two ``thdpack prepare --overwrite`` runs into one folder used to interleave, leaving one run's
+manifest over the other's tokens. Now the second one stops at once with a message naming the
+holder (failing beats waiting: two runs writing one folder is a mistake, and a wait could last
+hours). The lock file sits beside the folder (``.<name>.lock``), so a run that fails before
+writing leaves no folder behind; its holder removes it on release.
+
+``flock`` locks are released by the kernel when the holder dies, so a killed run never leaves
+a folder locked. On NFS, Linux maps ``flock`` to byte-range locks, which NFS servers honour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from thdpack.data.manifest import StoreBusyError
+
+
+def lock_file_of(folder: str | os.PathLike[str]) -> Path:
+    folder = Path(folder).resolve()
+    return folder.with_name(f".{folder.name}.lock")
+
+
+def check_output_folder(folder: Path) -> None:
+    """A store is a folder of files: a path naming an existing file cannot hold one."""
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(
+            f"{folder} is an existing file, not a folder: a token store is a folder of files; "
+            "choose a new or empty folder for it (--out)"
+        )
+
+
+class FolderLock:
+    """The exclusive writer's lock of the store folder ``folder`` (a context manager).
+
+    ``acquire()`` raises ``StoreBusyError`` naming the holder when another process has it.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        self.file = lock_file_of(folder)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> FolderLock:
+        check_output_folder(self.folder)
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _holder(fd)
+                os.close(fd)
+                raise StoreBusyError(
+                    self.folder,
+                    f"is being written by another process ({holder}; lock file {self.file})",
+                    "wait for it to finish, or write to another folder",
+                ) from None
+            # the previous holder removes the file on release: if it did so after we opened it,
+            # we hold a lock nobody else can see; lock the file that is there now instead
+            if _same_file(fd, self.file):
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        self.file.unlink(missing_ok=True)  # while still holding it (see acquire)
+        os.close(self._fd)  # closing releases the flock
+        self._fd = None
+
+    def __enter__(self) -> FolderLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def shared_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold a reader's lock on ``folder`` while reading it; ``StoreBusyError`` while it is written.
+
+    Only folders whose writer left a lock file are locked (a reader never creates one: a store
+    may sit on a read-only file system).
+    """
+    file = lock_file_of(folder)
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreBusyError(
+                Path(folder),
+                f"is being written by another process ({_holder(fd)}; lock file {file})",
+                "wait for it to finish, then run again",
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip() or "pid unknown"
+    except OSError:
+        return "pid unknown"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
