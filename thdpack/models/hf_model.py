@@ -107,6 +107,23 @@ class HFModelConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"model.{name} must be an int >= 1, got {value!r}")
 
+    def model_vocab_size(self) -> int:
+        """The model's vocabulary: ``path``'s config.json, else ``vocab_size`` (the small preset's if None)."""
+        if self.path is None:
+            return self.vocab_size or ModelConfig.preset("small").vocab_size
+        config_json = Path(self.path).expanduser() / "config.json"
+        try:
+            config = json.loads(config_json.read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(
+                f"model.path={self.path!r}: cannot read {config_json} ({err}); give a local Hugging Face model "
+                "folder (as save_pretrained writes it: config.json + *.safetensors)"
+            ) from err
+        vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
+        if not isinstance(vocab, int):
+            raise ValueError(f"{config_json} has no integer vocab_size (got {vocab!r})")
+        return vocab
+
     def transformers_kwargs(self) -> dict[str, Any]:
         """The transformers config fields of a random initialisation: each size field that is
         None takes the value of thdpack's ``small`` preset (a tiny model, not transformers' 7B default)."""

@@ -83,6 +83,11 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
     return DistributedDataParallel(inner, device_ids=device_ids), inner
 
 
+def _model_vocab_size(cfg: Config) -> int:
+    model_cfg = cfg.model_config()
+    return model_cfg.model_vocab_size() if isinstance(model_cfg, HFModelConfig) else model_cfg.vocab_size
+
+
 def _check_vocab(model_vocab: int, tokenizer_vocab: int, name: str) -> None:
     if model_vocab < tokenizer_vocab:
         raise ValueError(
@@ -151,7 +156,7 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
     )
 
     store = open_token_store(
-        cfg.data, vocab_size=cfg.model_config().vocab_size, is_local_main=runtime.local_rank == 0, barrier=dist.barrier
+        cfg.data, vocab_size=_model_vocab_size(cfg), is_local_main=runtime.local_rank == 0, barrier=dist.barrier
     )
     origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
     _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")

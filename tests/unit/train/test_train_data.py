@@ -25,10 +25,10 @@ def chats(tmp_path):
 def test_on_bad_record_reaches_the_store(chats, tmp_path):
     data = DataConfig(inputs=[str(chats)], cache_dir=str(tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"chats.jsonl line 2: 'messages' is empty: no messages to train on"):
-        open_token_store(data, is_local_main=True, barrier=lambda: None)
+        open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
     skipping = DataConfig(inputs=[str(chats)], cache_dir=str(tmp_path / "cache"), on_bad_record="skip")
     assert store_fingerprint(skipping) != store_fingerprint(data)
-    store = open_token_store(skipping, is_local_main=True, barrier=lambda: None)
+    store = open_token_store(skipping, vocab_size=50257, is_local_main=True, barrier=lambda: None)
     assert len(store) == 1
     assert store.manifest["skipped_records"]["by_reason"] == {"empty_conversation": 1}
     logged = json.loads((store.path / "skipped_records.jsonl").read_text())
