@@ -43,8 +43,9 @@ TAG = "THDPACK_TEST_NODES"
 """Environment variable that marks every process of one test's job (agents and workers)."""
 KILLED_JOB_ENDS_WITHIN_S = 60
 """How long the surviving node may take to give up after the other node's rank dies. Measured on
-a shared 2-core machine: about 1 s (gloo sees the peer's socket close at the next collective);
-the bound leaves room for a loaded machine."""
+a shared, loaded 2-core machine: 1.2-2.9 s, whether a worker or a whole node (the rendezvous host
+included) died: gloo sees the peer's socket close at the next collective, the worker raises, its
+agent ends the job. Without that, the survivor would wait out the 30-minute collective timeout."""
 
 
 def free_port() -> int:
