@@ -1,7 +1,8 @@
 """Packing plans: which sequences share a pack. Pure numpy; no torch import.
 
-``plan_packs`` is the entry point; ``plan_histogram`` + ``materialize`` are the length-class
-(histogram) engine underneath it, usable on their own for datasets known only by histogram.
+``plan_packs`` is the entry point; ``plan_size_classes`` (or ``plan_histogram``) + ``materialize``
+are the length-class engine underneath it, usable on their own for datasets known only by
+histogram.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from thdpack.plan.api import ALGORITHMS, DEFAULT_WINDOW, Algorithm, as_lengths, plan_packs
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
-from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram
+from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram, plan_size_classes
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.plan.packplan import PackPlan
 from thdpack.plan.stats import PackingStats
@@ -29,4 +30,5 @@ __all__ = [
     "materialize",
     "plan_histogram",
     "plan_packs",
+    "plan_size_classes",
 ]

@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 
 from thdpack.plan.assignment import materialize
-from thdpack.plan.histogram import plan_histogram
+from thdpack.plan.histogram import plan_size_classes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Entries, Overflow, apply_overflow
 from thdpack.plan.packplan import PackPlan
@@ -137,14 +137,10 @@ def plan_packs(
     elif algorithm == "window":
         ids, offsets = window_best_fit(units, capacity, window)
     else:
-        # the histogram engine indexes rooms by size: with a pack larger than all slots together,
-        # every planner makes the one pack it would make with the pack exactly that large, so the
-        # engine runs on that size (memory then follows the data, never an outsized pack_size)
-        engine_capacity = min(capacity, int(units.sum()))
-        counts = np.bincount(units, minlength=engine_capacity + 1)
-        hp = plan_histogram(counts, engine_capacity, fit=algorithm, rng=rng)
-        sizes = np.flatnonzero(counts)
-        distinct = (sizes, counts[sizes])
+        # the engine works on the distinct sizes (memory and time follow them and the
+        # sequences, whatever pack_size is)
+        distinct = _distinct(units)
+        hp = plan_size_classes(*distinct, capacity, fit=algorithm, rng=rng)
         ids, offsets = materialize(hp, units, rng=rng)
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)

@@ -5,6 +5,8 @@ Items of equal size are interchangeable, so assignment is O(n) vectorised work. 
 pair that holds that size ("blocks"), and ``slot_targets`` says where each slot sits in the flat
 output. The k-th item of size s (in item order, or in a seeded shuffle) fills the k-th slot of
 size s. Items are ranked in chunks that fit the CPU cache, so 100M items cost ~100x 1M items.
+Nothing here is sized by the pack capacity: above 2**16 slots a pack, items are ranked by the
+rank of their size among the plan's distinct sizes instead of by the size itself.
 
 >>> from thdpack.plan.histogram import plan_histogram
 >>> sizes = np.array([3, 5, 1, 3, 4, 5])
@@ -23,6 +25,10 @@ import numpy as np
 from thdpack.plan.histogram import HistogramPlan
 
 CHUNK = 1 << 16  # items ranked per step: numpy calls amortised, a chunk's sort stays in the CPU cache
+SIZE_KEYS_BELOW = 1 << 16
+"""Capacities below this (at most 2**16) rank items by their size (16-bit keys, sorted by radix,
+counted in a capacity-long histogram); larger ones by their size's rank among the plan's
+distinct sizes (one more gather per item, nothing capacity-long)."""
 
 
 def pack_offsets(hp: HistogramPlan) -> np.ndarray:
@@ -34,9 +40,10 @@ def pack_offsets(hp: HistogramPlan) -> np.ndarray:
     return offsets
 
 
-def slot_targets(hp: HistogramPlan) -> tuple[np.ndarray, np.ndarray]:
-    """``(targets, slot_counts)``: (n,) flat output position of every slot, slots ordered by size
-    (ascending), and (capacity+1,) int64 slots of each size.
+def slot_targets(hp: HistogramPlan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(targets, slot_sizes, slot_counts)``: (n,) flat output position of every slot, slots
+    ordered by size (ascending); (K,) int64 the distinct slot sizes, ascending; (K,) int64 the
+    slots of each.
 
     A block ``(group g, node a)`` holds ``m = count[g]`` packs x ``r = reps[a]`` slots; slot
     ``k`` goes to pack ``k % m`` of the group, at the node's position in the pack plus ``k // m``.
@@ -86,8 +93,44 @@ def slot_targets(hp: HistogramPlan) -> tuple[np.ndarray, np.ndarray]:
         run_block = np.repeat(np.arange(len(bn)), runs)
         nth = np.arange(int(runs.sum())) - np.repeat(np.cumsum(runs) - runs, runs) + 1
         step[block_first[run_block] + nth * packs[run_block]] += (1 - packs * stride)[run_block].astype(dtype)
-    slot_counts = np.bincount(hp.node_size[bn], weights=need, minlength=hp.capacity + 1).astype(np.int64)
-    return np.cumsum(step, out=step), slot_counts
+    block_size = hp.node_size[bn]  # ascending
+    first_of_size = np.flatnonzero(np.diff(block_size, prepend=-1))
+    slot_counts = np.add.reduceat(need, first_of_size) if len(bn) else np.zeros(0, dtype=np.int64)
+    return np.cumsum(step, out=step), block_size[first_of_size], slot_counts
+
+
+def size_ranks(sizes: np.ndarray, distinct: np.ndarray) -> np.ndarray:
+    """(n,) rank of each of ``sizes`` in ``distinct`` (K,) (ascending): uint16 when K < 2**16.
+
+    A lookup table while the largest size is small next to the number of items (one gather),
+    else a binary search: memory follows the items, never the size values.
+    Raises ``ValueError`` naming the first item whose size ``distinct`` lacks.
+
+    >>> size_ranks(np.array([7, 3, 7, 10**12]), np.array([3, 7, 10**12])).tolist()
+    [1, 0, 1, 2]
+    """
+    k = len(distinct)
+    dtype = np.uint16 if k < 2**16 else np.int64
+    if len(sizes) == 0:
+        return np.zeros(0, dtype=dtype)
+    largest = int(distinct[-1]) if k else 0
+    low, high = int(sizes.min()), int(sizes.max())
+    if k and low >= 0 and high <= largest and largest <= 4 * len(sizes) + (1 << 16):
+        table = np.full(largest + 1, k, dtype=dtype)  # k marks a size the plan lacks
+        table[distinct] = np.arange(k)
+        ranks = table[sizes]
+        missing = ranks == k
+    else:
+        ranks = np.searchsorted(distinct, sizes)
+        missing = distinct[np.minimum(ranks, k - 1)] != sizes if k else np.ones(len(sizes), dtype=bool)
+        ranks = ranks.astype(dtype)
+    if missing.any():
+        i = int(np.argmax(missing))
+        raise ValueError(
+            f"the sizes' histogram differs from the plan's: item {i} has size {int(sizes[i])}, "
+            "which no slot of the plan has"
+        )
+    return ranks
 
 
 def materialize(
@@ -105,21 +148,34 @@ def materialize(
         indices: (n,) int64 item ids, pack by pack, each pack in placement order.
         offsets: (num_packs+1,) int64, ``offsets[0] == 0``, ``offsets[-1] == n``.
     """
-    capacity = hp.capacity
-    targets, slot_counts = slot_targets(hp)
+    targets, slot_sizes, slot_counts = slot_targets(hp)
     if len(sizes) != len(targets):
         raise ValueError(f"the plan holds {len(targets)} items but {len(sizes)} were given")
-    keys = sizes.astype(np.uint16) if capacity < 2**16 else sizes  # 16-bit keys sort by radix
+    if hp.capacity < SIZE_KEYS_BELOW:  # the size is the key (16-bit keys sort by radix)
+        if len(sizes) and (sizes.min() < 1 or sizes.max() > hp.capacity):
+            bad = (sizes < 1) | (sizes > hp.capacity)
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"the sizes' histogram differs from the plan's: item {i} has size {int(sizes[i])}, "
+                f"outside [1, capacity={hp.capacity}]"
+            )
+        keys = sizes.astype(np.uint16)
+        key_slots = np.zeros(hp.capacity + 1, dtype=np.int64)
+        key_slots[slot_sizes] = slot_counts
+    else:  # the key is the size's rank among the plan's sizes: no array follows the capacity
+        keys = size_ranks(sizes, slot_sizes)
+        key_slots = slot_counts
     perm = None if rng is None else rng.permutation(len(sizes))
     indices = np.empty(len(sizes), dtype=np.int64)
-    next_slot = np.cumsum(slot_counts) - slot_counts  # first free slot of each size
+    slots_upto = np.cumsum(key_slots)
+    next_slot = slots_upto - key_slots  # first free slot of each key
     for start in range(0, len(sizes), CHUNK):
         ids = np.arange(start, min(start + CHUNK, len(sizes))) if perm is None else perm[start : start + CHUNK]
         chunk_keys = keys[ids]
         order = np.argsort(chunk_keys, kind="stable")
         sorted_keys = chunk_keys[order]
-        chunk_counts = np.bincount(sorted_keys, minlength=capacity + 1)
-        if len(chunk_counts) > capacity + 1 or (next_slot + chunk_counts > np.cumsum(slot_counts)).any():
+        chunk_counts = np.bincount(sorted_keys, minlength=len(key_slots))
+        if (next_slot + chunk_counts > slots_upto).any():
             raise ValueError("the sizes' histogram differs from the plan's: some size has more items than slots")
         chosen = order + start if perm is None else ids[order]
         if len(ids) == len(sizes):  # one chunk: the sorted items are the slots, in order

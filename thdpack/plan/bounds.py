@@ -54,7 +54,8 @@ def l2_lower_bound_of_sizes(sizes: np.ndarray, counts: np.ndarray, capacity: int
         """How many distinct sizes are <= x."""
         return np.searchsorted(sizes, x, side="right")
 
-    a = np.unique(np.concatenate(([0], sizes[sizes <= half], capacity - sizes[sizes > half] + 1)))
+    a = np.sort(np.concatenate(([0], sizes[sizes <= half], capacity - sizes[sizes > half] + 1)))
+    a = a[np.diff(a, prepend=-1) > 0]  # distinct (np.unique without counts hashes: 20x slower on 1M)
     a = a[(a >= 0) & (a <= half)]
     upper = below(capacity - a)  # J2 is (C/2, C - a]
     mid = below(np.array(half))

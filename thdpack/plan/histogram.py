@@ -119,20 +119,61 @@ def plan_histogram(
             random (reproducibly), which reshuffles pairings.
 
     Returns a ``HistogramPlan`` with the same number of packs as item-level BFD / FFD.
+    ``plan_size_classes`` is the same plan from the distinct sizes alone (no array of
+    ``capacity + 1``: what a huge capacity needs).
     """
     counts = np.asarray(counts)
     if counts.ndim != 1 or len(counts) != capacity + 1:
         raise ValueError(f"counts must have shape ({capacity + 1},), got {counts.shape}")
     if counts[0] != 0:
         raise ValueError("counts[0] must be 0: every item occupies at least one slot")
+    sizes = np.flatnonzero(counts)
+    return plan_size_classes(sizes, counts[sizes], capacity, fit=fit, rng=rng)
+
+
+def plan_size_classes(
+    sizes: np.ndarray,
+    counts: np.ndarray,
+    capacity: int,
+    *,
+    fit: Fit = "bfd",
+    rng: np.random.Generator | None = None,
+) -> HistogramPlan:
+    """``plan_histogram`` from the distinct sizes and their counts: memory and time follow the
+    number of distinct sizes and of pack groups, whatever ``capacity`` is.
+
+    Args:
+        sizes: (K,) integers, strictly increasing, in ``[1, capacity]`` (slot units).
+        counts: (K,) integers >= 1: items of each size.
+        capacity, fit, rng: as in ``plan_histogram``.
+
+    >>> hp = plan_size_classes(np.array([1, 3, 4, 5]), np.array([1, 2, 1, 2]), capacity=10**12)
+    >>> hp.num_packs, hp.pack_contents(0)
+    (1, [(5, 2), (4, 1), (3, 2), (1, 1)])
+    """
+    sizes = np.asarray(sizes)
+    counts = np.asarray(counts)
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    if sizes.ndim != 1 or sizes.shape != counts.shape:
+        raise ValueError(f"sizes and counts must be 1-D of one length, got shapes {sizes.shape} and {counts.shape}")
+    if len(sizes) and (sizes[0] < 1 or sizes[-1] > capacity or (np.diff(sizes) <= 0).any()):
+        raise ValueError(
+            f"sizes must be strictly increasing integers in [1, capacity={capacity}], got "
+            f"{sizes[:5].tolist()}{' ...' if len(sizes) > 5 else ''} (smallest {sizes.min()}, largest {sizes.max()})"
+        )
+    if (counts < 1).any():
+        raise ValueError(f"counts must be >= 1 (list only the sizes that occur), got {int(counts.min())}")
+    # decreasing sizes, as plain ints: the loops below are per size class and per group
+    classes = list(zip(sizes[::-1].tolist(), counts[::-1].tolist(), strict=True))
     if fit == "bfd":
-        return _best_fit(counts, capacity, rng)
+        return _best_fit(classes, capacity, rng)
     if fit == "ffd":
-        return _first_fit(counts, capacity)
+        return _first_fit(classes, capacity)
     raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(FITS)}")
 
 
-def _best_fit(counts: np.ndarray, capacity: int, rng: np.random.Generator | None) -> HistogramPlan:
+def _best_fit(classes: list[tuple[int, int]], capacity: int, rng: np.random.Generator | None) -> HistogramPlan:
     nodes: list[tuple[int, int, int]] = [(-1, 0, 0)]  # (parent, size, reps); node 0 = empty pack
     rooms: list[int] = []  # sorted rooms that have at least one group
     buckets: dict[int, list[list[int]]] = {}  # room -> [[node, packs], ...]
@@ -146,15 +187,13 @@ def _best_fit(counts: np.ndarray, capacity: int, rng: np.random.Generator | None
             bisect.insort(rooms, room)
         bucket.append([len(nodes) - 1, packs])
 
-    sizes = np.flatnonzero(counts)[::-1]
     # Items over half a pack never share a pack and no room fits them: one pack each, in bulk.
-    big = sizes[sizes > capacity // 2].tolist()
-    for size in big:  # decreasing sizes give increasing rooms: `rooms` stays sorted
+    big = next((i for i, (size, _) in enumerate(classes) if size <= capacity // 2), len(classes))
+    for size, count in classes[:big]:  # decreasing sizes give increasing rooms: `rooms` stays sorted
         nodes.append((0, size, 1))
         rooms.append(capacity - size)
-        buckets[capacity - size] = [[len(nodes) - 1, int(counts[size])]]
-    for size in sizes[len(big) :].tolist():
-        left = int(counts[size])
+        buckets[capacity - size] = [[len(nodes) - 1, count]]
+    for size, left in classes[big:]:
         while left:
             i = bisect.bisect_left(rooms, size)
             if i == len(rooms):  # nothing fits: open packs holding as many copies as fit
@@ -224,7 +263,7 @@ class _Runs:
         self.n += 1
 
 
-def _first_fit(counts: np.ndarray, capacity: int) -> HistogramPlan:
+def _first_fit(classes: list[tuple[int, int]], capacity: int) -> HistogramPlan:
     nodes: list[tuple[int, int, int]] = [(-1, 0, 0)]  # (parent, size, reps); node 0 = empty pack
 
     def node(parent: int, size: int, reps: int) -> int:
@@ -234,8 +273,7 @@ def _first_fit(counts: np.ndarray, capacity: int) -> HistogramPlan:
     runs = _Runs()
     opened = 0  # packs opened so far; also the next pack's index
     never = np.iinfo(np.int64).max
-    for size in np.flatnonzero(counts)[::-1].tolist():
-        left = int(counts[size])
+    for size, left in classes:
         while left:
             n = runs.n
             fits = runs.room[:n] >= size
