@@ -169,7 +169,9 @@ def cache(tmp_path_factory) -> Path:
     """A token store cache holding TINY's store, built once here (not by both nodes at once)."""
     path = tmp_path_factory.mktemp("stores")
     limit = int(next(o.split("=", 1)[1] for o in TINY if o.startswith("data.limit=")))
-    open_token_store(DataConfig(limit=limit, cache_dir=str(path)), is_local_main=True, barrier=lambda: None)
+    open_token_store(
+        DataConfig(limit=limit, cache_dir=str(path)), vocab_size=50257, is_local_main=True, barrier=lambda: None
+    )
     return path
 
 
