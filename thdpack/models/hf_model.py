@@ -111,14 +111,11 @@ class HFModelConfig:
         """The model's vocabulary: ``path``'s config.json, else ``vocab_size`` (the small preset's if None)."""
         if self.path is None:
             return self.vocab_size or ModelConfig.preset("small").vocab_size
-        config_json = Path(self.path).expanduser() / "config.json"
+        config_json = _config_json(self.path)
         try:
             config = json.loads(config_json.read_text())
         except (OSError, ValueError) as err:
-            raise ValueError(
-                f"model.path={self.path!r}: cannot read {config_json} ({err}); give a local Hugging Face model "
-                "folder (as save_pretrained writes it: config.json + *.safetensors)"
-            ) from err
+            raise ValueError(f"model.path={self.path!r}: cannot read {config_json} ({err}); {_FOLDER_FIX}") from err
         vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
         if not isinstance(vocab, int):
             raise ValueError(f"{config_json} has no integer vocab_size (got {vocab!r})")
@@ -135,6 +132,16 @@ class HFModelConfig:
         if (self.arch or "llama") == "mistral":
             kwargs["sliding_window"] = None  # full attention (Mistral v0.2+); thdpack attention has no windows
         return kwargs
+
+
+_FOLDER_FIX = "give a local Hugging Face model folder (as save_pretrained writes it: config.json + *.safetensors)"
+
+
+def _config_json(path: str) -> Path:
+    config_json = Path(path).expanduser() / "config.json"
+    if not config_json.is_file():
+        raise ValueError(f"model.path={path!r} holds no config.json: {_FOLDER_FIX}")
+    return config_json
 
 
 class HFCausalLM(nn.Module):
@@ -178,12 +185,7 @@ def build_hf_model(
     transformers = require("transformers", "model=hf")
     register_hf_attention(ATTENTION_NAME)
     if config.path is not None:
-        folder = Path(config.path).expanduser()
-        if not (folder / "config.json").is_file():
-            raise ValueError(
-                f"model.path={config.path!r} holds no config.json: give a local Hugging Face model folder "
-                "(as save_pretrained writes it: config.json + *.safetensors)"
-            )
+        folder = _config_json(config.path).parent
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             folder, attn_implementation=ATTENTION_NAME, dtype=dtype or torch.float32, local_files_only=True
         )
