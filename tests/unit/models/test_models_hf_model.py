@@ -19,7 +19,7 @@ from thdpack.models.hf_model import (  # noqa: E402
     save_hf_folder,
 )
 from thdpack.packing import build_pack  # noqa: E402
-from thdpack.thd import thd_collate  # noqa: E402
+from thdpack.thd import thd_collate, thd_to_device  # noqa: E402
 
 TINY = {"vocab_size": 101, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48}
 LENGTHS = (6, 1, 9)
@@ -98,3 +98,21 @@ def test_bad_configs_name_the_field(fields, message):
 def test_a_folder_without_config_json_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"holds no config\.json"):
         build_hf_model(HFModelConfig(path=str(tmp_path)), seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the GPU attention kernels under transformers")
+def test_packed_hf_model_on_cuda_in_bf16_matches_sdpa_per_sequence():
+    model = build_hf_model(HFModelConfig(**TINY), seed=0, device="cuda").eval()
+    reference = copy.deepcopy(model.hf)
+    reference.config._attn_implementation = "sdpa"
+    samples, thd = _row()
+    thd = thd_to_device(thd, "cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(thd).float()
+        start = 0
+        for sample, n in zip(samples, LENGTHS, strict=True):
+            ids = torch.tensor([sample["input_ids"]], device="cuda")
+            alone = reference(input_ids=ids, use_cache=False).logits[0].float()
+            torch.testing.assert_close(logits[start : start + n], alone, atol=5e-2, rtol=5e-2)
+            start += n

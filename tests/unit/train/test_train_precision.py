@@ -7,7 +7,7 @@ import torch
 
 from thdpack.models import ModelConfig, Transformer
 from thdpack.packing import build_pack
-from thdpack.thd import thd_collate
+from thdpack.thd import thd_collate, thd_to_device
 from thdpack.train.config import TrainConfig
 from thdpack.train.precision import Precision, precision_from_config
 
@@ -70,3 +70,22 @@ def test_old_dtype_key_contradicting_precision_is_refused():
         precision_from_config("fp32", "bfloat16")
     with pytest.raises(ValueError, match=r"train\.dtype=.float16. is not one of"):
         precision_from_config(None, "float16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bf16 autocast with the GPU attention kernels")
+def test_bf16_mixed_on_cuda_stays_close_to_fp32():
+    config = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256)
+    lengths = [37, 5, 80, 6]
+    samples = [{"input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
+    thd = thd_to_device(thd_collate([build_pack(samples, (range(4), [0] * 4, lengths), 128)]), "cuda")
+    losses = {}
+    for name in ("fp32", "bf16-mixed"):
+        precision = Precision.named(name)
+        model = Transformer(config, seed=0, device="cuda", dtype=precision.param_dtype)
+        with precision.autocast(torch.device("cuda")):
+            logits_TV = model(thd)
+        keep = thd["labels"] != -100
+        losses[name] = torch.nn.functional.cross_entropy(logits_TV[keep].float(), thd["labels"][keep]).item()
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert abs(losses["bf16-mixed"] - losses["fp32"]) <= 1e-2 * losses["fp32"], losses
