@@ -211,32 +211,17 @@ def save_hf_folder(
     tokenizer: str | None = None,
 ) -> Path:
     """``save_pretrained`` into ``folder`` (config.json + model.safetensors), loadable by plain
-    transformers with its own attention (``attn_implementation`` is not saved as thdpack's).
+    transformers with its own attention.
 
     ``state_dict``: the full weights keyed like ``model.hf`` (FSDP2 gathers them first; None: the
     model's own). ``tokenizer``: a tokenizer folder or tokenizer.json whose files are copied along.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    hf = model.hf
-    saved_implementation = hf.config._attn_implementation
-    hf.config._attn_implementation = "sdpa"  # what a plain from_pretrained will use; ours needs registering
-    try:
-        hf.save_pretrained(folder, state_dict=dict(state_dict) if state_dict is not None else None)
-    finally:
-        hf.config._attn_implementation = saved_implementation
-    _drop_attention_name(folder / "config.json")
+    # transformers does not save attn_implementation: the folder loads with its own attention
+    model.hf.save_pretrained(folder, state_dict=dict(state_dict) if state_dict is not None else None)
     if tokenizer is not None:
         _copy_tokenizer(Path(tokenizer).expanduser(), folder)
     return folder
-
-
-def _drop_attention_name(config_json: Path) -> None:
-    """A saved ``attn_implementation`` naming thdpack's attention would fail to load elsewhere."""
-    config = json.loads(config_json.read_text())
-    if config.get("attn_implementation") == ATTENTION_NAME or config.get("_attn_implementation") == ATTENTION_NAME:
-        config.pop("attn_implementation", None)
-        config.pop("_attn_implementation", None)
-        config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

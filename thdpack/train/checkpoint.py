@@ -49,9 +49,9 @@ DAMAGED = "damaged"
 CHECKPOINT_FORMAT = "thdpack-checkpoint"
 CHECKPOINT_VERSION = 1
 REQUIRED_FILES = ("trainer.pt", "dcp/.metadata")
+"""Files every checkpoint's manifest lists (the rank files depend on the world size)."""
 HF_FOLDER = "hf"
 """A ``model=hf`` checkpoint's Hugging Face folder (``save_pretrained``), and the run's final copy."""
-"""Files every checkpoint's manifest lists (the rank files depend on the world size)."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 

@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from thdpack.models import Transformer
+from thdpack.data.tokenize import SHIPPED_TOKENIZERS
+from thdpack.models import ModelConfig, Transformer
 from thdpack.models.hf_model import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
@@ -62,38 +63,35 @@ def build_model(cfg: Config, runtime: Runtime, vocab_size: int) -> tuple[torch.n
     """(wrapped model, inner model): identical initial weights on every rank, then DDP or FSDP2
     over the whole dp x cp world (CP ranks hold the same parameters and sum their gradients)."""
     model_cfg = cfg.model_config()
+    model_vocab = model_vocab_size(model_cfg)
+    if model_vocab < vocab_size:  # before building: a large model is not built only to be refused
+        raise ValueError(
+            f"the model's vocabulary ({model_vocab}) is smaller than the tokenizer's ({vocab_size}); "
+            f"set model.vocab_size={vocab_size}, or a data.tokenizer that matches the model"
+        )
     precision = Precision.named(cfg.train.precision)
     if isinstance(model_cfg, HFModelConfig):
         inner = build_hf_model(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
     else:
-        _check_vocab(model_cfg.vocab_size, vocab_size, "model.vocab_size")
         inner = Transformer(model_cfg, seed=cfg.train.seed, device=runtime.device, dtype=precision.param_dtype)
-    _check_vocab(inner.config.vocab_size, vocab_size, "the model's vocab_size")
     if cfg.train.activation_checkpointing:
         checkpoint_layers(inner.layers)
     if cfg.parallel.dp_sharding == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        policy = {} if precision.fsdp_policy() is None else {"mp_policy": precision.fsdp_policy()}
+        policy = precision.fsdp_policy()
+        options = {} if policy is None else {"mp_policy": policy}
         for block in inner.layers:
-            fully_shard(block, mesh=runtime.world_mesh, **policy)
-        fully_shard(inner, mesh=runtime.world_mesh, **policy)
+            fully_shard(block, mesh=runtime.world_mesh, **options)
+        fully_shard(inner, mesh=runtime.world_mesh, **options)
         return inner, inner
     device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
     return DistributedDataParallel(inner, device_ids=device_ids), inner
 
 
-def _model_vocab_size(cfg: Config) -> int:
-    model_cfg = cfg.model_config()
+def model_vocab_size(model_cfg: ModelConfig | HFModelConfig) -> int:
+    """The model's vocabulary, known before it is built (an HF folder's config.json)."""
     return model_cfg.model_vocab_size() if isinstance(model_cfg, HFModelConfig) else model_cfg.vocab_size
-
-
-def _check_vocab(model_vocab: int, tokenizer_vocab: int, name: str) -> None:
-    if model_vocab < tokenizer_vocab:
-        raise ValueError(
-            f"{name}={model_vocab} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); "
-            f"set model.vocab_size={tokenizer_vocab}, or a data.tokenizer that matches the model"
-        )
 
 
 def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.Optimizer:
@@ -104,15 +102,10 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig) -> torch.optim.O
     return torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95))
 
 
-def shard_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, reduction: str) -> list[dict[str, Any]]:
+def shard_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, reduction: str) -> list[THDBatch]:
     """This rank's CP shards of its micro-batches (lists of packs), as THD batches on its device."""
-    return prepare_micro_batches(
-        collate_micro_batches(micro_batches),
-        cp_size=runtime.cp_size,
-        cp_rank=runtime.cp_rank,
-        device=runtime.device,
-        reduction=reduction,
-    )
+    host = host_micro_batches(micro_batches, runtime, reduction=reduction)
+    return [thd_to_device(mb, runtime.device, non_blocking=True) for mb in host]
 
 
 def host_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, reduction: str) -> list[THDBatch]:
@@ -156,7 +149,10 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
     )
 
     store = open_token_store(
-        cfg.data, vocab_size=_model_vocab_size(cfg), is_local_main=runtime.local_rank == 0, barrier=dist.barrier
+        cfg.data,
+        vocab_size=model_vocab_size(cfg.model_config()),
+        is_local_main=runtime.local_rank == 0,
+        barrier=dist.barrier,
     )
     origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
     _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")
@@ -310,7 +306,10 @@ def _hf_export(model: torch.nn.Module, tokenizer: str) -> Callable[[Path], None]
 
 
 def _tokenizer_path(tokenizer: str) -> str | None:
-    """A user's tokenizer folder / tokenizer.json to copy into the HF folder (not the shipped gpt2)."""
+    """A user's tokenizer folder / tokenizer.json to copy into the HF folder; None for a shipped
+    one, which takes precedence over a path of the same name as in ``load_tokenizer``."""
+    if tokenizer in SHIPPED_TOKENIZERS:
+        return None
     return tokenizer if Path(tokenizer).expanduser().exists() else None
 
 
