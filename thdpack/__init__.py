@@ -73,7 +73,7 @@ _EXPORTS = {
     "TokenStoreWriter": "thdpack.data.store",
     "StoreError": "thdpack.data.manifest",
     "verify_store": "thdpack.data.verify",
-    "load_tokenizer": "thdpack.data.tokenize",
+    "load_tokenizer": "thdpack.data.tokenizer",
     "SampleEncoder": "thdpack.data.tokenize",
 }
 # modules reachable as attributes: thdpack.cp.shard(...), thdpack.compat.nemo...

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from thdpack.data.tokenize import SHIPPED_TOKENIZERS
+from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
 from thdpack.models import ModelConfig, Transformer
 from thdpack.models.hf_model import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
 from thdpack.packing.dataset import PackedDataset
