@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.data.encode import SampleEncoder, TokenizeConfig, record_batches
 from thdpack.data.sources import Source
 from thdpack.data.store import TokenStore, TokenStoreWriter
-from thdpack.data.tokenize import SampleEncoder, TokenizeConfig, record_batches
-from thdpack.data.verify import verify_store
+from thdpack.data.store_verify import verify_store
 
 
 def peak_rss_mib() -> float:

@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from thdpack.cp import shard
 from thdpack.loss import count_loss_tokens
-from thdpack.models.hf import hf_packed_kwargs
+from thdpack.models.hf_attention import hf_packed_kwargs
 from thdpack.packing import build_pack
 from thdpack.packing.layout import cp_multiple
 from thdpack.thd import THDBatch, thd_collate

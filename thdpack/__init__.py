@@ -66,15 +66,15 @@ _EXPORTS = {
     # models
     "ModelConfig": "thdpack.models",
     "Transformer": "thdpack.models",
-    "hf_packed_kwargs": "thdpack.models.hf",
-    "register_hf_attention": "thdpack.models.hf",
+    "hf_packed_kwargs": "thdpack.models.hf_attention",
+    "register_hf_attention": "thdpack.models.hf_attention",
     # data
     "TokenStore": "thdpack.data.store",
     "TokenStoreWriter": "thdpack.data.store",
     "StoreError": "thdpack.data.manifest",
-    "verify_store": "thdpack.data.verify",
+    "verify_store": "thdpack.data.store_verify",
     "load_tokenizer": "thdpack.data.tokenizer",
-    "SampleEncoder": "thdpack.data.tokenize",
+    "SampleEncoder": "thdpack.data.encode",
 }
 # modules reachable as attributes: thdpack.cp.shard(...), thdpack.compat.nemo...
 _SUBMODULES = ("attention", "compat", "cp", "data", "layout", "models", "packing", "plan", "thd", "train", "verify")
@@ -88,7 +88,7 @@ _MOVED_MODULES = {
     "thdpack.streaming": "thdpack.packing.streaming",
     "thdpack.thd_format": "thdpack.thd.format",
     "thdpack.masks": "thdpack.attention.masks",
-    "thdpack.report": "thdpack.data.stats",
+    "thdpack.report": "thdpack.data.stats_command",
     "thdpack.models.exactness": "thdpack.verify.exactness",
     "thdpack.cp.ring": "thdpack.attention.ring",
     "thdpack.cp.allgather": "thdpack.attention.allgather",

@@ -21,13 +21,13 @@ from thdpack import __version__
 COMMANDS: dict[str, tuple[str, str, str, str]] = {
     "prepare": (
         "tokenize a dataset into a token store, plan its packs, print the packing stats",
-        "thdpack.data.prepare",
+        "thdpack.data.prepare_command",
         "add_prepare_arguments",
         "run_prepare",
     ),
     "stats": (
         "compare packing algorithms and pack sizes on a dataset's lengths",
-        "thdpack.data.stats",
+        "thdpack.data.stats_command",
         "add_stats_arguments",
         "run_stats",
     ),

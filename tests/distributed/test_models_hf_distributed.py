@@ -28,7 +28,7 @@ from _hf_cases import (
     unpacked_step,
 )
 
-from thdpack.models.hf import register_hf_attention
+from thdpack.models.hf_attention import register_hf_attention
 from thdpack.testing import run_distributed
 
 pytestmark = pytest.mark.distributed

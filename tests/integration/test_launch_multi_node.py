@@ -32,7 +32,7 @@ import pytest
 from test_train import REPO, TINY, losses, torchrun
 
 from thdpack.train.config import DataConfig
-from thdpack.train.data import open_token_store
+from thdpack.train.store_cache import open_token_store
 
 pytestmark = [
     pytest.mark.distributed,

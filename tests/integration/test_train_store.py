@@ -25,7 +25,7 @@ from test_train import losses, torchrun
 from test_train_checkpoints import config, truncate
 
 from thdpack.data import StoreError, verify_store
-from thdpack.train.data import cache_path
+from thdpack.train.store_cache import cache_path
 from thdpack.train.trainer import run
 
 pytestmark = pytest.mark.distributed
@@ -95,7 +95,7 @@ CACHE_DAMAGE: dict[str, Callable[[Path], str]] = {
 def test_a_damaged_cache_is_rebuilt_with_a_warning_naming_the_file(intact, cache, tmp_path, caplog, case):
     store = cache_path(config(tmp_path, cache).data)
     said = CACHE_DAMAGE[case](store)
-    with caplog.at_level(logging.WARNING, logger="thdpack.train.data"):
+    with caplog.at_level(logging.WARNING, logger="thdpack.train.store_cache"):
         values = train(tmp_path / "out", cache)
     warning = f"token cache {store} is damaged: {store}/{said}"
     assert re.search(re.escape(warning) + r".*; rebuilding it$", caplog.text, re.MULTILINE), caplog.text

@@ -13,18 +13,7 @@ from thdpack.data.bad_records import (
     RecordOrigin,
 )
 from thdpack.data.chat_template import ChatTemplate, RenderedChat
-from thdpack.data.manifest import StoreBusyError, StoreError
-from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, chat_messages, detect_kind, record_segments
-from thdpack.data.sources import (
-    SOURCE_FORMATS,
-    Source,
-    SourceConfig,
-    SourceFormat,
-    SourceReport,
-    detect_format,
-)
-from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
-from thdpack.data.tokenize import (
+from thdpack.data.encode import (
     SAMPLE_FORMATS,
     SampleEncoder,
     SampleFormat,
@@ -36,7 +25,18 @@ from thdpack.data.tokenize import (
     record_batches,
     tokenize_records,
 )
-from thdpack.data.verify import StoreVerification, verify_store
+from thdpack.data.manifest import StoreBusyError, StoreError
+from thdpack.data.records import RECORD_KINDS, RecordKind, Segment, chat_messages, detect_kind, record_segments
+from thdpack.data.sources import (
+    SOURCE_FORMATS,
+    Source,
+    SourceConfig,
+    SourceFormat,
+    SourceReport,
+    detect_format,
+)
+from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
+from thdpack.data.store_verify import StoreVerification, verify_store
 
 __all__ = [
     "BAD_RECORD_REASONS",

@@ -19,7 +19,7 @@ the previous message, so the assistant header is a target too. An assistant turn
 conversation has no prefix to render (``apply_chat_template`` refuses an empty conversation):
 it is context, not a target.
 
-``thdpack.data.tokenize`` tokenizes the whole rendered text once and marks as targets the
+``thdpack.data.encode`` tokenizes the whole rendered text once and marks as targets the
 tokens whose character offsets overlap a span.
 """
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from thdpack.data.tokenize import SAMPLE_FORMATS
+from thdpack.data.encode import SAMPLE_FORMATS
 
 STORE_FORMAT = "thdpack-token-store"
 STORE_VERSION = 2

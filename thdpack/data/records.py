@@ -2,7 +2,7 @@
 
 A record is one mapping from a ``Source``. Its kind (``RecordKind``) decides its segments: runs
 of text that are either prompt (masked out of the loss) or target, and where the EOS token goes.
-``thdpack.data.tokenize`` encodes the segments and turns the marks into labels.
+``thdpack.data.encode`` encodes the segments and turns the marks into labels.
 
 - ``text`` (pretraining): ``{"text": str}`` (the key is configurable). One target segment, then EOS.
 - ``alpaca`` (SFT): ``{"instruction": str, "input": str (optional), "output": str}``. The prompt

@@ -3,7 +3,7 @@
 A ``Source`` is a re-iterable stream of records (plain ``dict``s) from one path, read with
 bounded memory. Records keep the shape they have on disk: ``{"text": ...}`` for documents,
 Alpaca's ``{"instruction", "input", "output"}``, chat ``{"messages": [...]}``;
-``thdpack.data.tokenize`` turns them into token ids.
+``thdpack.data.encode`` turns them into token ids.
 
 Formats (``SourceFormat``; ``"auto"`` tells them apart by the path):
 

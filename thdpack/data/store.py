@@ -17,16 +17,16 @@ A store folder holds:
 One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.data._lock``) until
 the manifest is written, so two writers can never mix their files. A damaged store is a
 ``StoreError`` naming the file: ``TokenStore`` checks sizes and the offsets' order when it opens
-(cheap), ``verify_store`` (``thdpack.data.verify``) reads every byte against the checksums.
+(cheap), ``verify_store`` (``thdpack.data.store_verify``) reads every byte against the checksums.
 
 ``TokenStore(path)`` is a read-only ``Sequence`` of samples in the manifest's sample format
-(``thdpack.data.tokenize``): ``store[i] -> {"input_ids", "labels"}`` or ``{"input_ids",
+(``thdpack.data.encode``): ``store[i] -> {"input_ids", "labels"}`` or ``{"input_ids",
 "loss_mask"}``, int64 numpy arrays. ``store.lengths`` comes from the offsets alone. Files are
 memory-mapped on first access, so a store pickles cheaply into DataLoader workers, each of which
 maps the files itself; memory per access is the sample's size, whatever the store's.
 
 >>> import tempfile
->>> from thdpack.data.tokenize import SampleEncoder
+>>> from thdpack.data.encode import SampleEncoder
 >>> encoder = SampleEncoder("gpt2")
 >>> folder = tempfile.mkdtemp()
 >>> with TokenStoreWriter(folder, tokenizer=encoder.tokenizer) as writer:
@@ -50,6 +50,7 @@ import numpy as np
 from thdpack import __version__
 from thdpack._checksum import CHUNK_BYTES, HashingWriter
 from thdpack.data._lock import FolderLock
+from thdpack.data.encode import SAMPLE_FORMATS, SampleFormat, TextTokenizer, TokenizedSample
 from thdpack.data.manifest import (
     LOSS_MASK_FILE,
     MANIFEST_FILE,
@@ -62,8 +63,7 @@ from thdpack.data.manifest import (
     read_manifest,
     write_manifest,
 )
-from thdpack.data.tokenize import SAMPLE_FORMATS, SampleFormat, TextTokenizer, TokenizedSample
-from thdpack.data.verify import check_offsets_ends, check_sizes, sample_sizes
+from thdpack.data.store_verify import check_offsets_ends, check_sizes, sample_sizes
 
 __all__ = [
     "LOSS_MASK_FILE",

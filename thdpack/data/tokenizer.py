@@ -1,6 +1,6 @@
 """Tokenizers: the shipped GPT-2 BPE, a ``tokenizer.json``, a Hugging Face tokenizer folder, or a
 tokenizer object, wrapped with what a token store records (name, sha256, vocabulary size, EOS,
-the tokenizer's own chat template). ``thdpack.data.tokenize`` turns records into samples with it.
+the tokenizer's own chat template). ``thdpack.data.encode`` turns records into samples with it.
 
 >>> load_tokenizer("gpt2").encode_batch(["Hello world"])
 [[15496, 995]]

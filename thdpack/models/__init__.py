@@ -1,7 +1,7 @@
 """thdpack's reference decoder over THD batches, and the Hugging Face adapter.
 
 ``Transformer(ModelConfig(...))`` runs packed, CP-sharded THD batches exactly (the same logits
-and gradients as each sequence alone); ``thdpack.models.hf`` feeds THD batches to Hugging Face
+and gradients as each sequence alone); ``thdpack.models.hf_attention`` feeds THD batches to Hugging Face
 models and registers thdpack's attention with them.
 """
 

@@ -44,7 +44,7 @@ from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sampl
 from thdpack.packing.state import check_saved_settings, settings_fingerprint
 from thdpack.plan import OVERFLOWS, Overflow, PackingStats
 from thdpack.plan.overflow import OVERFLOW_COUNTS, apply_overflow
-from thdpack.plan.stats import build_stats
+from thdpack.plan.packing_stats import build_stats
 
 _END = object()  # end-of-stream marker (a source may yield anything, even None, and be told so)
 
@@ -89,7 +89,7 @@ class _Entry:
     """Length rounded up to a multiple of 2*cp_size."""
 
 
-# Running totals behind ``stats``: the arguments of ``thdpack.plan.stats.build_stats`` that add up
+# Running totals behind ``stats``: the arguments of ``thdpack.plan.packing_stats.build_stats`` that add up
 # pack by pack (plain ints, so they checkpoint as they are), plus the overflow counts.
 _TOTALS = ("num_packs", "num_sequences", "num_entries", "real_tokens", "max_sequences_per_pack", *OVERFLOW_COUNTS)
 

@@ -12,8 +12,8 @@ from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram, plan_size_classes
 from thdpack.plan.overflow import OVERFLOWS, Overflow
+from thdpack.plan.packing_stats import PackingStats
 from thdpack.plan.packplan import PackPlan
-from thdpack.plan.stats import PackingStats
 
 __all__ = [
     "ALGORITHMS",

@@ -21,9 +21,9 @@ from thdpack.plan.assignment import materialize
 from thdpack.plan.histogram import plan_size_classes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Entries, Overflow, apply_overflow
+from thdpack.plan.packing_stats import PackingStats, build_stats
 from thdpack.plan.packplan import PackPlan
 from thdpack.plan.slots import check_pack_size, cp_multiple
-from thdpack.plan.stats import PackingStats, build_stats
 
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")

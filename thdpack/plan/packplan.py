@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from thdpack.plan.stats import PackingStats
+from thdpack.plan.packing_stats import PackingStats
 
 FORMAT = "thdpack.PackPlan/1"
 

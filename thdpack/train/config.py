@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from thdpack.attention import AttentionConfig
 from thdpack.data.bad_records import ON_BAD_RECORD
+from thdpack.data.encode import CHAT_TEMPLATE_CHOICES
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
-from thdpack.data.tokenize import CHAT_TEMPLATE_CHOICES
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models import ModelConfig
-from thdpack.models.hf_model import HFModelConfig
+from thdpack.models.hf_causal_lm import HFModelConfig
 from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.train.precision import PRECISIONS, precision_from_config
 from thdpack.train.schema import build, hydra_node
@@ -199,7 +199,7 @@ ModelNode = hydra_node(
 )
 """The ``model`` group: ``thdpack.models.ModelConfig``'s fields for thdpack's decoder
 (``kind: thdpack``, the presets tiny / small / 114m), or with ``kind: hf`` a Hugging Face causal
-LM (``configs/model/hf.yaml``: ``thdpack.models.hf_model.HFModelConfig``): ``path``, a local
+LM (``configs/model/hf.yaml``: ``thdpack.models.hf_causal_lm.HFModelConfig``): ``path``, a local
 folder, or ``arch`` with the size fields for a random initialisation."""
 AttentionNode = hydra_node(AttentionConfig)
 

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
 from thdpack.models import ModelConfig, Transformer
-from thdpack.models.hf_model import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
+from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.packing.steps import Step
@@ -36,12 +36,12 @@ from thdpack.thd import THDBatch, thd_pin_memory, thd_to_device
 from thdpack.train.activation_checkpointing import checkpoint_layers
 from thdpack.train.checkpoint import HF_FOLDER, copy_folder_atomic, load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
-from thdpack.train.data import open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
 from thdpack.train.precision import Precision
 from thdpack.train.prefetch import StepPrefetcher
 from thdpack.train.runtime import Runtime, init_runtime, shutdown
 from thdpack.train.step import clip_grad_norm, collate_micro_batches, forward_backward, prepare_micro_batches
+from thdpack.train.store_cache import open_token_store, pad_id_of, real_lengths_summary
 
 log = logging.getLogger(__name__)
 

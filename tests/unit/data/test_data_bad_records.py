@@ -7,9 +7,9 @@ import json
 import pytest
 
 from thdpack.data.bad_records import BadRecord, BadRecords, RecordOrigin
+from thdpack.data.encode import SampleEncoder, TokenizeConfig
 from thdpack.data.records import chat_messages
 from thdpack.data.sources import Source
-from thdpack.data.tokenize import SampleEncoder, TokenizeConfig
 
 pytest.importorskip("tokenizers", reason="the encoder tokenizes (pip install 'thdpack[hf]')")
 

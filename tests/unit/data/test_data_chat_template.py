@@ -14,8 +14,8 @@ import pytest
 
 from thdpack.data.bad_records import BadRecord
 from thdpack.data.chat_template import ChatTemplate
+from thdpack.data.encode import ASSETS, SampleEncoder, TokenizeConfig, load_tokenizer
 from thdpack.data.records import record_segments
-from thdpack.data.tokenize import ASSETS, SampleEncoder, TokenizeConfig, load_tokenizer
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
 transformers = pytest.importorskip("transformers", reason="chat templates render with transformers ('thdpack[hf]')")

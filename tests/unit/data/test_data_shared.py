@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
+from thdpack.data.encode import SampleEncoder, load_tokenizer
 from thdpack.data.sources import Source, stdlib_root
-from thdpack.data.tokenize import SampleEncoder, load_tokenizer
 
 pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
 

@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thdpack.data import store as store_module
+from thdpack.data.encode import TokenizedSample, load_tokenizer
 from thdpack.data.store import StoreError, TokenStore, TokenStoreWriter, read_manifest, token_dtype
-from thdpack.data.tokenize import TokenizedSample, load_tokenizer
 
 pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
 
@@ -154,7 +154,7 @@ def test_reader_errors(tmp_path, gpt2):
 
 
 def test_packed_dataset_over_a_store_trains_the_same_targets_in_both_sample_formats(tmp_path, gpt2):
-    from thdpack.data.tokenize import SampleEncoder
+    from thdpack.data.encode import SampleEncoder
     from thdpack.packing.dataset import PackedDataset
 
     records = [{"instruction": f"Count to {i}.", "output": " ".join(map(str, range(i)))} for i in range(1, 9)]

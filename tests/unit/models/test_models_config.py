@@ -12,7 +12,7 @@ from thdpack.models import MODEL_PRESETS, ModelConfig, Transformer
 
 ALL_MODEL_YAMLS = sorted((Path(__file__).resolve().parents[3] / "configs" / "model").glob("*.yaml"))
 MODEL_YAMLS = [path for path in ALL_MODEL_YAMLS if path.stem != "hf"]
-"""thdpack's decoder presets (hf.yaml is the Hugging Face group: tests/unit/models/test_models_hf_model.py)."""
+"""thdpack's decoder presets (hf.yaml is the Hugging Face group: tests/unit/models/test_models_hf_causal_lm.py)."""
 
 
 def test_defaults_are_the_cpu_training_model():

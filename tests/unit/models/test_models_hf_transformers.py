@@ -24,7 +24,7 @@ from _hf_cases import (  # noqa: E402
 )
 
 from thdpack.cp import shard  # noqa: E402
-from thdpack.models.hf import hf_packed_kwargs, register_hf_attention  # noqa: E402
+from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention  # noqa: E402
 
 TOL = 1e-10
 IMPLEMENTATIONS = ["eager", "sdpa", "thdpack"]

@@ -8,8 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from thdpack.data.records import detect_kind, record_segments
-from thdpack.data.tokenize import (
+from thdpack.data.encode import (
     ASSETS,
     SampleEncoder,
     TokenizeConfig,
@@ -17,6 +16,7 @@ from thdpack.data.tokenize import (
     load_tokenizer,
     tokenize_records,
 )
+from thdpack.data.records import detect_kind, record_segments
 
 tokenizers = pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
 

@@ -15,9 +15,9 @@ import pytest
 from thdpack._optional import has_module
 from thdpack.data import verify_store
 from thdpack.data._lock import FolderLock
-from thdpack.data.prepare import add_prepare_arguments, run_prepare
+from thdpack.data.encode import load_tokenizer
+from thdpack.data.prepare_command import add_prepare_arguments, run_prepare
 from thdpack.data.store import TokenStore
-from thdpack.data.tokenize import load_tokenizer
 from thdpack.plan import PackPlan
 
 REPO = Path(__file__).resolve().parents[3]

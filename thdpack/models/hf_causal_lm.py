@@ -10,7 +10,7 @@ attention implementations.
 
 What CP (and thdpack's attention) requires of the model: no attention-logit softcapping, no
 sliding window shorter than a sequence of the batch, only full / sliding attention layers
-(``thdpack.models.hf.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
+(``thdpack.models.hf_attention.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
 Mistral (window longer than the packs) and Gemma (1) qualify; Gemma 2 / 3 (softcapping,
 short windows) and Llama 4 (chunked layers) do not.
 
@@ -33,7 +33,7 @@ from torch import nn
 from thdpack._optional import require
 from thdpack.attention import AttentionConfig
 from thdpack.models.config import ModelConfig
-from thdpack.models.hf import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
+from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
 
 ATTENTION_NAME = "thdpack"
 """``attn_implementation`` of the models built here."""

@@ -6,10 +6,10 @@ import re
 
 import numpy as np
 import pytest
-from test_data_verify import make_store, overwrite, save_offsets, set_at
+from test_data_store_verify import make_store, overwrite, save_offsets, set_at
 
 from thdpack.cli import main
-from thdpack.data.tokenize import load_tokenizer
+from thdpack.data.encode import load_tokenizer
 
 pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
 

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 
 from thdpack import __version__
+from thdpack.data.encode import TokenizeConfig
 from thdpack.data.manifest import StoreError
-from thdpack.data.prepare import write_token_store
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
-from thdpack.data.tokenize import TokenizeConfig
-from thdpack.data.verify import verify_store
+from thdpack.data.store_verify import verify_store
+from thdpack.data.write_store import write_token_store
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,13 @@ import torch
 from thdpack._optional import has_module
 from thdpack.attention import thd_attention
 from thdpack.cp import shard
-from thdpack.models.hf import CP_GROUP_KWARG, THD_KWARG, hf_attention_forward, hf_packed_kwargs, register_hf_attention
+from thdpack.models.hf_attention import (
+    CP_GROUP_KWARG,
+    THD_KWARG,
+    hf_attention_forward,
+    hf_packed_kwargs,
+    register_hf_attention,
+)
 from thdpack.thd import to_thd
 
 
@@ -64,7 +70,7 @@ class _Model(torch.nn.Module):
 
 
 def test_a_cp_shard_carries_the_group_and_no_flash_kwargs(monkeypatch):
-    import thdpack.models.hf as hf
+    import thdpack.models.hf_attention as hf
 
     monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
     group = object()  # stands in for a ProcessGroup: the kwargs only carry it
@@ -206,7 +212,7 @@ def test_registration_with_transformers():
     ],
 )
 def test_attention_that_cannot_be_exact_is_refused(monkeypatch, implementation, sharded, message):
-    import thdpack.models.hf as hf
+    import thdpack.models.hf_attention as hf
 
     monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
     thd = shard(_thd(cp_multiple=4), 2, 0) if sharded else _thd()

@@ -19,8 +19,8 @@ import pytest
 from thdpack._checksum import file_digest
 from thdpack.data import StoreBusyError, StoreError, StoreVerification, verify_store
 from thdpack.data._lock import FolderLock
+from thdpack.data.encode import TokenizedSample, load_tokenizer
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
-from thdpack.data.tokenize import TokenizedSample, load_tokenizer
 
 pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
 
@@ -243,7 +243,7 @@ def make_legacy(store: Path) -> None:
 def test_a_store_without_checksums_is_checked_for_structure_and_ids_with_a_warning(store, caplog):
     make_legacy(store)
     assert TokenStore(store)[0]["input_ids"].shape == (2,)  # v1 stores still open
-    with caplog.at_level(logging.WARNING, logger="thdpack.data.verify"):
+    with caplog.at_level(logging.WARNING, logger="thdpack.data.store_verify"):
         result = verify_store(store)
     assert not result.checksums and "(no checksums: v1)" in str(result)
     assert (

@@ -1,4 +1,4 @@
-"""``thdpack.models.hf_model``: Hugging Face causal LMs behind thdpack's model interface."""
+"""``thdpack.models.hf_causal_lm``: Hugging Face causal LMs behind thdpack's model interface."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (thdpack[dev])")
 
 from thdpack.attention import AttentionConfig  # noqa: E402
-from thdpack.models.hf_model import (  # noqa: E402
+from thdpack.models.hf_causal_lm import (  # noqa: E402
     ARCHITECTURES,
     ATTENTION_NAME,
     HFModelConfig,

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack._optional import has_module
-from thdpack.data.verify import verify_store
+from thdpack.data.store_verify import verify_store
 from thdpack.plan import ALGORITHMS, OVERFLOWS, PackingStats, plan_packs
 
 EXAMPLE = "python311_stdlib.gpt2.lengths.npy"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.plan import plan_packs
-from thdpack.plan.stats import weighted_percentiles
+from thdpack.plan.packing_stats import weighted_percentiles
 
 
 def test_table_names_every_number():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from thdpack.train.config import DataConfig
-from thdpack.train.data import open_token_store, store_fingerprint
+from thdpack.train.store_cache import open_token_store, store_fingerprint
 
 pytest.importorskip("tokenizers", reason="the trainer tokenizes (pip install 'thdpack[hf]')")
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
