@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from thdpack._settings import check_int
 from thdpack.cp import shard
 from thdpack.format_rules import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
@@ -76,9 +77,7 @@ class StepSpread:
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "cp_size", "micro_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if self.reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"unknown reduction {self.reduction!r}; valid: {', '.join(map(repr, LOSS_REDUCTIONS))}")
         if self.fault not in FAULTS:
