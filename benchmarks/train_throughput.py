@@ -29,7 +29,7 @@ batches, so only the layout differs:
 - (b) ``grouped``: length-grouped dynamic padding, the best layout without packing: the step's
   documents sorted by length, cut into micro-batches of at most ``micro_tokens`` padded slots
   (grouping across steps would change the tokens of a step).
-- (c) ``packed``: thdpack: the plan's packs (``plan_packs``, bfd), ``build_pack``, ``thd_collate``;
+- (c) ``packed``: thdpack: the plan's packs (``plan_packs``, bfd), ``pack_from_segments``, ``thd_collate``;
   ``micro_tokens / L`` packs per micro-batch; attention by the fastest available backend (``auto``,
   logged).
 - (d) ``concat``: naive concatenation without boundaries: the documents back to back, cut into

@@ -34,7 +34,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from thdpack.plan.api import as_lengths, plan_with
+from thdpack.plan.api import plan_with
 from thdpack.plan.config import PlanConfig
 from thdpack.plan.packplan import PackPlan
 
@@ -85,7 +85,8 @@ class Epoch:
 
 
 class Epochs:
-    """Every epoch's plan and pack order over ``lengths``, each planned once.
+    """Every epoch's plan and pack order over ``lengths`` (checked: ``thdpack.plan.as_lengths``),
+    each planned once.
 
     The two most recent epochs are kept, so a consumer whose step straddles an epoch boundary
     reads both without re-planning either. ``first_plan``: epoch 0's plan made beforehand (a
@@ -101,7 +102,7 @@ class Epochs:
         shuffle: bool,
         first_plan: PackPlan | None = None,
     ) -> None:
-        self.lengths = as_lengths(lengths)
+        self.lengths = lengths
         self.config, self.cp_size, self.shuffle = config, cp_size, shuffle
         self._epochs: dict[int, Epoch] = {}
         self.plans_made = 0
