@@ -23,7 +23,7 @@ from typing import Any
 
 from thdpack._settings import check_int
 from thdpack.packing.steps import Step, StepStream
-from thdpack.thd import THDBatch
+from thdpack.thd.format import THDBatch
 
 _POLL_SECONDS = 0.1
 

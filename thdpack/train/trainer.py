@@ -27,12 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from thdpack.data.prepared_plan import read_prepared_plan
 from thdpack.data.store import TokenStore
-from thdpack.models import ModelConfig, Transformer
+from thdpack.models.config import ModelConfig
 from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_model
+from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.packing.steps import Step, StepStream
-from thdpack.thd import THDBatch, thd_pin_memory, thd_to_device
+from thdpack.thd.batch import thd_pin_memory, thd_to_device
+from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
 from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig

@@ -32,14 +32,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from thdpack._settings import check_int
-from thdpack.cp import shard
+from thdpack.cp.partition import shard
 from thdpack.format_rules import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dealing import round_robin
 from thdpack.packing.packer import build_pack, pack_from_segments
-from thdpack.plan import plan_packs
-from thdpack.thd import THDBatch, thd_collate
+from thdpack.plan.api import plan_packs
+from thdpack.thd.batch import thd_collate
+from thdpack.thd.format import THDBatch
 from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
