@@ -11,8 +11,9 @@ A store folder holds:
 - ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256, vocab size,
   EOS), dtype, counts, the sample format, the source, each data file's size and sha256 (hashed
   while it was written), the range of token ids, and whatever the writer's caller adds (the
-  ``prepare`` command adds its arguments and the packing plan's stats). Written last: a folder
-  without it is an unfinished store. Fields and checks: ``thdpack.data.manifest``.
+  ``prepare`` command adds its arguments and the packing plan's settings, checksum and stats:
+  ``thdpack.data.prepared_plan``). Written last (``thdpack._publish``): a folder without it is
+  an unfinished store. Fields and checks: ``thdpack.data.manifest``.
 
 One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.data._lock``) until
 the manifest is written, so two writers can never mix their files. A damaged store is a
