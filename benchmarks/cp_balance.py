@@ -45,8 +45,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from thdpack.format_rules import round_up_to_cp
 from thdpack.plan import plan_packs
-from thdpack.plan.slots import round_up_to_cp
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"

@@ -29,7 +29,7 @@ batches, so only the layout differs:
 - (b) ``grouped``: length-grouped dynamic padding, the best layout without packing: the step's
   documents sorted by length, cut into micro-batches of at most ``micro_tokens`` padded slots
   (grouping across steps would change the tokens of a step).
-- (c) ``packed``: thdpack: the plan's packs (``plan_packs``, bfd), ``build_pack``, ``thd_collate``;
+- (c) ``packed``: thdpack: the plan's packs (``plan_packs``, bfd), ``pack_from_segments``, ``thd_collate``;
   ``micro_tokens / L`` packs per micro-batch; attention by the fastest available backend (``auto``,
   logged).
 - (d) ``concat``: naive concatenation without boundaries: the documents back to back, cut into
@@ -85,10 +85,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from thdpack.format_rules import IGNORE_INDEX  # noqa: E402
 from thdpack.loss import StepLoss  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
-from thdpack.packing import IGNORE_INDEX, build_pack  # noqa: E402
 from thdpack.packing.layout import position_ids  # noqa: E402
+from thdpack.packing.packer import pack_from_segments  # noqa: E402
 from thdpack.plan import plan_packs  # noqa: E402
 from thdpack.plan.overflow import apply_overflow  # noqa: E402
 from thdpack.thd import thd_collate, thd_to_device  # noqa: E402
@@ -362,7 +363,7 @@ def micro_batches(
         {"input_ids": ids_R[s : s + n], "labels": labels_R[s : s + n]} for s, n in zip(starts_S, lengths_S, strict=True)
     ]
     segments = [(members, np.zeros(len(members), dtype=np.int64), lengths_S[members]) for members in step.packs]
-    packs = [build_pack(samples, segment, pack_size) for segment in segments]
+    packs = [pack_from_segments(samples, segment, pack_size) for segment in segments]
     per_micro = cfg.micro_tokens // pack_size
     return [thd_collate(packs[i : i + per_micro]) for i in range(0, len(packs), per_micro)]
 

@@ -3,8 +3,8 @@ built here (no download), float64 kept float64 inside transformers, one packed t
 (a whole row, or one CP rank's shard of it) and the unpacked per-sequence reference.
 
 Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path). Needs transformers: import it after
-``pytest.importorskip("transformers")``.
+from spawned ranks (spawn copies the parent's sys.path). Needs transformers (``thdpack[dev]``
+installs it).
 
 Why ``keep_float64``: transformers computes some steps in float32 whatever the model's dtype:
 RMSNorm (``hidden_states.to(torch.float32)``, Gemma's ``x.float()``), RoPE (``inv_freq`` and
@@ -35,10 +35,10 @@ import transformers
 from torch.overrides import TorchFunctionMode
 
 from thdpack.cp import shard
+from thdpack.format_rules import cp_multiple
 from thdpack.loss import count_loss_tokens
 from thdpack.models.hf_attention import hf_packed_kwargs
-from thdpack.packing import build_pack
-from thdpack.packing.layout import cp_multiple
+from thdpack.packing import pack_from_segments
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
 
@@ -82,7 +82,7 @@ def packed_row(row_samples: Sequence[Mapping[str, Any]], cp_size: int = 1) -> TH
     lengths = [len(s["input_ids"]) for s in row_samples]
     pack_size = sum(-(-n // m) * m for n in lengths) + 2 * m
     n = len(lengths)
-    return thd_collate([build_pack(row_samples, (range(n), [0] * n, lengths), pack_size, cp_size=cp_size)])
+    return thd_collate([pack_from_segments(row_samples, (range(n), [0] * n, lengths), pack_size, cp_size=cp_size)])
 
 
 @dataclass

@@ -11,10 +11,11 @@ from collections import Counter
 import numpy as np
 import torch
 
-from thdpack.packing import layout
+from thdpack.format_rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
+from thdpack.packing.layout import position_ids
 from thdpack.thd.tokens import real_rows
 
-N = layout.IGNORE_INDEX
+N = IGNORE_INDEX
 
 
 def unique_samples(lengths, rng: np.random.Generator, *, labels: bool, loss_mask: bool) -> list[dict]:
@@ -49,10 +50,10 @@ def check_pack(pack, samples, pack_size: int, cp_size: int, pad_id: int) -> Coun
     assert pack["seq_lens"].dtype == torch.int64 and pack["seq_lens_padded"].dtype == torch.int64
     assert len(seq_lens) == len(padded) >= 1 and (seq_lens >= 1).all() and (padded >= seq_lens).all()
     assert padded.sum() == pack_size
-    multiple = layout.cp_multiple(cp_size)
+    multiple = cp_multiple(cp_size)
     assert (padded % multiple == 0).all()
-    assert (padded[:-1] == layout.round_up_to_cp(seq_lens[:-1], cp_size)).all()  # tail padding only at the end
-    assert pack["position_ids"].tolist() == layout.position_ids(padded).tolist()  # restart per sequence
+    assert (padded[:-1] == round_up_to_cp(seq_lens[:-1], cp_size)).all()  # tail padding only at the end
+    assert pack["position_ids"].tolist() == position_ids(padded).tolist()  # restart per sequence
     pad = ~real_rows(padded, seq_lens)
     assert (pack["input_ids"].numpy()[pad] == pad_id).all() and (pack["labels"].numpy()[pad] == N).all()
     starts = np.cumsum(np.concatenate(([0], samples_lengths(samples))))

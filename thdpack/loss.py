@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.format_rules import IGNORE_INDEX
 from thdpack.thd.meta import cu_lengths
 from thdpack.thd.tokens import TokenPlacement
 

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-
-pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (thdpack[dev])")
-
 from _hf_cases import (
     ARCHITECTURES,
     differences,

@@ -20,14 +20,14 @@ def _samples() -> list[dict[str, np.ndarray]]:
 
 
 def _config(cp_size: int, reduction: str, sharding: str):
-    from thdpack.train.config import AttentionNode, Config, ModelNode, PackingConfig, ParallelConfig, TrainConfig
+    from thdpack.train.config import AttentionNode, Config, ModelNode, PackingNode, ParallelConfig, TrainConfig
 
     return Config(
         model=ModelNode(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=32),
         attention=AttentionNode(backend="math"),
-        packing=PackingConfig(pack_size=64, overflow="split"),
+        packing=PackingNode(pack_size=64, overflow="split"),
         parallel=ParallelConfig(cp_size=cp_size, dp_sharding=sharding),
-        train=TrainConfig(dtype="float64", micro_batches=2, loss_reduction=reduction),
+        train=TrainConfig(precision="fp64", micro_batches=2, loss_reduction=reduction),
     )
 
 

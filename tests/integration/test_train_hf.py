@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from test_train import losses, torchrun
 from test_train_checkpoints import config
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from thdpack.train.trainer import run
-
-transformers = pytest.importorskip("transformers", reason="model=hf needs transformers (thdpack[dev])")
 
 pytestmark = pytest.mark.distributed
 HF = ["model=hf", "train.checkpoint_every=2"]
@@ -67,7 +66,7 @@ def test_the_hf_folder_holds_the_checkpoint_weights_and_loads_with_the_same_logi
     assert set(trained) - set(saved) <= {"lm_head.weight"}  # tied to the embedding
 
     from thdpack.models.hf_causal_lm import HFModelConfig, build_hf_model
-    from thdpack.packing import build_pack
+    from thdpack.packing import pack_from_segments
     from thdpack.thd import thd_collate
 
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -76,7 +75,7 @@ def test_the_hf_folder_holds_the_checkpoint_weights_and_loads_with_the_same_logi
     torch.manual_seed(0)
     lengths = [7, 3, 12]
     samples = [{"input_ids": torch.randint(3, 1000, (n,)).tolist()} for n in lengths]
-    thd = thd_collate([build_pack(samples, (range(3), [0, 0, 0], lengths), 24)])
+    thd = thd_collate([pack_from_segments(samples, (range(3), [0, 0, 0], lengths), 24)])
     with torch.no_grad():
         logits = packed(thd)
         start = 0

@@ -24,7 +24,8 @@ import pytest
 from test_train import losses, torchrun
 from test_train_checkpoints import config, truncate
 
-from thdpack.data import StoreError, verify_store
+from thdpack.data import StoreError, TokenStore, verify_store
+from thdpack.data.prepared_plan import write_prepared_plan
 from thdpack.train.store_cache import cache_path
 from thdpack.train.trainer import run
 
@@ -147,3 +148,15 @@ def test_token_ids_are_checked_against_the_models_vocabulary(user_store, tmp_pat
     )
     with pytest.raises(ValueError, match=re.escape(message)):
         train(tmp_path / "out", tmp_path / "unused", f"data.store={user_store}", "model.vocab_size=1000")
+
+
+def test_a_prepared_plan_trains_epoch_0_when_the_settings_match(intact, user_store, tmp_path, capsys):
+    """The plan `thdpack prepare` records is the trainer's own epoch 0: same losses, no re-planning;
+    a run with another setting says which one and plans itself."""
+    cfg = config(tmp_path / "unused_out", tmp_path / "unused", *RUN, f"data.store={user_store}")
+    write_prepared_plan(user_store, TokenStore(user_store).lengths, cfg.packing_config.plan, cp_size=1)
+    assert train(tmp_path / "out", tmp_path / "unused", f"data.store={user_store}") == intact[1]
+    assert f"epoch 0 trains on {user_store / 'plan.npz'}" in capsys.readouterr().out
+    train(tmp_path / "other", tmp_path / "unused", f"data.store={user_store}", "packing.seed=1")
+    note = f"{user_store / 'plan.npz'} was planned with other settings (seed: store 0, run 1): the run plans epoch 0"
+    assert note in capsys.readouterr().out

@@ -80,21 +80,51 @@ for name in {_modules()!r}:
 
 
 def _imports(path: Path, module: str) -> set[str]:
-    """Every thdpack module ``module`` imports, at any depth of its code (lazy imports included)."""
+    """Every thdpack module ``module`` imports, at any depth of its code (lazy imports included,
+    and ``importlib.import_module("thdpack....")`` with a literal name)."""
     tree = ast.parse(path.read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:  # relative import
-                base = module.rsplit(".", node.level)[0]
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
+            target = _from_target(node, module, path)
             found.add(target)
             found.update(f"{target}.{alias.name}" for alias in node.names)
+        elif _is_import_module_call(node):
+            found.add(node.args[0].value)  # type: ignore[attr-defined]
     return {name for name in found if name.startswith("thdpack")}
+
+
+def _from_target(node: ast.ImportFrom, module: str, path: Path) -> str:
+    if not node.level:  # absolute
+        return node.module or ""
+    base = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for _ in range(node.level - 1):
+        base = base.rsplit(".", 1)[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
+def _is_import_module_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "import_module"
+        and len(node.args) == 1
+        and isinstance(node.args[0], ast.Constant)
+        and isinstance(node.args[0].value, str)
+    )
+
+
+def _path(module: str) -> Path:
+    path = PACKAGE_DIR.parent.joinpath(*module.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _resolve(name: str, modules: set[str]) -> str | None:
+    while name not in modules and "." in name:
+        name = name.rsplit(".", 1)[0]  # `from thdpack.plan import plan_packs` -> thdpack.plan
+    return name if name in modules else None
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -102,17 +132,71 @@ def import_graph() -> dict[str, set[str]]:
     modules = set(_modules())
     graph = {}
     for name in modules:
-        parts = name.split(".")
-        path = PACKAGE_DIR.parent.joinpath(*parts)
-        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-        targets = set()
-        for target in _imports(path, name):
-            while target not in modules and "." in target:
-                target = target.rsplit(".", 1)[0]  # `from thdpack.plan import plan_packs` -> thdpack.plan
-            if target in modules and target != name:
-                targets.add(target)
-        graph[name] = targets
+        targets = {_resolve(target, modules) for target in _imports(_path(name), name)}
+        graph[name] = {t for t in targets if t is not None and t != name}
     return graph
+
+
+def _ancestors(module: str) -> list[str]:
+    parts = module.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def module_graph() -> dict[str, set[str]]:
+    """module -> the modules whose code runs when it is imported, package ``__init__`` files counted:
+
+    - ``import a.b.c`` / ``from a.b.c import x`` runs ``a.b.c`` and every package above it that is
+      not also above the importing module (those are already being imported);
+    - ``from P import name`` with ``P`` a package also runs (and reads) ``P``'s ``__init__``: it
+      imports the package's face, even from inside ``P``, where the library imports modules.
+    """
+    modules = set(_modules())
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        path = _path(name)
+        found: list[str | None] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found += [_resolve(a.name, modules) for a in node.names if a.name.startswith("thdpack")]
+            elif isinstance(node, ast.ImportFrom) and (source := _from_target(node, name, path)).startswith("thdpack"):
+                package = _resolve(source, modules)
+                found += [package, *(f"{package}.{a.name}" for a in node.names if f"{package}.{a.name}" in modules)]
+            elif _is_import_module_call(node):
+                found.append(_resolve(node.args[0].value, modules))  # type: ignore[attr-defined]
+        own = set(_ancestors(name))
+        targets = {module for module in found if module is not None}
+        targets |= {a for module in targets for a in _ancestors(module) if a not in own}  # their packages run too
+        graph[name] = targets - {name}
+    return graph
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph``: its strongly connected components of two or more modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(node: str) -> None:  # Tarjan
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
 
 
 def _stage(module: str) -> str:
@@ -154,6 +238,26 @@ def test_no_import_cycle_between_stages():
     assert find_cycle(import_graph()) is None
 
 
+def test_no_import_cycle_between_modules_package_inits_included():
+    """No module's import runs code that imports it back, counting each package ``__init__`` as
+    the module it is (a face import inside the package is an import of its ``__init__``)."""
+    cycles = module_cycles(module_graph())
+    assert cycles == [], "\n".join(f"{len(c)} modules: {' -> '.join(c)}" for c in cycles)
+
+
+def test_the_module_cycle_check_can_fail():
+    """A face import inside a package is a cycle through its ``__init__``; a module import is not."""
+    face = "from thdpack.packing import layout"
+    graph = {
+        "thdpack.packing": {"thdpack.packing.dataset"},
+        "thdpack.packing.dataset": {"thdpack.packing"},  # what `face` makes of it
+        "thdpack.packing.layout": set(),
+    }
+    assert module_cycles(graph) == [["thdpack.packing", "thdpack.packing.dataset"]], face
+    graph["thdpack.packing.dataset"] = {"thdpack.packing.layout"}
+    assert module_cycles(graph) == []
+
+
 def test_the_cycle_check_can_fail():
     graph = {"thdpack.cp.a": {"thdpack.attention.b"}, "thdpack.attention.b": {"thdpack.cp.partition"}}
     assert find_cycle(graph) == ["thdpack.attention", "thdpack.cp", "thdpack.attention"] or find_cycle(graph) == [
@@ -163,15 +267,32 @@ def test_the_cycle_check_can_fail():
     ]
 
 
-def test_old_module_paths_still_import():
+def test_no_import_hook_and_modules_reload():
+    """thdpack installs no finder: a path that is not a module does not import, and a real module
+    keeps its own spec (``importlib.reload`` re-executes it)."""
     out = _run(
-        "import thdpack.packer, thdpack.thd_format, thdpack.masks, thdpack.report, thdpack.layout; "
-        "from thdpack.packed_dataset import PackedDataset; from thdpack.streaming import StreamingPacker; "
-        "from thdpack.packer import assemble_pack; import thdpack; print(thdpack.layout.IGNORE_INDEX, "
-        "thdpack.read_sample.__module__)"
+        "import importlib, sys, thdpack, thdpack.packing.packer as packer\n"
+        "assert not any(type(f).__module__.startswith('thdpack') for f in sys.meta_path)\n"
+        "assert packer.__spec__.name == 'thdpack.packing.packer'\n"
+        "packer.mark = 1; importlib.reload(packer); assert packer.mark == 1 and packer.build_pack\n"
+        "try:\n    import thdpack.packer\nexcept ModuleNotFoundError:\n    print('gone')\n"
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["-100", "thdpack.packing.packer"]
+    assert out.stdout.split() == ["gone"]
+
+
+def test_names_readme_and_the_contract_document_import_plainly():
+    out = _run(
+        "import thdpack\n"
+        "from thdpack import plan_packs, PackPlan, PackingStats, PlanConfig, PackedDataset, collate, to_thd\n"
+        "from thdpack import thd_collate, IGNORE_INDEX, StepLoss, thd_attention\n"
+        "from thdpack.cp import partition_indices, shard, unshard\n"
+        "from thdpack.compat.nemo import pack_dataset, packed_sequence_thd_collater, process_input_for_thd\n"
+        "from thdpack.compat.nemo import split_batch_into_thd_chunks, make_cp_batch_for_te, create_block_causal_mask\n"
+        "print(IGNORE_INDEX, PackedDataset.__module__)"
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["-100", "thdpack.packing.dataset"]
 
 
 def test_root_exports_only_what_users_call():

@@ -14,8 +14,7 @@ import torch
 
 from thdpack._optional import has_module
 from thdpack.attention.masks import block_causal_mask
-from thdpack.packing import layout
-from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.format_rules import IGNORE_INDEX, check_pack_size
 from thdpack.packing.packer import SampleTokens, assemble_pack, read_sample
 from thdpack.plan import plan_packs
 from thdpack.thd import collate
@@ -73,7 +72,7 @@ def pack_dataset(
     ([3, 4, 2], [3, 4, 3], [10])
     """
     size = packed_sequence_size
-    layout.check_pack_size(size, cp_size)
+    check_pack_size(size, cp_size)
     if max_packs is not None and max_packs < 1:
         raise ValueError(f"max_packs must be None or >= 1, got {max_packs}")
     dataset = _select_split(dataset, split)

@@ -17,11 +17,9 @@ from thdpack.data.encode import (
     SAMPLE_FORMATS,
     SampleEncoder,
     SampleFormat,
-    TextTokenizer,
     TokenizeConfig,
     TokenizedSample,
     TokenizeReport,
-    load_tokenizer,
     record_batches,
     tokenize_records,
 )
@@ -37,6 +35,7 @@ from thdpack.data.sources import (
 )
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
 from thdpack.data.store_verify import StoreVerification, verify_store
+from thdpack.data.tokenizer import TextTokenizer, load_tokenizer
 
 __all__ = [
     "BAD_RECORD_REASONS",

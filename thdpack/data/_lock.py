@@ -40,12 +40,15 @@ def check_output_folder(folder: Path) -> None:
 class FolderLock:
     """The exclusive writer's lock of the store folder ``folder`` (a context manager).
 
-    ``acquire()`` raises ``StoreBusyError`` naming the holder when another process has it.
+    ``acquire()`` raises ``StoreBusyError`` naming the holder when another process has it, or with
+    ``wait=True`` waits until the holder is done (the trainer's token cache: several machines may
+    build the same cache, and the later ones use what the first built).
     """
 
-    def __init__(self, folder: str | os.PathLike[str]) -> None:
+    def __init__(self, folder: str | os.PathLike[str], *, wait: bool = False) -> None:
         self.folder = Path(folder)
         self.file = lock_file_of(folder)
+        self.wait = wait
         self._fd: int | None = None
 
     @property
@@ -58,7 +61,7 @@ class FolderLock:
         while True:
             fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX if self.wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)

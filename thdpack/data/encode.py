@@ -58,14 +58,8 @@ from thdpack.data.records import (
     record_segments,
     text_chars,
 )
-from thdpack.data.tokenizer import (  # noqa: F401  (ASSETS, SHIPPED_TOKENIZERS: re-exported)
-    _EOS_CANDIDATES,
-    ASSETS,
-    SHIPPED_TOKENIZERS,
-    TextTokenizer,
-    load_tokenizer,
-)
-from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.data.tokenizer import EOS_CANDIDATES, TextTokenizer, load_tokenizer
+from thdpack.format_rules import IGNORE_INDEX
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)
@@ -204,7 +198,7 @@ class SampleEncoder:
         self.eos_id = self.config.eos_id if self.config.eos_id is not None else self.tokenizer.eos_id
         if self.config.append_eos and self.eos_id is None:
             raise ValueError(
-                f"tokenizer {self.tokenizer.name!r} has none of the EOS tokens {list(_EOS_CANDIDATES)}; "
+                f"tokenizer {self.tokenizer.name!r} has none of the EOS tokens {list(EOS_CANDIDATES)}; "
                 "pass eos_id= (--eos-id) or append_eos=False (--no-eos)"
             )
         if self.eos_id is not None and self.eos_id >= self.tokenizer.vocab_size:

@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from thdpack._publish import write_json_atomic
 from thdpack.data.encode import SAMPLE_FORMATS
 
 STORE_FORMAT = "thdpack-token-store"
@@ -160,10 +161,4 @@ def _check_values(file: Path, manifest: Mapping[str, Any]) -> None:
 
 def write_manifest(path: str | os.PathLike[str], manifest: Mapping[str, Any]) -> None:
     """Write ``manifest.json`` atomically (a reader sees the old or the new file, never half)."""
-    final = Path(path) / MANIFEST_FILE
-    partial = final.with_name(f".{MANIFEST_FILE}.partial")
-    with partial.open("w") as f:
-        f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, final)
+    write_json_atomic(Path(path) / MANIFEST_FILE, manifest)

@@ -7,9 +7,12 @@
 
 The output folder holds the token store (``tokens.bin``, ``offsets.npy``, ``loss_mask.bin`` for
 SFT, ``manifest.json``; see ``thdpack.data.store``), the packing plan ``plan.npz``
-(``thdpack.plan.PackPlan.load``) planned over the store's sample lengths, and PNG plots (length
-histogram, pack fullness) when matplotlib is installed. ``manifest.json`` records the arguments,
-what every stage read and skipped, the files' checksums, and the plan's ``PackingStats``.
+(``thdpack.plan.PackPlan.load``) and PNG plots (length histogram, pack fullness) when matplotlib
+is installed. The plan is epoch 0's plan exactly as the trainer makes it (the same seed
+derivation), and ``manifest.json["plan"]`` records its settings (a ``thdpack.plan.PlanConfig``
+and the CP size), its checksum and its ``PackingStats``: a run with ``data.store`` and the same
+settings trains on it (``thdpack.data.prepared_plan``). ``manifest.json`` also records the
+arguments, what every stage read and skipped, and the files' checksums.
 
 Bad records (``thdpack.data.bad_records``: a chat with no messages or no assistant turn, an
 unknown role, a line that is not JSON, ...) stop the run naming the file, line and problem
@@ -34,11 +37,14 @@ from thdpack._optional import has_module
 from thdpack.data._lock import FolderLock
 from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES, SAMPLE_FORMATS, TokenizeConfig
+from thdpack.data.prepared_plan import PLAN_FILE, write_prepared_plan
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
-from thdpack.data.store import TokenStore, read_manifest, write_manifest
-from thdpack.data.write_store import PLAN_FILE, SKIPPED_FILE, write_token_store
-from thdpack.plan import ALGORITHMS, OVERFLOWS, plan_packs
+from thdpack.data.store import TokenStore
+from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.format_rules import check_pack_size
+from thdpack.plan.config import ALGORITHMS, DEFAULT_WINDOW, PlanConfig
+from thdpack.plan.overflow import OVERFLOWS
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,12 +62,24 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         help="'gpt2' (shipped), a tokenizer.json, or a Hugging Face tokenizer folder (tokenizer.json + "
         "tokenizer_config.json; its chat template renders chat records) (default: gpt2)",
     )
-    parser.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
-    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
+    # the plan's settings (thdpack.plan.PlanConfig: one argument per field) and the CP size beside them
+    parser.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
     parser.add_argument("--algorithm", default="bfd", choices=ALGORITHMS, help="packing algorithm (default: bfd)")
     parser.add_argument("--overflow", default="error", choices=OVERFLOWS, help="samples over a pack (default: error)")
-    parser.add_argument("--seed", type=int, help="planner tie-break seed (default: deterministic)")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help=f"lookahead of --algorithm window (default: {DEFAULT_WINDOW})",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="base seed, as the trainer's packing.seed: epoch 0 plans with a seed derived from it (default: 0)",
+    )
+    parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--format", default="auto", choices=["auto", *SOURCE_FORMATS], help="input format")
     parser.add_argument("--split", help="split of an HF DatasetDict folder")
     parser.add_argument(
@@ -116,22 +134,21 @@ def run_prepare(args: argparse.Namespace) -> int:
         return 2
 
 
+def plan_config_of(args: argparse.Namespace) -> PlanConfig:
+    """The ``PlanConfig`` of the command line: each of its fields from the argument of that name."""
+    return PlanConfig(**{name: getattr(args, name) for name in PlanConfig.__dataclass_fields__})
+
+
 def _prepare(args: argparse.Namespace) -> int:
-    # check the planning arguments on a one-sequence plan now, not after an hour of tokenizing
-    plan_packs(
-        [1],
-        args.pack_size,
-        algorithm=args.algorithm,
-        cp_size=args.cp_size,
-        overflow=args.overflow,
-        seed=args.seed,
-    )
+    # check the planning arguments now, not after an hour of tokenizing
+    config = plan_config_of(args)
+    check_pack_size(config.pack_size, args.cp_size)
     out: Path = args.out
     with FolderLock(out) as lock:
-        return _prepare_locked(args, out, lock)
+        return _prepare_locked(args, config, out, lock)
 
 
-def _prepare_locked(args: argparse.Namespace, out: Path, lock: FolderLock) -> int:
+def _prepare_locked(args: argparse.Namespace, config: PlanConfig, out: Path, lock: FolderLock) -> int:
     store = write_token_store(
         args.inputs,
         out,
@@ -159,28 +176,9 @@ def _prepare_locked(args: argparse.Namespace, out: Path, lock: FolderLock) -> in
         f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
     )
     try:
-        plan = plan_packs(
-            store.lengths,
-            args.pack_size,
-            algorithm=args.algorithm,
-            cp_size=args.cp_size,
-            overflow=args.overflow,
-            seed=args.seed,
-        )
+        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size)
     except ValueError as err:
         raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
-    plan.save(out / PLAN_FILE)
-    manifest = read_manifest(out)
-    manifest["plan"] = {
-        "file": PLAN_FILE,
-        "pack_size": args.pack_size,
-        "cp_size": args.cp_size,
-        "algorithm": args.algorithm,
-        "overflow": args.overflow,
-        "seed": args.seed,
-        "stats": plan.stats.to_dict(),
-    }
-    write_manifest(out, manifest)
     print(f"\n{plan.stats}\n")
     _write_plots(store, plan, args.no_plots, out)
     files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]

@@ -19,7 +19,10 @@ import numpy as np
 
 from thdpack._optional import has_module
 from thdpack.data.store_verify import verify_store
-from thdpack.plan import ALGORITHMS, OVERFLOWS, PackingStats, plan_packs
+from thdpack.plan.api import plan_packs
+from thdpack.plan.config import ALGORITHMS
+from thdpack.plan.overflow import OVERFLOWS
+from thdpack.plan.packing_stats import PackingStats
 
 EXAMPLE = "python311_stdlib.gpt2.lengths.npy"
 EXAMPLE_NOTE = "embedded example: the 1,790 .py files of CPython 3.11's standard library, in GPT-2 tokens"

@@ -11,8 +11,9 @@ A store folder holds:
 - ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256, vocab size,
   EOS), dtype, counts, the sample format, the source, each data file's size and sha256 (hashed
   while it was written), the range of token ids, and whatever the writer's caller adds (the
-  ``prepare`` command adds its arguments and the packing plan's stats). Written last: a folder
-  without it is an unfinished store. Fields and checks: ``thdpack.data.manifest``.
+  ``prepare`` command adds its arguments and the packing plan's settings, checksum and stats:
+  ``thdpack.data.prepared_plan``). Written last (``thdpack._publish``): a folder without it is
+  an unfinished store. Fields and checks: ``thdpack.data.manifest``.
 
 One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.data._lock``) until
 the manifest is written, so two writers can never mix their files. A damaged store is a
@@ -48,9 +49,9 @@ from typing import Any, overload
 import numpy as np
 
 from thdpack import __version__
-from thdpack._checksum import CHUNK_BYTES, HashingWriter
+from thdpack._publish import CHUNK_BYTES, HashingWriter, retract
 from thdpack.data._lock import FolderLock
-from thdpack.data.encode import SAMPLE_FORMATS, SampleFormat, TextTokenizer, TokenizedSample
+from thdpack.data.encode import SAMPLE_FORMATS, SampleFormat, TokenizedSample
 from thdpack.data.manifest import (
     LOSS_MASK_FILE,
     MANIFEST_FILE,
@@ -64,6 +65,7 @@ from thdpack.data.manifest import (
     write_manifest,
 )
 from thdpack.data.store_verify import check_offsets_ends, check_sizes, sample_sizes
+from thdpack.data.tokenizer import TextTokenizer
 
 __all__ = [
     "LOSS_MASK_FILE",
@@ -203,8 +205,9 @@ class TokenStoreWriter:
                     f"{self.path} already holds token store files {present}; pass overwrite=True (--overwrite) "
                     "or choose another folder"
                 )
+            retract(self.path, MANIFEST_FILE)  # unfinished from here until close() writes the new one
             for name in present:
-                (self.path / name).unlink()
+                (self.path / name).unlink(missing_ok=True)
         except BaseException:
             self._release()
             raise
@@ -332,6 +335,7 @@ class TokenStoreWriter:
     def abort(self) -> None:
         """Close the files and remove what was written (the folder itself stays)."""
         self._files.close()
+        retract(self.path, MANIFEST_FILE)
         for name in STORE_FILES:
             (self.path / name).unlink(missing_ok=True)
         self._closed = True

@@ -12,6 +12,7 @@ disk on a 2-core VM.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -22,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from thdpack._checksum import file_digest
-from thdpack.data._lock import shared_lock
+from thdpack._publish import digest_problem, file_digest
+from thdpack.data._lock import FolderLock, shared_lock
 from thdpack.data.manifest import (
     LOSS_MASK_FILE,
     MANIFEST_FILE,
@@ -128,18 +129,26 @@ class StoreVerification:
 
 
 def verify_store(
-    path: str | os.PathLike[str], *, vocab_size: int | None = None, require_checksums: bool = False
+    path: str | os.PathLike[str],
+    *,
+    vocab_size: int | None = None,
+    require_checksums: bool = False,
+    lock: FolderLock | None = None,
 ) -> StoreVerification:
     """Read the whole store at ``path`` and check it against its manifest (see the module docstring).
 
     ``vocab_size``: also check every token id is below it (a model's vocabulary); an id the
     store's tokenizer allows but the model does not is a ``ValueError`` (a mismatch, not damage).
     ``require_checksums``: a version-1 store (no checksums) is a ``StoreError`` instead of a warning.
-    Damage is a ``StoreError`` naming the file, what is wrong, and what to do.
+    ``lock``: the folder's writer lock, held by the caller (else a reader's lock is taken, and a
+    store being written is a ``StoreBusyError``). Damage is a ``StoreError`` naming the file, what
+    is wrong, and what to do.
     """
     folder = Path(path)
     start = time.perf_counter()
-    with shared_lock(folder):
+    if lock is not None:
+        assert lock.held and lock.file == FolderLock(folder).file, "lock must be held, on this folder"
+    with contextlib.nullcontext() if lock is not None else shared_lock(folder):
         manifest = read_manifest(folder)
         if not has_checksums(manifest):
             writer = manifest.get("created_by", "an older thdpack")
@@ -170,13 +179,13 @@ def verify_store(
             digest = futures[name].result()
             assert digest is not None  # check_sizes saw the file
             read += digest["size"]
-            expected = manifest["checksums"][name] if has_checksums(manifest) else None
-            if expected is not None and digest != {"size": expected["size"], "sha256": expected["sha256"]}:
-                raise StoreError(
-                    folder / name,
-                    f"does not match its sha256 in {MANIFEST_FILE} (its content changed after the store was written)",
-                )
+            problem = (
+                digest_problem(manifest["checksums"][name], digest, MANIFEST_FILE) if has_checksums(manifest) else None
+            )
+            if problem is not None:
+                raise StoreError(folder / name, f"{problem} (its content changed after the store was written)")
         ids.check_recorded(manifest)
+        _check_plan_file(folder, manifest)
     return StoreVerification(
         path=folder,
         num_samples=manifest["num_samples"],
@@ -186,6 +195,16 @@ def verify_store(
         checksums=has_checksums(manifest),
         id_limit=ids.limit,
     )
+
+
+def _check_plan_file(folder: Path, manifest: dict[str, Any]) -> None:
+    """A prepared plan recorded with a checksum (``thdpack.data.prepared_plan``) matches it."""
+    record = manifest.get("plan")
+    if isinstance(record, dict) and isinstance(record.get("checksum"), dict) and isinstance(record.get("file"), str):
+        file = folder / record["file"]
+        problem = digest_problem(record["checksum"], file_digest(file), MANIFEST_FILE)
+        if problem is not None:
+            raise StoreError(file, problem)
 
 
 class _IdScan:

@@ -22,7 +22,8 @@ from thdpack.data.chat_template import ChatTemplate
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED_TOKENIZERS = {"gpt2": ASSETS / "gpt2_tokenizer.json"}
-_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+"""The tokens taken as EOS, in this order, when a tokenizer names none."""
 
 
 class TextTokenizer:
@@ -134,7 +135,7 @@ def _config_eos(folder: Path, backend: Any) -> int | None:
 
 
 def _find_eos(backend: Any) -> int | None:
-    for token in _EOS_CANDIDATES:
+    for token in EOS_CANDIDATES:
         token_id = backend.token_to_id(token)
         if token_id is not None:
             return int(token_id)

@@ -24,12 +24,12 @@ from typing import Any
 from thdpack.data._lock import FolderLock
 from thdpack.data._progress import progress_bar
 from thdpack.data.bad_records import BadRecords
-from thdpack.data.encode import SampleEncoder, TokenizeConfig, load_tokenizer, record_batches
+from thdpack.data.encode import SampleEncoder, TokenizeConfig, record_batches
+from thdpack.data.prepared_plan import PLAN_FILE
 from thdpack.data.sources import Source, SourceConfig
 from thdpack.data.store import TokenStore, TokenStoreWriter
+from thdpack.data.tokenizer import load_tokenizer
 
-PLAN_FILE = "plan.npz"
-"""The packing plan ``thdpack prepare`` writes beside the store (removed when a store is rewritten)."""
 SKIPPED_FILE = "skipped_records.jsonl"
 
 

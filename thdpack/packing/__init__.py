@@ -1,23 +1,28 @@
-"""Packs: the pack layout (CP padding, positions, labels), packs built from samples, and the
-map-style (``PackedDataset``) and streaming (``StreamingPacker``) datasets that serve them."""
+"""Packs: the pack layout (CP padding, positions, labels), packs built from samples and plans, the
+dealer (epochs, data-parallel shares, balanced steps) and the map-style (``PackedDataset``) and
+streaming (``StreamingPacker``) datasets that serve them."""
 
 from __future__ import annotations
 
-from thdpack.packing.dataset import EpochShard, PackedDataset, PackedDatasetConfig
-from thdpack.packing.layout import IGNORE_INDEX
-from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, build_pack, read_sample
+from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
+from thdpack.packing.dealing import Epochs, EpochShard
+from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, build_pack, pack_from_segments, read_sample
+from thdpack.packing.steps import Step, StepStream
 from thdpack.packing.streaming import StreamingPacker, StreamingPackerConfig
 
 __all__ = [
-    "IGNORE_INDEX",
     "EpochShard",
+    "Epochs",
     "Pack",
     "PackedDataset",
     "PackedDatasetConfig",
     "SampleTokens",
+    "Step",
+    "StepStream",
     "StreamingPacker",
     "StreamingPackerConfig",
     "assemble_pack",
     "build_pack",
+    "pack_from_segments",
     "read_sample",
 ]

@@ -16,7 +16,9 @@ Position ids restart at 0 for every sequence and run on through its CP padding a
 last sequence, through the tail padding (NeMo does the same and clamps at ``pack_size - 1``;
 the clamp never fires here because the last entry is at most ``pack_size`` long). Padding
 carries the pad id and label ``IGNORE_INDEX``; positions of padding are never attended to by a
-real token under causal masking because padding comes after its sequence's real tokens.
+real token under causal masking because padding comes after its sequence's real tokens. The CP
+slot rule and ``IGNORE_INDEX`` are the format's (``thdpack.format_rules``); this module lays a
+pack out by them.
 
 Everything is numpy on the host (packs are built in data-loader workers).
 Legend: ``T`` tokens of a pack or stream, ``S`` sequences.
@@ -26,21 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from thdpack.plan.slots import check_pack_size, cp_multiple, round_up_to_cp
-
-__all__ = [
-    "IGNORE_INDEX",
-    "apply_loss_mask",
-    "check_pack_size",
-    "cp_multiple",
-    "next_token_labels",
-    "pack_seq_lens_padded",
-    "position_ids",
-    "round_up_to_cp",
-]
-
-IGNORE_INDEX = -100
-"""Label of tokens that predict nothing (padding, masked prompt tokens, sequence ends)."""
+from thdpack.format_rules import IGNORE_INDEX, check_pack_size, cp_multiple, round_up_to_cp
 
 
 def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> np.ndarray:

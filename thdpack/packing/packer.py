@@ -5,8 +5,10 @@ shifted, as NeMo expects: ``labels[t]`` is the target of ``input_ids[t]``) and `
 (0 -> label ``-100``, e.g. SFT prompt tokens). Without ``labels``, next-token labels are
 derived inside the sequence and its last token predicts nothing. Samples are never modified.
 
-A pack is a dict of int64 tensors (``Pack``): ``input_ids``, ``labels``, ``position_ids`` of
-length ``pack_size``, ``seq_lens`` (real lengths) and ``seq_lens_padded`` (see ``layout``).
+``build_pack(samples, plan, i)`` builds pack ``i`` of a plan; ``pack_from_segments`` takes the
+segments by hand. A pack is a dict of int64 tensors (``Pack``): ``input_ids``, ``labels``,
+``position_ids`` of length ``pack_size``, ``seq_lens`` (real lengths) and ``seq_lens_padded``
+(see ``layout``).
 
 Plan entries can be parts of a sequence (``overflow="truncate"`` / ``"split"``): the pack then
 takes ``input_ids[start:start+length]`` and the matching labels. A split piece's last label
@@ -25,7 +27,9 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from thdpack.packing import layout
+from thdpack.format_rules import IGNORE_INDEX
+from thdpack.packing.layout import apply_loss_mask, next_token_labels, pack_seq_lens_padded, position_ids
+from thdpack.plan.packplan import PackPlan
 
 
 class Pack(TypedDict):
@@ -96,7 +100,7 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
         raise ValueError(f"sample {index} has empty input_ids; filter empty samples out before packing")
     labels = sample.get("labels")
     if labels is None:
-        labels = layout.next_token_labels(input_ids)
+        labels = next_token_labels(input_ids)
     else:
         labels = _int_array(labels, index, "labels")
         if len(labels) != len(input_ids):
@@ -116,8 +120,15 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
                 f"sample {index}: loss_mask has {loss_mask.size} entries but input_ids has "
                 f"{len(input_ids)}; give one 0/1 per token"
             )
-        labels = layout.apply_loss_mask(labels, loss_mask)
+        labels = apply_loss_mask(labels, loss_mask)
     return SampleTokens(input_ids, labels)
+
+
+def check_pad_id(pad_id: object) -> int:
+    """``pad_id`` as an ``int``; ``TypeError`` unless it is an integer token id."""
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
+    return int(pad_id)
 
 
 def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: int = 1, pad_id: int = 0) -> Pack:
@@ -135,28 +146,54 @@ def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: in
     >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
     ([0, 1, 2, 3, 0, 1, 2, 3], [3, 2], [4, 4])
     """
-    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
-        raise TypeError(f"pad_id must be an integer token id, got {pad_id!r}")
+    check_pad_id(pad_id)
     seq_lens = np.array([len(p) for p in pieces], dtype=np.int64)
-    seq_lens_padded = layout.pack_seq_lens_padded(seq_lens, pack_size, cp_size)
+    seq_lens_padded = pack_seq_lens_padded(seq_lens, pack_size, cp_size)
     # destination of every real token: its piece's slot start plus its offset in the piece
     slot_starts = np.cumsum(seq_lens_padded) - seq_lens_padded
     real_starts = np.cumsum(seq_lens) - seq_lens
     dest_T = np.arange(int(seq_lens.sum()), dtype=np.int64) + np.repeat(slot_starts - real_starts, seq_lens)
     input_ids_T = np.full(pack_size, pad_id, dtype=np.int64)
-    labels_T = np.full(pack_size, layout.IGNORE_INDEX, dtype=np.int64)
+    labels_T = np.full(pack_size, IGNORE_INDEX, dtype=np.int64)
     input_ids_T[dest_T] = np.concatenate([p.input_ids for p in pieces])
     labels_T[dest_T] = np.concatenate([p.labels for p in pieces])
     return Pack(
         input_ids=torch.from_numpy(input_ids_T),
         labels=torch.from_numpy(labels_T),
-        position_ids=torch.from_numpy(layout.position_ids(seq_lens_padded)),
+        position_ids=torch.from_numpy(position_ids(seq_lens_padded)),
         seq_lens=torch.from_numpy(seq_lens),
         seq_lens_padded=torch.from_numpy(seq_lens_padded),
     )
 
 
-def build_pack(
+def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int, *, pad_id: int = 0) -> Pack:
+    """Pack ``index`` of ``plan`` from ``samples`` (its pack size and CP size are the plan's).
+
+    Raises ``ValueError`` naming the sample when a sample's length is not the one the plan was
+    made for.
+
+    >>> from thdpack.plan import plan_packs
+    >>> samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8], "labels": [5, 6, 7, 8, 9]}]
+    >>> plan = plan_packs([3, 5], 12, cp_size=2)
+    >>> pack = build_pack(samples, plan, 0)
+    >>> pack["input_ids"].tolist()
+    [4, 5, 6, 7, 8, 0, 0, 0, 1, 2, 3, 0]
+    >>> pack["labels"].tolist()
+    [5, 6, 7, 8, 9, -100, -100, -100, 2, 3, -100, -100]
+    >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
+    ([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [5, 3], [8, 4])
+    """
+    return pack_from_segments(
+        samples,
+        plan.segments(index),
+        plan.pack_size,
+        cp_size=plan.cp_size,
+        pad_id=pad_id,
+        sample_lengths=plan.sequence_lengths,
+    )
+
+
+def pack_from_segments(
     samples: Sequence[Mapping[str, Any]],
     segments: tuple[Sequence[int], Sequence[int], Sequence[int]],
     pack_size: int,
@@ -165,25 +202,21 @@ def build_pack(
     pad_id: int = 0,
     sample_lengths: np.ndarray | None = None,
 ) -> Pack:
-    """Build one pack from ``samples`` and a plan's ``segments`` ``(indices, starts, lengths)``.
+    """One pack of ``pack_size`` tokens from ``samples`` and ``segments`` ``(indices, starts, lengths)``
+    laid out by hand (``build_pack`` takes them from a plan).
 
-    Entry ``j`` takes tokens ``[starts[j], starts[j] + lengths[j])`` of ``samples[indices[j]]``
-    (``PackPlan.segments(i)`` gives exactly this). Raises ``ValueError`` naming the sample when
-    an entry reaches past the sample's end, or when ``sample_lengths`` (the lengths the plan was
-    made from, e.g. ``PackPlan.sequence_lengths``) disagree with the sample.
+    Entry ``j`` takes tokens ``[starts[j], starts[j] + lengths[j])`` of ``samples[indices[j]]``.
+    Raises ``ValueError`` naming the sample when an entry reaches past the sample's end, or when
+    ``sample_lengths`` (the lengths the segments were planned for) disagree with the sample.
 
-    >>> samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8], "labels": [5, 6, 7, 8, 9]}]
-    >>> pack = build_pack(samples, ([1, 0], [0, 0], [5, 3]), 12, cp_size=2)
-    >>> pack["input_ids"].tolist()
-    [4, 5, 6, 7, 8, 0, 0, 0, 1, 2, 3, 0]
-    >>> pack["labels"].tolist()
-    [5, 6, 7, 8, 9, -100, -100, -100, 2, 3, -100, -100]
-    >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
-    ([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [5, 3], [8, 4])
+    >>> samples = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5, 6, 7, 8]}]
+    >>> pack = pack_from_segments(samples, ([1, 0], [0, 0], [5, 3]), 12, cp_size=2)
+    >>> pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
+    ([5, 3], [8, 4])
 
     A piece of a split sequence keeps the label of the token after it:
 
-    >>> pack = build_pack([{"input_ids": [1, 2, 3, 4, 5, 6]}], ([0], [0], [4]), 4)
+    >>> pack = pack_from_segments([{"input_ids": [1, 2, 3, 4, 5, 6]}], ([0], [0], [4]), 4)
     >>> pack["input_ids"].tolist(), pack["labels"].tolist()
     ([1, 2, 3, 4], [2, 3, 4, 5])
     """

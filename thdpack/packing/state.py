@@ -1,7 +1,8 @@
 """The settings a saved state was made with, and the one check that they still hold on resume.
 
 Every resumable object here (``PackedDataset``, ``StreamingPacker``, ``StepStream``) saves the
-settings that define what it yields; loading a state made with other settings would silently
+settings that define what it yields (its config's ``fingerprint()`` and the run's values that
+shape it, such as the CP size); loading a state made with other settings would silently
 yield other packs, so it raises, naming every setting that differs.
 
 >>> saved = {"pack_size": 1024, "seed": 0}
@@ -13,15 +14,8 @@ ValueError: state was saved by a PackedDataset with other settings (pack_size: s
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
-
-
-def settings_fingerprint(config: Any, *, exclude: tuple[str, ...] = (), **extra: Any) -> dict[str, Any]:
-    """``config``'s fields (a dataclass) without ``exclude``, plus ``extra``: a plain dict."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in exclude}
-    return {**fields, **extra}
 
 
 def check_saved_settings(kind: str, saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:

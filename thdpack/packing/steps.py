@@ -1,12 +1,12 @@
 """Optimizer steps cut from the stream of every epoch's packs, dealt to the data-parallel ranks.
 
-Every rank plans the same packs (seeded by ``(seed, epoch)``), so the global order of packs needs
-no communication. Each step takes the next ``world_size x micro_batches x packs_per_micro_batch``
-packs of that order (an epoch's last packs and the next epoch's first may share a step: no pack is
-dropped or repeated), deals them to the ranks with balanced work (:mod:`thdpack.packing.balance`)
-and builds only this rank's packs. The dataset plans each epoch once, also when a step straddles
-two. The stream's state is two integers, so a resumed run continues with exactly the packs the
-uninterrupted run would have seen.
+Every rank plans the same epochs (:class:`thdpack.packing.dealing.Epochs`), so the global order of
+packs needs no communication. Each step takes the next ``world_size x micro_batches x
+packs_per_micro_batch`` packs of that order (an epoch's last packs and the next epoch's first may
+share a step: no pack is dropped or repeated), deals them to the ranks with balanced work
+(:func:`thdpack.packing.dealing.deal`) and builds only this rank's packs. Each epoch is planned
+once, also when a step straddles two. The stream's state is two integers, so a resumed run
+continues with exactly the packs the uninterrupted run would have seen.
 
 >>> from thdpack.packing import PackedDataset
 >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4, 7)]
@@ -20,15 +20,14 @@ uninterrupted run would have seen.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from thdpack.packing.balance import Imbalance, deal, imbalance, pack_costs
+from thdpack._settings import check_int
+from thdpack.packing.dealing import Balance, Epochs, Imbalance, deal, imbalance, pack_costs
 from thdpack.packing.packer import Pack
 from thdpack.packing.state import check_saved_settings
-
-if TYPE_CHECKING:
-    from thdpack.packing.dataset import PackedDataset
 
 
 @dataclass(frozen=True)
@@ -50,15 +49,27 @@ class Step:
 
 
 class StepStream:
-    """The steps of ``dataset`` for its data-parallel ``rank`` of ``world_size``; stateful for exact resume."""
+    """The steps of ``epochs`` for data-parallel ``rank`` of ``world_size``; stateful for exact resume.
 
-    def __init__(self, dataset: PackedDataset, *, micro_batches: int, packs_per_micro_batch: int) -> None:
-        for name, value in (("micro_batches", micro_batches), ("packs_per_micro_batch", packs_per_micro_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        self.dataset = dataset
-        self.micro_batches, self.packs_per_micro_batch = micro_batches, packs_per_micro_batch
-        self.packs_per_step = dataset.config.world_size * micro_batches * packs_per_micro_batch
+    ``build(epoch, index)`` makes the pack at ``index`` of epoch ``epoch``'s order (the packs of
+    this rank only are built); ``balance`` says how a step's packs are dealt (``dealing.pack_costs``).
+    """
+
+    def __init__(
+        self,
+        epochs: Epochs,
+        build: Callable[[int, int], Pack],
+        *,
+        rank: int,
+        world_size: int,
+        balance: Balance,
+        micro_batches: int,
+        packs_per_micro_batch: int,
+    ) -> None:
+        self.micro_batches = check_int("micro_batches", micro_batches, 1)
+        self.packs_per_micro_batch = check_int("packs_per_micro_batch", packs_per_micro_batch, 1)
+        self.epochs, self.build, self.rank, self.world_size, self.balance = epochs, build, rank, world_size, balance
+        self.packs_per_step = world_size * self.micro_batches * self.packs_per_micro_batch
         self.epoch = 0
         self.position = 0  # next pack of `epoch`'s whole order
 
@@ -66,7 +77,7 @@ class StepStream:
         """The next step's (epoch, pack index) references, advancing the stream."""
         refs: list[tuple[int, int]] = []
         while len(refs) < self.packs_per_step:
-            available = len(self.dataset.epoch_view(self.epoch).order) - self.position
+            available = len(self.epochs[self.epoch]) - self.position
             take = min(self.packs_per_step - len(refs), available)
             refs += [(self.epoch, self.position + i) for i in range(take)]
             self.position += take
@@ -76,27 +87,23 @@ class StepStream:
 
     def next_step(self) -> Step:
         refs = self._take()
-        lengths = []
-        for epoch, index in refs:
-            view = self.dataset.epoch_view(epoch)
-            lengths.append(view.plan.segments(int(view.order[index]))[2])
-        cfg = self.dataset.config
-        hands = deal(pack_costs(lengths, cfg.balance), cfg.world_size)
-        mine = sorted(hands[cfg.rank], key=lambda k: refs[k])  # build epoch by epoch
-        packs = [self.dataset.epoch_pack(*refs[k]) for k in mine]
+        lengths = [self.epochs[epoch].segments(index)[2] for epoch, index in refs]
+        hands = deal(pack_costs(lengths, self.balance), self.world_size)
+        mine = sorted(hands[self.rank], key=lambda k: refs[k])  # build epoch by epoch
+        packs = [self.build(*refs[k]) for k in mine]
         per_micro = self.packs_per_micro_batch
         return Step(
             epoch=refs[0][0],
             micro_batches=[packs[m * per_micro : (m + 1) * per_micro] for m in range(self.micro_batches)],
             tokens=int(sum(int(x.sum()) for x in lengths)),
-            capacity=self.packs_per_step * cfg.pack_size,
+            capacity=self.packs_per_step * self.epochs.config.pack_size,
             sequences=int(sum(len(x) for x in lengths)),
             imbalance=imbalance(lengths, hands),
         )
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings that define the stream: the same on every rank (the rank is not one)."""
-        return {"packs_per_step": self.packs_per_step, "dataset": self.dataset.fingerprint(exclude=("rank",))}
+        return {"packs_per_step": self.packs_per_step, "balance": self.balance, **self.epochs.fingerprint()}
 
     def state_dict(self) -> dict[str, Any]:
         """Where the stream stands, plus the settings that define it (checked on load)."""

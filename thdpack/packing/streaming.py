@@ -39,41 +39,38 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack.packing import layout
-from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sample
-from thdpack.packing.state import check_saved_settings, settings_fingerprint
-from thdpack.plan import OVERFLOWS, Overflow, PackingStats
-from thdpack.plan.overflow import OVERFLOW_COUNTS, apply_overflow
-from thdpack.plan.packing_stats import build_stats
+from thdpack._settings import Settings, check_choice, check_int
+from thdpack.format_rules import check_pack_size, cp_multiple, round_up_to_cp
+from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, check_pad_id, read_sample
+from thdpack.packing.state import check_saved_settings
+from thdpack.plan.config import pack_size_setting
+from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Overflow, apply_overflow
+from thdpack.plan.packing_stats import PackingStats, build_stats
 
 _END = object()  # end-of-stream marker (a source may yield anything, even None, and be told so)
 
 
 @dataclass(frozen=True, kw_only=True)
-class StreamingPackerConfig:
-    """Settings of a ``StreamingPacker``."""
+class StreamingPackerConfig(Settings):
+    """Settings of a ``StreamingPacker`` (the CP size and the pad id come from the run: ``build``)."""
 
     pack_size: int
     """Tokens per pack (a multiple of 2*cp_size when cp_size > 1)."""
-    cp_size: int = 1
-    """Context-parallel size: every sequence is padded to a multiple of 2*cp_size."""
     buffer_size: int = 1024
     """Sequences held before a pack is emitted; larger packs tighter and uses more memory."""
     overflow: Overflow = "error"
     """Sequences longer than pack_size: "error", "drop", "truncate" or "split" (counted in stats)."""
-    pad_id: int = 0
-    """Token id of padding (its label is always -100)."""
 
     def __post_init__(self) -> None:
-        for name in ("pack_size", "cp_size", "buffer_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, int):
-            raise TypeError(f"pad_id must be an integer token id, got {self.pad_id!r}")
-        if self.overflow not in OVERFLOWS:
-            raise ValueError(f"unknown overflow policy {self.overflow!r}; valid: {', '.join(OVERFLOWS)}")
-        layout.check_pack_size(self.pack_size, self.cp_size)
+        self.normalize("pack_size", pack_size_setting(self.pack_size))
+        self.normalize("buffer_size", check_int("buffer_size", self.buffer_size, 1))
+        check_choice("overflow policy", self.overflow, OVERFLOWS)
+
+    def build(self, source: Iterable[Mapping[str, Any]], **runtime: Any) -> StreamingPacker:
+        """The packer of ``source`` with these settings and the run's ``cp_size`` and ``pad_id``
+        (defaults 1 and 0); a keyword that names a setting is refused."""
+        self.refuse_settings(runtime)
+        return StreamingPacker._from_config(source, self, **runtime)
 
 
 @dataclass
@@ -112,9 +109,22 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         overflow: Overflow = "error",
         pad_id: int = 0,
     ) -> None:
-        self.config = StreamingPackerConfig(
-            pack_size=pack_size, cp_size=cp_size, buffer_size=buffer_size, overflow=overflow, pad_id=pad_id
-        )
+        config = StreamingPackerConfig(pack_size=pack_size, buffer_size=buffer_size, overflow=overflow)
+        self._start(source, config, cp_size=cp_size, pad_id=pad_id)
+
+    @classmethod
+    def _from_config(
+        cls, source: Iterable[Mapping[str, Any]], config: StreamingPackerConfig, **runtime: Any
+    ) -> StreamingPacker:
+        packer = cls.__new__(cls)
+        packer._start(source, config, **runtime)
+        return packer
+
+    def _start(
+        self, source: Iterable[Mapping[str, Any]], config: StreamingPackerConfig, *, cp_size: int = 1, pad_id: int = 0
+    ) -> None:
+        check_pack_size(config.pack_size, cp_size)
+        self.config, self.cp_size, self.pad_id = config, int(cp_size), check_pad_id(pad_id)
         self.source = source
         self._reset()
 
@@ -134,7 +144,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
 
     # -- the buffer ----------------------------------------------------------------------
     def _add(self, index: int, start: int, tokens: SampleTokens) -> None:
-        slots = int(layout.round_up_to_cp(len(tokens), self.config.cp_size))
+        slots = int(round_up_to_cp(len(tokens), self.cp_size))
         arrival = self._next_arrival
         self._next_arrival += 1
         self._entries[arrival] = _Entry(index, start, tokens, slots)
@@ -177,11 +187,11 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         totals["num_sequences"] += sum(e.start == 0 for e in chosen)
         totals["real_tokens"] += load
         totals["max_sequences_per_pack"] = max(totals["max_sequences_per_pack"], len(chosen))
-        multiple = layout.cp_multiple(cfg.cp_size)
+        multiple = cp_multiple(self.cp_size)
         for e in chosen:
             self._slot_units[e.slots // multiple] = self._slot_units.get(e.slots // multiple, 0) + 1
         self._pack_loads[load] = self._pack_loads.get(load, 0) + 1
-        return assemble_pack([e.tokens for e in chosen], cfg.pack_size, cp_size=cfg.cp_size, pad_id=cfg.pad_id)
+        return assemble_pack([e.tokens for e in chosen], cfg.pack_size, cp_size=self.cp_size, pad_id=self.pad_id)
 
     # -- iteration -----------------------------------------------------------------------
     def _open_source(self) -> Iterator[Mapping[str, Any]]:
@@ -229,7 +239,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         return build_stats(
             algorithm=f"streaming best fit (buffer {cfg.buffer_size})",
             pack_size=cfg.pack_size,
-            cp_size=cfg.cp_size,
+            cp_size=self.cp_size,
             slot_sizes=sizes,
             slot_counts=np.array([self._slot_units[int(v)] for v in sizes], dtype=np.int64),
             pack_loads=(loads, np.array([self._pack_loads[int(v)] for v in loads], dtype=np.int64)),
@@ -239,7 +249,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
 
     # -- checkpointing -------------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
-        return settings_fingerprint(self.config, exclude=("pad_id",))
+        return {**self.config.fingerprint(), "cp_size": self.cp_size}
 
     def state_dict(self) -> dict[str, Any]:
         """Buffered tokens, counters and the source position (see the module docstring)."""

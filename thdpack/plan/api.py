@@ -12,24 +12,16 @@
 
 from __future__ import annotations
 
-import numbers
-from typing import Literal
-
 import numpy as np
 
+from thdpack.format_rules import check_cp_size, check_pack_size, cp_multiple
 from thdpack.plan.assignment import materialize
+from thdpack.plan.config import DEFAULT_WINDOW, MAX_LENGTH, Algorithm, PlanConfig
 from thdpack.plan.histogram import plan_size_classes
 from thdpack.plan.ordered import next_fit, window_best_fit
-from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Entries, Overflow, apply_overflow
+from thdpack.plan.overflow import OVERFLOW_COUNTS, Entries, Overflow, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
 from thdpack.plan.packplan import PackPlan
-from thdpack.plan.slots import check_pack_size, cp_multiple
-
-Algorithm = Literal["bfd", "ffd", "sequential", "window"]
-ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
-DEFAULT_WINDOW = 1024
-MAX_LENGTH = 2**40
-"""The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""
 
 
 def as_lengths(lengths: object) -> np.ndarray:
@@ -65,14 +57,6 @@ def as_lengths(lengths: object) -> np.ndarray:
     return array
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def plan_packs(
     lengths: object,
     pack_size: int,
@@ -104,22 +88,25 @@ def plan_packs(
     Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
     largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
     """
+    config = PlanConfig(pack_size=pack_size, algorithm=algorithm, overflow=overflow, window=window, seed=seed)
+    return plan_with(lengths, config, cp_size=cp_size)
+
+
+def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackPlan:
+    """``plan_packs`` with its settings in a ``PlanConfig`` (checked when it was made) and the
+    run's context-parallel size beside it.
+
+    >>> plan = plan_with([5, 3, 6, 2, 4], PlanConfig(pack_size=16), cp_size=2)
+    >>> [p.tolist() for p in plan], plan.cp_size
+    ([[0, 2], [1, 3, 4]], 2)
+    """
     lengths = as_lengths(lengths)
-    pack_size = _check_int("pack_size", pack_size, 1)
-    if pack_size > MAX_LENGTH:
-        raise ValueError(f"pack_size={pack_size:,} is over the largest pack thdpack plans ({MAX_LENGTH:,} tokens)")
-    cp_size = _check_int("cp_size", cp_size, 1)
-    window = _check_int("window", window, 1)
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
-    if overflow not in OVERFLOWS:
-        raise ValueError(f"unknown overflow policy {overflow!r}; valid: {', '.join(OVERFLOWS)}")
-    if seed is not None:
-        seed = _check_int("seed", seed, 0)
-    check_pack_size(pack_size, cp_size)
+    cp_size = check_cp_size(cp_size)
+    check_pack_size(config.pack_size, cp_size)
+    pack_size, algorithm, seed = config.pack_size, config.algorithm, config.seed
     multiple = cp_multiple(cp_size)
 
-    entries = apply_overflow(lengths, pack_size, overflow)
+    entries = apply_overflow(lengths, pack_size, config.overflow)
     if len(entries.length) == 0:
         raise ValueError(
             f"overflow='drop' dropped all {len(lengths)} sequences (each is longer than "
@@ -135,7 +122,7 @@ def plan_packs(
         offsets = next_fit(units, capacity)
         ids = np.arange(len(units), dtype=np.int64)
     elif algorithm == "window":
-        ids, offsets = window_best_fit(units, capacity, window)
+        ids, offsets = window_best_fit(units, capacity, config.window)
     else:
         # the engine works on the distinct sizes (memory and time follow them and the
         # sequences, whatever pack_size is)

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from thdpack.format_rules import cp_multiple
 from thdpack.plan.overflow import OVERFLOW_COUNTS
 
 FULLNESS_PERCENTILES: tuple[int, ...] = (0, 1, 5, 25, 50, 75, 95, 100)
@@ -167,7 +168,6 @@ def build_stats(
     ``overflow``: the ``OVERFLOW_COUNTS`` of the policy that placed the entries.
     """
     from thdpack.plan.bounds import l2_lower_bound_of_sizes
-    from thdpack.plan.slots import cp_multiple
 
     multiple = cp_multiple(cp_size)
     slot_sizes, slot_counts = np.asarray(slot_sizes, dtype=np.int64), np.asarray(slot_counts, dtype=np.int64)

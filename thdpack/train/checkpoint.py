@@ -9,8 +9,9 @@ Layout of ``<output_dir>/checkpoints/``::
     latest                    the newest complete checkpoint's folder name
     damaged/step_000040/      a checkpoint that resume found damaged or unfinished, set aside
 
-A checkpoint is complete once its ``checksums.json`` exists: rank 0 writes it (atomically) after
-every rank finished writing, so a run killed while saving leaves a folder without it. ``latest``
+A checkpoint is published the way every thdpack folder is (``thdpack._publish``): complete once
+its ``checksums.json`` exists; rank 0 writes it (atomically) after every rank finished writing, so
+a run killed while saving leaves a folder without it. ``latest``
 is rewritten (atomically) after each manifest and on resume; it is a pointer for people and
 tools: resume walks the checkpoints newest first, verifies every file against its manifest and
 falls back past damaged or unfinished ones with a warning naming the file
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from thdpack._checksum import file_digest
+from thdpack._publish import digest_problem, file_digest, retract, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
@@ -50,8 +51,6 @@ CHECKPOINT_FORMAT = "thdpack-checkpoint"
 CHECKPOINT_VERSION = 1
 REQUIRED_FILES = ("trainer.pt", "dcp/.metadata")
 """Files every checkpoint's manifest lists (the rank files depend on the world size)."""
-HF_FOLDER = "hf"
-"""A ``model=hf`` checkpoint's Hugging Face folder (``save_pretrained``), and the run's final copy."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
@@ -77,16 +76,6 @@ class Restored:
 
 
 # -- files, manifests, verification --------------------------------------------------------
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """A reader sees the old or the new content, never half (temp file + os.replace)."""
-    partial = path.with_name(f".{path.name}.partial")
-    with partial.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 def _step_folders(root: Path) -> list[Path]:
@@ -134,17 +123,8 @@ def _is_manifest(manifest: Any) -> bool:
 
 
 def _problems(folder: Path, manifest: dict[str, Any], digests: dict[str, dict[str, Any] | None]) -> list[str]:
-    problems = []
-    for name, expected in manifest["files"].items():
-        actual = digests[name]
-        path = folder / name
-        if actual is None:
-            problems.append(f"{path} is missing")
-        elif actual["size"] != expected["size"]:
-            problems.append(f"{path} has {actual['size']} bytes, {MANIFEST} says {expected['size']}")
-        elif actual["sha256"] != expected["sha256"]:
-            problems.append(f"{path} does not match its sha256 in {MANIFEST}")
-    return problems
+    found = ((name, digest_problem(expected, digests[name], MANIFEST)) for name, expected in manifest["files"].items())
+    return [f"{folder / name} {problem}" for name, problem in found if problem is not None]
 
 
 def verify_checkpoint(folder: str | os.PathLike[str]) -> list[str]:
@@ -181,7 +161,7 @@ def _broadcast(value: Any) -> Any:
 
 def _remove(folder: Path) -> None:
     """Delete a checkpoint folder, its manifest first: an interrupted removal leaves it incomplete."""
-    (folder / MANIFEST).unlink(missing_ok=True)
+    retract(folder, MANIFEST)
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -201,8 +181,8 @@ def save_checkpoint(
     """Save step ``step`` on every rank (collective); returns its folder.
 
     ``export(folder)`` (collective, optional) writes more files into the folder before the
-    checksums are taken, so they are verified and pruned with it (the Hugging Face folder
-    ``HF_FOLDER`` of a ``model=hf`` run).
+    checksums are taken, so they are verified and pruned with it (the Hugging Face folder of a
+    ``model=hf`` run, ``thdpack.train.hf_export``).
 
     Order: every rank writes its files; rank 0 lists them, every rank hashes a share, rank 0
     writes ``checksums.json`` then ``latest`` (both atomically) and prunes to the ``keep``
@@ -232,26 +212,11 @@ def save_checkpoint(
             "world_size": dist.get_world_size(),
             "files": digests,
         }
-        _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        _write_atomic(root / LATEST, folder.name)
+        write_json_atomic(folder / MANIFEST, manifest)
+        write_text_atomic(root / LATEST, folder.name)
         _prune(root, step, keep)
     dist.barrier()
     return folder
-
-
-def copy_folder_atomic(source: Path, target: Path) -> Path:
-    """Replace ``target`` by a copy of ``source``: copied beside it, then renamed in, so a reader
-    never sees half a folder (a killed copy leaves only ``.<name>.partial``, removed next time)."""
-    partial = target.with_name(f".{target.name}.partial")
-    _remove(partial)
-    shutil.copytree(source, partial)
-    old = target.with_name(f".{target.name}.old")
-    _remove(old)
-    if target.exists():
-        target.rename(old)
-    partial.rename(target)
-    _remove(old)
-    return target
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -295,7 +260,7 @@ def open_checkpoints(root: Path, *, resume: bool, overwrite: bool) -> Path | Non
         if entries and rank == 0:
             log.warning("train.overwrite=true: deleting %s (%s)", root, _names(entries))
             for folder in folders:  # first: a removal cut short must not leave a complete checkpoint
-                (folder / MANIFEST).unlink(missing_ok=True)
+                retract(folder, MANIFEST)
             shutil.rmtree(root)
         dist.barrier()
         return None
@@ -358,7 +323,7 @@ def _point_latest_at(root: Path, folder: Path) -> None:
     named = marker.read_text().strip() if marker.is_file() else None
     if named != folder.name:
         log.warning("%s named %r; it now names %s, the checkpoint this run resumes from", marker, named, folder.name)
-        _write_atomic(marker, folder.name)
+        write_text_atomic(marker, folder.name)
 
 
 def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -9,25 +9,25 @@ the limit and the fix; ``Config`` adds the checks that span groups.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
-from thdpack.attention import AttentionConfig
+from thdpack.attention.config import AttentionConfig
 from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
+from thdpack.format_rules import check_pack_size
 from thdpack.loss import LOSS_REDUCTIONS
-from thdpack.models import ModelConfig
+from thdpack.models.config import ModelConfig
 from thdpack.models.hf_causal_lm import HFModelConfig
 from thdpack.packing.dataset import PackedDatasetConfig
-from thdpack.train.precision import PRECISIONS, precision_from_config
+from thdpack.train.precision import PRECISIONS
 from thdpack.train.schema import build, hydra_node
 
 DP_SHARDINGS = ("ddp", "fsdp")
 DEVICES = ("auto", "cpu", "cuda")
 DIST_BACKENDS = ("auto", "gloo", "nccl")
-# PackedDatasetConfig fields the trainer sets from the run (CP size, DP layout, the tokenizer's pad id)
-PACKING_RUNTIME_FIELDS = ("cp_size", "rank", "world_size", "pad_id")
 
 
 def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
@@ -81,10 +81,12 @@ class DataConfig:
             _at_least("data.limit", self.limit, 1)
 
 
-PackingNode = hydra_node(PackedDatasetConfig, exclude=PACKING_RUNTIME_FIELDS, defaults=(("pack_size", 1024),))
-"""The ``packing`` group: ``thdpack.packing.PackedDatasetConfig``'s fields (the trainer sets the
-runtime ones, ``PACKING_RUNTIME_FIELDS``); the YAML presets set the training default
-``overflow: split`` (no token lost) over the component's ``error``."""
+PACKING_FLATTEN = ("plan",)
+PackingNode = hydra_node(PackedDatasetConfig, defaults=(("pack_size", 1024), ("seed", 0)), flatten=PACKING_FLATTEN)
+"""The ``packing`` group: ``thdpack.packing.PackedDatasetConfig``'s settings, its plan's
+(``thdpack.plan.PlanConfig``) listed flat (``packing.pack_size``). The run's values (CP size, DP
+rank and world size, pad id) are not settings: the trainer passes them to ``build``. The YAML
+presets set the training default ``overflow: split`` (no token lost) over the component's ``error``."""
 
 
 @dataclass(kw_only=True)
@@ -126,11 +128,9 @@ class TrainConfig:
     """Clip the global gradient norm to this (0 disables)."""
     loss_reduction: str = "token_mean"
     """token_mean (the unpacked token mean over the global batch) or sequence_mean."""
-    precision: str | None = None
-    """fp32 (default), bf16-mixed (fp32 master weights and optimizer state, bf16 compute: autocast
-    under DDP, MixedPrecisionPolicy under FSDP2) or fp64. See ``thdpack.train.precision``."""
-    dtype: str | None = None
-    """Deprecated (warns): float32 / float64 / bfloat16 mean precision fp32 / fp64 / bf16-mixed."""
+    precision: str = "fp32"
+    """fp32, bf16-mixed (fp32 master weights and optimizer state, bf16 compute: autocast under
+    DDP, MixedPrecisionPolicy under FSDP2) or fp64. See ``thdpack.train.precision``."""
     seed: int = 0
     """Model initialisation and every other random choice of the run."""
     output_dir: str = "outputs/train"
@@ -182,14 +182,9 @@ class TrainConfig:
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
         _one_of("train.loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
-        if self.precision is not None:
-            _one_of("train.precision", self.precision, PRECISIONS)
-        self.precision = precision_from_config(self.precision, self.dtype)
-        self.dtype = None
+        _one_of("train.precision", self.precision, PRECISIONS)
 
 
-PackingConfig = PackingNode
-"""The ``packing`` group's node (an alias kept for code that imported it by this name)."""
 MODEL_KINDS = ("thdpack", "hf")
 ModelNode = hydra_node(
     ModelConfig,
@@ -216,7 +211,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self) -> None:
-        self.packing_config(cp_size=self.parallel.cp_size)  # validates the packing group
+        # the packing group, then the rule that spans it and the parallel group
+        check_pack_size(self.packing_config.plan.pack_size, self.parallel.cp_size)
         self.model_config()  # validates the model and attention groups together
 
     def model_config(self) -> ModelConfig | HFModelConfig:
@@ -229,13 +225,11 @@ class Config:
             raise ValueError(f"{', '.join(stray)} applies to Hugging Face models only: add model=hf, or drop it")
         return build(ModelConfig, self.model, attention=self.attention_config())
 
-    def packing_config(
-        self, *, cp_size: int, rank: int = 0, world_size: int = 1, pad_id: int = 0
-    ) -> PackedDatasetConfig:
-        """The data's component config: the packing group plus the run's CP size and DP layout."""
-        return build(
-            PackedDatasetConfig, self.packing, cp_size=cp_size, rank=rank, world_size=world_size, pad_id=pad_id
-        )
+    @functools.cached_property
+    def packing_config(self) -> PackedDatasetConfig:
+        """The data's component config, built (and checked) once from the packing group; the
+        trainer passes the run's values beside it (``PackedDatasetConfig.build``)."""
+        return build(PackedDatasetConfig, self.packing, flatten=PACKING_FLATTEN)
 
     def attention_config(self) -> AttentionConfig:
         return build(AttentionConfig, self.attention)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from thdpack._optional import has_module
-from thdpack.plan import PackingStats
+from thdpack.plan.packing_stats import PackingStats
 
 
 @dataclass(frozen=True)

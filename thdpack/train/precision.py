@@ -18,14 +18,12 @@ move and weight decay does nothing.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp64")
-LEGACY_DTYPES = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16-mixed"}
-"""``train.dtype`` (the old key) -> ``train.precision``."""
+"""The values of ``train.precision``."""
 
 
 @dataclass(frozen=True)
@@ -68,38 +66,3 @@ class Precision:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.param_dtype)
-
-
-def precision_from_config(precision: str | None, dtype: str | None) -> str:
-    """``train.precision``, honouring the old ``train.dtype`` key with a warning.
-
-    ``train.dtype=bfloat16`` used to train in pure bf16 (no fp32 master weights); it now means
-    ``bf16-mixed``. Both keys set to different things is an error.
-
-    >>> precision_from_config(None, None), precision_from_config("fp64", None)
-    ('fp32', 'fp64')
-    """
-    if dtype is None:
-        return precision or "fp32"
-    if dtype not in LEGACY_DTYPES:
-        raise ValueError(
-            f"train.dtype={dtype!r} is not one of {', '.join(LEGACY_DTYPES)}; "
-            f"train.dtype is replaced by train.precision ({' | '.join(PRECISIONS)})"
-        )
-    mapped = LEGACY_DTYPES[dtype]
-    if precision is not None and precision != mapped:
-        raise ValueError(
-            f"train.dtype={dtype} (meaning train.precision={mapped}) contradicts train.precision={precision}; "
-            "drop train.dtype, it is replaced by train.precision"
-        )
-    note = (
-        " (fp32 master weights and optimizer state, bf16 compute: pure bf16 lost the small updates)"
-        if dtype == "bfloat16"
-        else ""
-    )
-    warnings.warn(
-        f"train.dtype is deprecated: train.dtype={dtype} now means train.precision={mapped}{note}",
-        FutureWarning,
-        stacklevel=2,
-    )
-    return mapped

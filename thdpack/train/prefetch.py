@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from thdpack._settings import check_int
 from thdpack.packing.steps import Step, StepStream
-from thdpack.thd import THDBatch
+from thdpack.thd.format import THDBatch
 
 _POLL_SECONDS = 0.1
 
@@ -55,8 +56,7 @@ class StepPrefetcher:
     """
 
     def __init__(self, stream: StepStream, prepare: Callable[[Step], list[THDBatch]], *, depth: int = 2) -> None:
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"prefetch depth must be an int >= 0, got {depth!r}")
+        check_int("prefetch depth", depth, 0)
         self.stream, self.prepare, self.depth = stream, prepare, depth
         self.wait_seconds = 0.0
         """How long the last :meth:`next` waited for its step (the host stalled the step by this)."""

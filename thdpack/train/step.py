@@ -25,9 +25,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from thdpack.cp import shard
+from thdpack.cp.partition import shard
 from thdpack.loss import StepLoss, loss_weights
-from thdpack.thd import THDBatch, thd_collate, thd_to_device
+from thdpack.thd.batch import thd_collate, thd_to_device
+from thdpack.thd.format import THDBatch
 
 
 @dataclass(frozen=True)

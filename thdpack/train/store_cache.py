@@ -3,12 +3,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
-import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -17,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from thdpack import __version__
+from thdpack.data._lock import FolderLock
 from thdpack.data.encode import TokenizeConfig
 from thdpack.data.manifest import StoreError
 from thdpack.data.sources import SourceConfig
@@ -72,9 +70,10 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
     file against its checksums, every token id below ``vocab_size`` (the model's).
 
     ``data.store`` set: that folder (written by ``thdpack prepare``) as it is; damage is a
-    ``StoreError`` naming the file. Otherwise the cache in ``data.cache_dir``, tokenized once per
-    machine: the local main rank builds it into a temporary folder and renames it into place
-    (atomic on one file system) while the other ranks wait at ``barrier``; a damaged cache (a file
+    ``StoreError`` naming the file. Otherwise the cache in ``data.cache_dir``, tokenized once: the
+    local main rank builds it in place under the store's lock (a machine sharing the cache waits
+    for the lock, then uses what the first built) while the other ranks wait at ``barrier``; it is
+    published as every store is, manifest last (``thdpack._publish``). A damaged cache (a file
     deleted, cut short or changed, or written before checksums) is rebuilt with a warning naming
     the file.
     """
@@ -95,15 +94,20 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
 
 
 def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
-    damage = _cache_damage(path, vocab_size)
-    if damage is None:
+    if _cache_damage(path, vocab_size) is None:
         return
-    if path.exists():
-        # the fix StoreError suggests is for prepared stores: a cache repairs itself
-        log.warning("token cache %s is damaged: %s %s; rebuilding it", path, damage.file, damage.problem)
-    print(f"tokenizing {', '.join(data.inputs)} with {data.tokenizer} into {path} (once; cached)", flush=True)
-    _build_cache(data, path, damaged=path.exists())
-    damage = _cache_damage(path, vocab_size)
+    # one builder at a time; a machine that shares data.cache_dir and comes second waits here, then
+    # finds the cache the first one built
+    with FolderLock(path, wait=True) as lock:
+        damage = _cache_damage(path, vocab_size, lock=lock)
+        if damage is None:
+            return
+        if path.exists():
+            # the fix StoreError suggests is for prepared stores: a cache repairs itself
+            log.warning("token cache %s is damaged: %s %s; rebuilding it", path, damage.file, damage.problem)
+        print(f"tokenizing {', '.join(data.inputs)} with {data.tokenizer} into {path} (once; cached)", flush=True)
+        _build_cache(data, path, lock)
+        damage = _cache_damage(path, vocab_size, lock=lock)
     if damage is not None:
         raise StoreError(
             damage.file,
@@ -112,21 +116,22 @@ def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
         )
 
 
-def _cache_damage(path: Path, vocab_size: int) -> StoreError | None:
-    """None when the cache at ``path`` is intact (it says so), else what is wrong with it."""
+def _cache_damage(path: Path, vocab_size: int, lock: FolderLock | None = None) -> StoreError | None:
+    """None when the cache at ``path`` is intact (it says so), else what is wrong with it (a cache
+    that another process is writing is a ``StoreBusyError``)."""
     try:
-        print(verify_store(path, vocab_size=vocab_size, require_checksums=True), flush=True)
+        print(verify_store(path, vocab_size=vocab_size, require_checksums=True, lock=lock), flush=True)
     except StoreError as err:
         return err
     return None
 
 
-def _build_cache(data: DataConfig, path: Path, *, damaged: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+def _build_cache(data: DataConfig, path: Path, lock: FolderLock) -> None:
+    """Write the store in place, published as every store is (``thdpack._publish``): the old
+    manifest goes first, the new one comes last, so the folder is unfinished in between."""
     write_token_store(
         data.inputs,
-        tmp,
+        path,
         tokenizer=data.tokenizer,
         source_config=SourceConfig(format=data.format),
         tokenize_config=TokenizeConfig(
@@ -136,18 +141,8 @@ def _build_cache(data: DataConfig, path: Path, *, damaged: bool) -> None:
         ),
         limit=data.limit,
         overwrite=True,
+        lock=lock,
     )
-    if damaged:
-        # move the damaged folder out of the way (a rename: a reader never sees half of it); when
-        # another machine sharing the cache already did, or installed a new one, there is nothing here
-        aside = path.with_name(f"{path.name}.damaged-{os.getpid()}")
-        with contextlib.suppress(FileNotFoundError):
-            path.rename(aside)
-        shutil.rmtree(aside, ignore_errors=True)
-    try:
-        tmp.rename(path)
-    except OSError:  # another machine sharing the cache installed one first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def pad_id_of(store: TokenStore) -> int:

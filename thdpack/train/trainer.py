@@ -17,25 +17,28 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
-from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
-from thdpack.models import ModelConfig, Transformer
-from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
+from thdpack.data.prepared_plan import read_prepared_plan
+from thdpack.data.store import TokenStore
+from thdpack.models.config import ModelConfig
+from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_model
+from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
-from thdpack.packing.steps import Step
-from thdpack.thd import THDBatch, thd_pin_memory, thd_to_device
+from thdpack.packing.steps import Step, StepStream
+from thdpack.thd.batch import thd_pin_memory, thd_to_device
+from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
-from thdpack.train.checkpoint import HF_FOLDER, copy_folder_atomic, load_checkpoint, open_checkpoints, save_checkpoint
+from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
+from thdpack.train.hf_export import checkpoint_export, publish_hf_folder
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
 from thdpack.train.precision import Precision
 from thdpack.train.prefetch import StepPrefetcher
@@ -135,6 +138,94 @@ def _say(runtime: Runtime, text: str) -> None:
         print(text, flush=True)
 
 
+@dataclass(frozen=True)
+class RunData:
+    """The run's token store, its packed dataset and this rank's stream of steps."""
+
+    store: TokenStore
+    dataset: PackedDataset
+    stream: StepStream
+
+
+def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
+    """The token store (verified), the dataset over it with the run's CP size, DP layout and pad id
+    beside the packing settings, and the step stream. With ``data.store``, epoch 0 trains on the
+    store's prepared plan when it was planned with the run's settings (else the note says which
+    setting differs)."""
+    store = open_token_store(
+        cfg.data,
+        vocab_size=model_vocab_size(cfg.model_config()),
+        is_local_main=runtime.local_rank == 0,
+        barrier=dist.barrier,
+    )
+    origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
+    _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")
+    packing = cfg.packing_config
+    first_plan = None
+    if cfg.data.store is not None:
+        prepared = read_prepared_plan(store.path, store.manifest, packing.plan, cp_size=runtime.cp_size)
+        _say(runtime, prepared.note)
+        first_plan = prepared.plan
+    dataset = packing.build(
+        store,
+        cp_size=runtime.cp_size,
+        rank=runtime.dp_rank,
+        world_size=runtime.dp_size,
+        pad_id=pad_id_of(store),
+        lengths=store.lengths,
+        first_plan=first_plan,
+    )
+    _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
+    train = cfg.train
+    stream = dataset.step_stream(micro_batches=train.micro_batches, packs_per_micro_batch=train.packs_per_micro_batch)
+    return RunData(store=store, dataset=dataset, stream=stream)
+
+
+@dataclass(frozen=True)
+class Training:
+    """The model (wrapped for DDP / FSDP2, and the inner module), its optimizer and schedule."""
+
+    model: torch.nn.Module
+    inner: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None
+    """The forward pass's context under DDP (FSDP2's MixedPrecisionPolicy already computes in bf16)."""
+
+
+def build_training(cfg: Config, runtime: Runtime, vocab_size: int) -> Training:
+    model, inner = build_model(cfg, runtime, vocab_size)
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.train))
+    params = sum(p.numel() for p in inner.parameters())
+    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}, precision {cfg.train.precision}")
+    precision = Precision.named(cfg.train.precision)
+    autocast = None if cfg.parallel.dp_sharding == "fsdp" else precision.autocast
+    return Training(model=model, inner=inner, optimizer=optimizer, scheduler=scheduler, autocast=autocast)
+
+
+def resume_training(cfg: Config, runtime: Runtime, training: Training, stream: StepStream) -> int:
+    """The first step to run: 1, or the step after the checkpoint resumed (model, optimizer,
+    schedule, data stream and RNG restored)."""
+    train = cfg.train
+    checkpoints = Path(train.output_dir) / "checkpoints"
+    resumed_from = open_checkpoints(checkpoints, resume=train.resume, overwrite=train.overwrite)
+    if resumed_from is None:
+        if train.resume:
+            _say(runtime, f"train.resume=true but {checkpoints} holds no checkpoint: starting from step 1")
+        return 1
+    restored = load_checkpoint(resumed_from, model=training.model, optimizer=training.optimizer)
+    scheduler, optimizer = training.scheduler, training.optimizer
+    scheduler.load_state_dict(restored.trainer["scheduler"])
+    # the schedule of *this* config at the restored step (train.steps may have been extended)
+    factor = lr_lambda(train)(scheduler.last_epoch)
+    for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
+        group["lr"] = base_lr * factor
+    stream.load_state_dict(restored.trainer["stream"])
+    _say(runtime, f"resumed from {resumed_from} (step {restored.step})")
+    return restored.step + 1
+
+
 def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
     start_wall = time.perf_counter()
     train = cfg.train
@@ -147,57 +238,21 @@ def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
         f"world {runtime.world_size} = dp {runtime.dp_size} x cp {runtime.cp_size} on {runtime.device} "
         f"({dist.get_backend()}), {cfg.parallel.dp_sharding.upper()}",
     )
-
-    store = open_token_store(
-        cfg.data,
-        vocab_size=model_vocab_size(cfg.model_config()),
-        is_local_main=runtime.local_rank == 0,
-        barrier=dist.barrier,
-    )
-    origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
-    _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")
-    packing = cfg.packing_config(
-        cp_size=runtime.cp_size, rank=runtime.dp_rank, world_size=runtime.dp_size, pad_id=pad_id_of(store)
-    )
-    dataset = PackedDataset.from_config(store, packing, lengths=store.lengths)
-    _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
-    stream = dataset.step_stream(micro_batches=train.micro_batches, packs_per_micro_batch=train.packs_per_micro_batch)
-
-    model, inner = build_model(cfg, runtime, int(store.manifest["tokenizer"]["vocab_size"]))
-    optimizer = build_optimizer(model, train)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(train))
-    params = sum(p.numel() for p in inner.parameters())
-    _say(runtime, f"model: {params:,} parameters, {cfg.model_config()}, precision {train.precision}")
-    precision = Precision.named(train.precision)
-    # FSDP2's MixedPrecisionPolicy already computes in bf16; DDP needs autocast for it
-    autocast = None if cfg.parallel.dp_sharding == "fsdp" else precision.autocast
-
-    checkpoints = out / "checkpoints"
-    first_step = 1
-    resumed_from = open_checkpoints(checkpoints, resume=train.resume, overwrite=train.overwrite)
-    if train.resume and resumed_from is None:
-        _say(runtime, f"train.resume=true but {checkpoints} holds no checkpoint: starting from step 1")
-    if resumed_from is not None:
-        restored = load_checkpoint(resumed_from, model=model, optimizer=optimizer)
-        scheduler.load_state_dict(restored.trainer["scheduler"])
-        # the schedule of *this* config at the restored step (train.steps may have been extended)
-        factor = lr_lambda(train)(scheduler.last_epoch)
-        for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
-            group["lr"] = base_lr * factor
-        stream.load_state_dict(restored.trainer["stream"])
-        first_step = restored.step + 1
-        _say(runtime, f"resumed from {resumed_from} (step {restored.step})")
+    data = open_run_data(cfg, runtime)
+    training = build_training(cfg, runtime, int(data.store.manifest["tokenizer"]["vocab_size"]))
+    first_step = resume_training(cfg, runtime, training, data.stream)
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=first_step - 1) if runtime.is_main else None
-    with StepPrefetcher(stream, _host_batches(runtime, train.loss_reduction), depth=train.prefetch_steps) as steps:
-        last_saved = _loop(cfg, runtime, model, optimizer, scheduler, steps, metrics, first_step, autocast)
-    if isinstance(inner, HFCausalLM) and runtime.is_main and last_saved is not None:
-        published = copy_folder_atomic(last_saved / HF_FOLDER, out / HF_FOLDER)
+    prepare = _host_batches(runtime, train.loss_reduction)
+    with StepPrefetcher(data.stream, prepare, depth=train.prefetch_steps) as steps:
+        last_saved = _loop(cfg, runtime, training, steps, metrics, first_step)
+    if isinstance(training.inner, HFCausalLM) and runtime.is_main and last_saved is not None:
+        published = publish_hf_folder(last_saved, out)
         print(f"wrote {published} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 
     history = metrics.history if metrics is not None else []
     if runtime.is_main:
         print("\n" + summary(history, wall_seconds=time.perf_counter() - start_wall))
-        print(padding_comparison(store.lengths, dataset.stats))
+        print(padding_comparison(data.store.lengths, data.dataset.stats))
         if train.plot and plot_loss(history, out / "loss.png"):
             print(f"wrote {out / 'loss.png'}")
         print(f"wrote {out / 'metrics.jsonl'}")
@@ -211,19 +266,17 @@ def _host_batches(runtime: Runtime, reduction: str) -> Callable[[Step], list[THD
 def _loop(
     cfg: Config,
     runtime: Runtime,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    training: Training,
     steps: StepPrefetcher,
     metrics: MetricsLog | None,
     first_step: int,
-    autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None,
 ) -> Path | None:
     """Steps ``first_step .. stop_at or steps``: no host sync inside a step until its optimizer
     update is queued (the loss and the gradient norm are read back after it). Returns the last
     checkpoint saved (None when the run had no step left)."""
     folder = None
     train = cfg.train
+    model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     checkpoints = Path(train.output_dir) / "checkpoints"
     last_step = train.stop_at or train.steps
     for step_number in range(first_step, last_step + 1):
@@ -232,7 +285,7 @@ def _loop(
         step = prepared.step
         micro = [thd_to_device(mb, runtime.device, non_blocking=True) for mb in prepared.micro_batches]
         step_loss = forward_backward(
-            model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size, autocast=autocast
+            model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size, autocast=training.autocast
         )
         grad_norm_t = clip_grad_norm(model, train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
@@ -274,8 +327,8 @@ def _loop(
                 "config": _plain(cfg),
             }
             export = None
-            if isinstance(_inner(model), HFCausalLM) and (train.save_hf or step_number == last_step):
-                export = _hf_export(model, cfg.data.tokenizer)
+            if isinstance(training.inner, HFCausalLM) and (train.save_hf or step_number == last_step):
+                export = checkpoint_export(model, training.inner, cfg.data.tokenizer)
             folder = save_checkpoint(
                 checkpoints,
                 step_number,
@@ -287,30 +340,6 @@ def _loop(
             )
             _say(runtime, f"saved checkpoint {folder}")
     return folder
-
-
-def _inner(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model
-
-
-def _hf_export(model: torch.nn.Module, tokenizer: str) -> Callable[[Path], None]:
-    """The checkpoint's Hugging Face folder writer (collective: FSDP2 gathers the full weights)."""
-
-    def export(folder: Path) -> None:
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if dist.get_rank() == 0:
-            weights = {name.removeprefix("hf."): tensor for name, tensor in state.items()}
-            save_hf_folder(_inner(model), folder / HF_FOLDER, state_dict=weights, tokenizer=_tokenizer_path(tokenizer))
-
-    return export
-
-
-def _tokenizer_path(tokenizer: str) -> str | None:
-    """A user's tokenizer folder / tokenizer.json to copy into the HF folder; None for a shipped
-    one, which takes precedence over a path of the same name as in ``load_tokenizer``."""
-    if tokenizer in SHIPPED_TOKENIZERS:
-        return None
-    return tokenizer if Path(tokenizer).expanduser().exists() else None
 
 
 def _plain(cfg: Config) -> dict[str, Any]:

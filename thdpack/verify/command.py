@@ -33,7 +33,7 @@ from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
 from thdpack.testing import run_distributed
-from thdpack.thd import thd_to_device
+from thdpack.thd.batch import thd_to_device
 from thdpack.verify.exactness import (
     FAULTS,
     StepSpread,

@@ -31,13 +31,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from thdpack.cp import shard
+from thdpack._settings import check_int
+from thdpack.cp.partition import shard
+from thdpack.format_rules import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
 from thdpack.models.transformer import Transformer
-from thdpack.packing.layout import cp_multiple
-from thdpack.packing.packer import build_pack
-from thdpack.plan import plan_packs
-from thdpack.thd import THDBatch, thd_collate
+from thdpack.packing.dealing import round_robin
+from thdpack.packing.packer import build_pack, pack_from_segments
+from thdpack.plan.api import plan_packs
+from thdpack.thd.batch import thd_collate
+from thdpack.thd.format import THDBatch
 from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
@@ -75,9 +78,7 @@ class StepSpread:
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "cp_size", "micro_steps"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+            check_int(name, getattr(self, name), 1)
         if self.reduction not in LOSS_REDUCTIONS:
             raise ValueError(f"unknown reduction {self.reduction!r}; valid: {', '.join(map(repr, LOSS_REDUCTIONS))}")
         if self.fault not in FAULTS:
@@ -149,11 +150,12 @@ def global_micro_batches(
 ) -> list[list[THDBatch]]:
     """``[dp_rank][micro_step]``: the global (unsharded) THD micro-batches of one optimizer step.
 
-    The samples are planned into packs once (BFD, CP padding for ``spread.cp_size``) and pack
-    ``i`` goes to micro-step ``(i % bins) // dp_size``, DP rank ``i % dp_size`` (bins = dp_size *
-    micro_steps), so micro-batches hold different numbers of packs and tokens. Extra per-token
-    keys, re-indexed by ``cp.shard`` like the tokens: ``sequence_index`` (the sample a token
-    belongs to), ``sequence_position`` (its true position in it) and ``loss_weights``.
+    The samples are planned into packs once (BFD, CP padding for ``spread.cp_size``) and dealt
+    round robin (``thdpack.packing.dealing.round_robin``) to ``bins = dp_size * micro_steps`` hands;
+    hand ``h`` is micro-step ``h // dp_size`` of DP rank ``h % dp_size``, so micro-batches hold
+    different numbers of packs and tokens. Extra per-token keys, re-indexed by ``cp.shard`` like
+    the tokens: ``sequence_index`` (the sample a token belongs to), ``sequence_position`` (its
+    true position in it) and ``loss_weights``.
     """
     lengths = [len(s["input_ids"]) for s in samples]
     plan = plan_packs(lengths, pack_size, cp_size=spread.cp_size)
@@ -161,12 +163,12 @@ def global_micro_batches(
     if len(plan) < bins:
         raise ValueError(f"{len(plan)} packs for {bins} (micro-step, DP rank) slots; use more samples or fewer ranks")
     batches: list[list[list[dict[str, Any]]]] = [[[] for _ in range(spread.micro_steps)] for _ in range(spread.dp_size)]
-    for i in range(len(plan)):
-        pack: dict[str, Any] = dict(build_pack(samples, plan.segments(i), pack_size, cp_size=spread.cp_size))
-        pack["sequence_index"] = torch.from_numpy(np.repeat(plan[i], pack["seq_lens_padded"].numpy()))
-        pack["sequence_position"] = pack["position_ids"].clone()
-        slot = i % bins
-        batches[slot % spread.dp_size][slot // spread.dp_size].append(pack)
+    for hand, pack_indices in enumerate(round_robin(np.arange(len(plan)), bins)):
+        for i in pack_indices.tolist():
+            pack: dict[str, Any] = dict(build_pack(samples, plan, i))
+            pack["sequence_index"] = torch.from_numpy(np.repeat(plan[i], pack["seq_lens_padded"].numpy()))
+            pack["sequence_position"] = pack["position_ids"].clone()
+            batches[hand % spread.dp_size][hand // spread.dp_size].append(pack)
     out = []
     for per_rank in batches:
         thds = []
@@ -356,7 +358,7 @@ def _rank_shard(thd: Mapping[str, Any], spread: StepSpread, cp_rank: int) -> THD
 
 def _alone(sample: Mapping[str, Any]) -> THDBatch:
     """A THD batch of one sample: one sequence, no padding."""
-    pack = build_pack([sample], ([0], [0], [len(sample["input_ids"])]), len(sample["input_ids"]))
+    pack = pack_from_segments([sample], ([0], [0], [len(sample["input_ids"])]), len(sample["input_ids"]))
     return thd_collate([pack])
 
 

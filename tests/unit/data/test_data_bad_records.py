@@ -11,8 +11,6 @@ from thdpack.data.encode import SampleEncoder, TokenizeConfig
 from thdpack.data.records import chat_messages
 from thdpack.data.sources import Source
 
-pytest.importorskip("tokenizers", reason="the encoder tokenizes (pip install 'thdpack[hf]')")
-
 GOOD = {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
 # (record, reason, message) for every way a record can fail to be a sample
 BAD = [

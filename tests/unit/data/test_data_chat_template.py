@@ -11,14 +11,14 @@ import sys
 
 import numpy as np
 import pytest
+import tokenizers
+import transformers
 
 from thdpack.data.bad_records import BadRecord
 from thdpack.data.chat_template import ChatTemplate
-from thdpack.data.encode import ASSETS, SampleEncoder, TokenizeConfig, load_tokenizer
+from thdpack.data.encode import SampleEncoder, TokenizeConfig
 from thdpack.data.records import record_segments
-
-tokenizers = pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
-transformers = pytest.importorskip("transformers", reason="chat templates render with transformers ('thdpack[hf]')")
+from thdpack.data.tokenizer import ASSETS, load_tokenizer
 
 CHATML = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "

@@ -7,18 +7,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tokenizers
 
-from thdpack.data.encode import (
-    ASSETS,
-    SampleEncoder,
-    TokenizeConfig,
-    TokenizedSample,
-    load_tokenizer,
-    tokenize_records,
-)
+from thdpack.data.encode import SampleEncoder, TokenizeConfig, TokenizedSample, tokenize_records
 from thdpack.data.records import detect_kind, record_segments
-
-tokenizers = pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
+from thdpack.data.tokenizer import ASSETS, load_tokenizer
 
 GPT2_SHA256 = "e88dafdf79f2026eaffb161c36a8b914b5fa586a620d108b9fecc117f74dbdd7"
 EOS = 50256

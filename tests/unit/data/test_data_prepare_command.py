@@ -13,16 +13,17 @@ import numpy as np
 import pytest
 
 from thdpack._optional import has_module
+from thdpack._publish import file_digest
 from thdpack.data import verify_store
 from thdpack.data._lock import FolderLock
-from thdpack.data.encode import load_tokenizer
+from thdpack.data.manifest import StoreError
 from thdpack.data.prepare_command import add_prepare_arguments, run_prepare
 from thdpack.data.store import TokenStore
-from thdpack.plan import PackPlan
+from thdpack.data.tokenizer import load_tokenizer
+from thdpack.packing.dealing import plan_epoch
+from thdpack.plan import PackPlan, PlanConfig
 
 REPO = Path(__file__).resolve().parents[3]
-
-pytest.importorskip("tokenizers", reason="prepare tokenizes (pip install 'thdpack[hf]')")
 
 
 def prepare(*argv: str) -> int:
@@ -52,8 +53,14 @@ def test_end_to_end(corpus, tmp_path, capsys):
     plan = PackPlan.load(out / "plan.npz")
     assert sorted(np.concatenate(list(plan)).tolist()) == list(range(7))  # every sample exactly once
     assert plan.pack_size == 64 and plan.cp_size == 2
+    # epoch 0's plan exactly as a trainer with these settings makes it (seed derived from (0, 0))
+    config = PlanConfig(pack_size=64, seed=0)
+    trainers = plan_epoch(store.lengths, config, cp_size=2, epoch=0)
+    assert plan.seed == trainers.seed and [p.tolist() for p in plan] == [p.tolist() for p in trainers]
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["plan"]["stats"]["num_sequences"] == 7 and manifest["plan"]["algorithm"] == "bfd"
+    record = manifest["plan"]
+    assert record["config"] == config.fingerprint() and record["cp_size"] == 2 and record["file"] == "plan.npz"
+    assert record["checksum"] == file_digest(out / "plan.npz") and record["stats"]["num_sequences"] == 7
     assert manifest["prepare"]["inputs"][0]["skipped_empty"] == 1
     assert manifest["prepare"]["tokenize_report"]["samples"] == 7
     if has_module("matplotlib"):
@@ -136,6 +143,17 @@ def test_the_manifest_keeps_its_checksums_after_the_plan_is_added(corpus, tmp_pa
     assert set(manifest["checksums"]) == {"tokens.bin", "offsets.npy"} and "plan" in manifest
     assert verify_store(tmp_path / "out").checksums
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.jsonl", "out"]  # the lock file went too
+
+
+def test_a_damaged_plan_is_an_error_naming_it(corpus, tmp_path):
+    out = tmp_path / "out"
+    assert prepare(str(corpus), "--pack-size", "64", "--algorithm", "window", "--window", "4", "--out", str(out)) == 0
+    assert json.loads((out / "manifest.json").read_text())["plan"]["config"]["window"] == 4
+    data = bytearray((out / "plan.npz").read_bytes())
+    data[len(data) // 2] ^= 1
+    (out / "plan.npz").write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=rf"{out / 'plan.npz'} does not match its sha256 in manifest.json"):
+        verify_store(out)
 
 
 @pytest.mark.distributed

@@ -11,10 +11,9 @@ import sys
 import numpy as np
 import pytest
 
-from thdpack.data.encode import SampleEncoder, load_tokenizer
+from thdpack.data.encode import SampleEncoder
 from thdpack.data.sources import Source, stdlib_root
-
-pytest.importorskip("tokenizers", reason="tokenization needs tokenizers (pip install 'thdpack[hf]')")
+from thdpack.data.tokenizer import load_tokenizer
 
 
 def test_alpaca_json_streams_and_tokenizes_like_the_reference(shared_data):

@@ -162,7 +162,7 @@ def test_stdlib_is_the_interpreters_sorted_py_files():
 
 
 def test_parquet(tmp_path):
-    pa = pytest.importorskip("pyarrow", reason="parquet needs pyarrow (pip install 'thdpack[hf]')")
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["a", "", "c"], "n": [1, None, 3]}), tmp_path / "d.parquet")
@@ -179,7 +179,8 @@ def test_parquet(tmp_path):
 
 
 def test_hf_save_to_disk_folder(tmp_path):
-    datasets = pytest.importorskip("datasets", reason="HF folders need datasets (pip install 'thdpack[hf]')")
+    import datasets
+
     rows = {"instruction": ["i0", "i1"], "input": ["", "x"], "output": ["o0", "o1"]}
     datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "one"))
     src = Source(tmp_path / "one")

@@ -9,9 +9,7 @@ import pytest
 from test_data_store_verify import make_store, overwrite, save_offsets, set_at
 
 from thdpack.cli import main
-from thdpack.data.encode import load_tokenizer
-
-pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
+from thdpack.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

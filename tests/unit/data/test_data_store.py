@@ -11,10 +11,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thdpack.data import store as store_module
-from thdpack.data.encode import TokenizedSample, load_tokenizer
+from thdpack.data.encode import TokenizedSample
 from thdpack.data.store import StoreError, TokenStore, TokenStoreWriter, read_manifest, token_dtype
-
-pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
+from thdpack.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

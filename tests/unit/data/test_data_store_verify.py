@@ -16,13 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thdpack._checksum import file_digest
+from thdpack._publish import file_digest
 from thdpack.data import StoreBusyError, StoreError, StoreVerification, verify_store
 from thdpack.data._lock import FolderLock
-from thdpack.data.encode import TokenizedSample, load_tokenizer
+from thdpack.data.encode import TokenizedSample
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
-
-pytest.importorskip("tokenizers", reason="the store records a tokenizer (pip install 'thdpack[hf]')")
+from thdpack.data.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,19 +7,18 @@ import json
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (thdpack[dev])")
-
-from thdpack.attention import AttentionConfig  # noqa: E402
-from thdpack.models.hf_causal_lm import (  # noqa: E402
+from thdpack.attention import AttentionConfig
+from thdpack.models.hf_causal_lm import (
     ARCHITECTURES,
     ATTENTION_NAME,
     HFModelConfig,
     build_hf_model,
     save_hf_folder,
 )
-from thdpack.packing import build_pack  # noqa: E402
-from thdpack.thd import thd_collate, thd_to_device  # noqa: E402
+from thdpack.packing import pack_from_segments
+from thdpack.thd import thd_collate, thd_to_device
 
 TINY = {"vocab_size": 101, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48}
 LENGTHS = (6, 1, 9)
@@ -28,7 +27,7 @@ LENGTHS = (6, 1, 9)
 def _row():
     torch.manual_seed(3)
     samples = [{"input_ids": torch.randint(3, 101, (n,)).tolist()} for n in LENGTHS]
-    return samples, thd_collate([build_pack(samples, (range(3), [0, 0, 0], LENGTHS), 20)])
+    return samples, thd_collate([pack_from_segments(samples, (range(3), [0, 0, 0], LENGTHS), 20)])
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

@@ -9,10 +9,7 @@ import contextlib
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (thdpack[dev])")
-
-from _hf_cases import (  # noqa: E402
+from _hf_cases import (
     ARCHITECTURES,
     differences,
     hf_model,
@@ -23,8 +20,8 @@ from _hf_cases import (  # noqa: E402
     unpacked_step,
 )
 
-from thdpack.cp import shard  # noqa: E402
-from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention  # noqa: E402
+from thdpack.cp import shard
+from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention
 
 TOL = 1e-10
 IMPLEMENTATIONS = ["eager", "sdpa", "thdpack"]

@@ -11,7 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.packing.dataset import PackedDataset, epoch_seeds
+from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
+from thdpack.packing.dealing import epoch_seeds, plan_epoch
+from thdpack.plan import PlanConfig
 from thdpack.testing import assert_resumable
 
 RNG = np.random.default_rng(0)
@@ -79,8 +81,9 @@ def test_remainder_drop_reports_what_it_leaves_out(caplog):
     seen = [k for ds in ranks for k in keys(ds)]
     assert len(seen) == len(set(seen)) == shard.num_packs - shard.dropped_packs
     assert shard.dropped_tokens > 0 and f"({shard.dropped_tokens} tokens) dropped" in caplog.text
+    few = make(rank=999, world_size=1000, remainder="drop")  # made: the step stream needs no remainder
     with pytest.raises(ValueError, match=r"epoch 0 has \d+ packs for world_size=1000: with remainder='drop'"):
-        make(world_size=1000, remainder="drop")
+        len(few)  # map-style access is where the policy applies
 
 
 @settings(max_examples=15)
@@ -135,8 +138,9 @@ def test_lengths_are_computed_and_checked():
         ({"remainder": "pad"}, "unknown remainder policy 'pad'; valid: repeat, drop"),
         ({"rank": 2, "world_size": 2}, "rank=2 must be < world_size=2"),
         ({"cp_size": 3}, r"pack_size=64 is not a multiple of 2\*cp_size=6"),
-        ({"seed": -1}, "seed must be an integer >= 0, got -1"),
-        ({"pack_size": 0}, "pack_size must be an integer >= 1, got 0"),
+        ({"seed": -1}, "seed must be >= 0, got -1"),
+        ({"pack_size": 0}, "pack_size must be >= 1, got 0"),
+        ({"world_size": 0}, "world_size must be >= 1, got 0"),
     ],
 )
 def test_bad_settings(kwargs, message):
@@ -144,11 +148,53 @@ def test_bad_settings(kwargs, message):
         make(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pack_size": 64.0}, "pack_size must be an integer, got 64.0"),
+        ({"cp_size": 2.0}, "cp_size must be an integer, got 2.0"),
+        ({"rank": True}, "rank must be an integer, got True"),
+        ({"pad_id": "0"}, "pad_id must be an integer token id, got '0'"),
+        ({"shuffle": 1}, "shuffle must be True or False, got 1"),
+    ],
+)
+def test_values_of_the_wrong_type(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        make(**kwargs)
+
+
+def test_the_config_takes_the_runs_values_beside_it_and_refuses_settings_there():
+    config = PackedDatasetConfig(plan=PlanConfig(pack_size=64, seed=0))
+    built = config.build(SAMPLES, lengths=LENGTHS, cp_size=2, rank=1, world_size=2, pad_id=7)
+    flat = make(cp_size=2, rank=1, world_size=2, pad_id=7)
+    assert built.config == flat.config and keys(built) == keys(flat) and built.state_dict() == flat.state_dict()
+    assert (built.cp_size, built.rank, built.world_size, built.pad_id) == (2, 1, 2, 7)
+    with pytest.raises(TypeError, match="pack_size is a setting of PackedDatasetConfig: set it in the"):
+        config.build(SAMPLES, pack_size=32)
+    with pytest.raises(TypeError, match="remainder, shuffle are settings of PackedDatasetConfig"):
+        config.build(SAMPLES, shuffle=False, remainder="drop")
+
+
+def test_a_given_first_plan_is_used_for_epoch_0_and_must_be_that_plan():
+    config = PackedDatasetConfig(plan=PlanConfig(pack_size=64, seed=3))
+    lengths = np.array(LENGTHS)
+    plan = plan_epoch(lengths, config.plan, cp_size=2, epoch=0)
+    given = config.build(SAMPLES, lengths=LENGTHS, cp_size=2, first_plan=plan)
+    assert given.plan is plan and given.plans_made == 0 and keys(given) == keys(config.build(SAMPLES, cp_size=2))
+    given.set_epoch(1)
+    assert given.plan is not plan and given.plans_made == 1  # later epochs are the run's own
+    other = plan_epoch(lengths, PlanConfig(pack_size=64, seed=4), cp_size=2, epoch=0)
+    with pytest.raises(ValueError, match=r"the given plan is not what epoch 0 plans \(seed: plan \d+, epoch 0 \d+\)"):
+        config.build(SAMPLES, lengths=LENGTHS, cp_size=2, first_plan=other)
+    with pytest.raises(ValueError, match=r"cp_size: plan 2, epoch 0 1"):
+        config.build(SAMPLES, lengths=LENGTHS, first_plan=plan)
+
+
 def test_bad_access():
     ds = make()
     with pytest.raises(IndexError, match=rf"pack {len(ds)} out of range: this rank has {len(ds)} packs in epoch 0"):
         ds[len(ds)]
-    with pytest.raises(ValueError, match="epoch must be an integer >= 0, got -1"):
+    with pytest.raises(ValueError, match="epoch must be >= 0, got -1"):
         ds.set_epoch(-1)
     with pytest.raises(ValueError, match="sequence 0 has 7 tokens, over pack_size=4"):
         PackedDataset([{"input_ids": list(range(7))}], 4)

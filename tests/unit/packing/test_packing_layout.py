@@ -1,4 +1,4 @@
-"""thdpack.packing.layout: CP rounding, seq_lens_padded, positions, labels, padding mask."""
+"""thdpack.packing.layout: seq_lens_padded, positions, labels, padding mask (the rules: test_format_rules)."""
 
 from __future__ import annotations
 
@@ -7,27 +7,21 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from thdpack.format_rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
 from thdpack.packing import layout
 
-N = layout.IGNORE_INDEX
+N = IGNORE_INDEX
 lengths_st = st.lists(st.integers(1, 40), min_size=1, max_size=12)
-
-
-@given(lengths_st, st.sampled_from([1, 2, 3, 4, 8]))
-def test_round_up_to_cp(lengths, cp_size):
-    rounded = layout.round_up_to_cp(np.array(lengths), cp_size)
-    multiple = layout.cp_multiple(cp_size)
-    assert (rounded % multiple == 0).all() and (rounded >= lengths).all() and (rounded - lengths < multiple).all()
 
 
 @given(lengths_st, st.sampled_from([1, 2, 4]), st.integers(0, 50))
 def test_pack_seq_lens_padded_sums_to_pack_size(lengths, cp_size, spare):
-    multiple = layout.cp_multiple(cp_size)
-    used = int(layout.round_up_to_cp(np.array(lengths), cp_size).sum())
+    multiple = cp_multiple(cp_size)
+    used = int(round_up_to_cp(np.array(lengths), cp_size).sum())
     pack_size = -(-(used + spare) // multiple) * multiple
     padded = layout.pack_seq_lens_padded(np.array(lengths), pack_size, cp_size)
     assert padded.sum() == pack_size and (padded % multiple == 0).all()
-    assert (padded[:-1] == layout.round_up_to_cp(np.array(lengths[:-1]), cp_size)).all()
+    assert (padded[:-1] == round_up_to_cp(np.array(lengths[:-1]), cp_size)).all()
 
 
 @given(st.lists(st.integers(0, 20), min_size=1, max_size=10))
@@ -57,12 +51,8 @@ def test_worked_values():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="cp_size must be >= 1, got 0"):
-        layout.cp_multiple(0)
     with pytest.raises(ValueError, match=r"pack_size=10 is not a multiple of 2\*cp_size=4.*use pack_size=12 or 8"):
-        layout.check_pack_size(10, 2)
-    with pytest.raises(ValueError, match="pack_size must be >= 1, got 0"):
-        layout.check_pack_size(0, 1)
+        layout.pack_seq_lens_padded(np.array([3]), 10, 2)
     with pytest.raises(
         ValueError,
         match=r"take 12 slots \(real lengths \[3, 5\], rounded to multiples of 4\), over pack_size=8",

@@ -1,4 +1,4 @@
-"""thdpack.packing.packer: samples -> packs from plan segments (every overflow policy, CP sizes, labels)."""
+"""thdpack.packing.packer: samples -> packs from plans and segments (every overflow policy, CP sizes, labels)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.packing.packer import SampleTokens, assemble_pack, build_pack, read_sample
+from thdpack.packing.packer import SampleTokens, assemble_pack, build_pack, pack_from_segments, read_sample
 from thdpack.plan import plan_packs
 
 N = -100
@@ -33,17 +33,14 @@ def test_packs_from_any_plan_conserve_tokens_and_keep_labels_in_their_document(
     samples = unique_samples(lengths, np.random.default_rng(seed), labels=labels, loss_mask=loss_mask)
     assume(not (overflow == "drop" and min(lengths) > pack_size))  # else nothing is left to plan
     plan = plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, overflow=overflow, seed=seed)
-    packs = [
-        build_pack(samples, plan.segments(i), pack_size, cp_size=cp_size, pad_id=pad_id, sample_lengths=lengths)
-        for i in range(len(plan))
-    ]
+    packs = [build_pack(samples, plan, i, pad_id=pad_id) for i in range(len(plan))]
     check_packs(packs, samples, pack_size, cp_size, pad_id, overflow)
 
 
 def test_split_piece_keeps_the_documents_next_token_and_restarts_positions():
     samples = [{"input_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]}]
     plan = plan_packs([10], 4, overflow="split", algorithm="sequential")
-    packs = [build_pack(samples, plan.segments(i), 4) for i in range(len(plan))]
+    packs = [build_pack(samples, plan, i) for i in range(len(plan))]
     assert [p["input_ids"].tolist() for p in packs] == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0]]
     assert [p["labels"].tolist() for p in packs] == [[2, 3, 4, 5], [6, 7, 8, 9], [10, N, N, N]]
     assert [p["position_ids"].tolist() for p in packs] == [[0, 1, 2, 3]] * 3
@@ -54,7 +51,7 @@ def test_cp_layout_written_out():
         {"input_ids": [1, 2, 3], "labels": [2, 3, N]},
         {"input_ids": [4, 5, 6, 7, 8], "loss_mask": [0, 0, 1, 1, 1]},
     ]
-    pack = build_pack(samples, ([0, 1], [0, 0], [3, 5]), 16, cp_size=2, pad_id=9)
+    pack = pack_from_segments(samples, ([0, 1], [0, 0], [3, 5]), 16, cp_size=2, pad_id=9)
     assert pack["input_ids"].tolist() == [1, 2, 3, 9, 4, 5, 6, 7, 8, 9, 9, 9, 9, 9, 9, 9]
     assert pack["labels"].tolist() == [2, 3, N, N, N, N, 7, 8, N, N, N, N, N, N, N, N]
     assert pack["position_ids"].tolist() == [0, 1, 2, 3, *range(12)]
@@ -64,7 +61,7 @@ def test_cp_layout_written_out():
 def test_samples_are_never_modified():
     ids, labels, mask = np.array([1, 2, 3]), np.array([2, 3, 4]), torch.tensor([0, 1, 1])
     sample = {"input_ids": ids, "labels": labels, "loss_mask": mask}
-    pack = build_pack([sample], ([0], [0], [3]), 4)
+    pack = pack_from_segments([sample], ([0], [0], [3]), 4)
     assert pack["labels"].tolist() == [N, 3, 4, N]
     assert ids.tolist() == [1, 2, 3] and labels.tolist() == [2, 3, 4] and mask.tolist() == [0, 1, 1]
     assert set(sample) == {"input_ids", "labels", "loss_mask"}
@@ -113,11 +110,11 @@ def test_bad_samples(sample, error, message):
 def test_plan_and_samples_disagree():
     samples = [{"input_ids": [1, 2, 3]}]
     with pytest.raises(ValueError, match=r"sample 0 has 3 tokens but the plan takes tokens \[2, 6\)"):
-        build_pack(samples, ([0], [2], [4]), 8)
+        pack_from_segments(samples, ([0], [2], [4]), 8)
     with pytest.raises(ValueError, match="sample 0 has 3 tokens but the plan was made for length 5"):
-        build_pack(samples, ([0], [0], [3]), 8, sample_lengths=np.array([5]))
+        build_pack(samples, plan_packs([5], 8), 0)
     with pytest.raises(ValueError, match="segments must have equal lengths, got 1 indices, 2 starts, 1 lengths"):
-        build_pack(samples, ([0], [0, 0], [3]), 8)
+        pack_from_segments(samples, ([0], [0, 0], [3]), 8)
 
 
 def test_pieces_that_do_not_fit():

@@ -1,6 +1,8 @@
-"""thdpack.packing.steps: optimizer steps dealt to DP ranks by the dataset that owns the packs."""
+"""thdpack.packing.steps: optimizer steps cut from the dealer's epochs and dealt to DP ranks."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import pytest
@@ -29,7 +31,7 @@ def take(stream: StepStream, steps: int) -> list[list[tuple[int, ...]]]:
 def test_each_epoch_is_planned_once_while_steps_straddle_its_boundary():
     data = dataset(world_size=2, rank=0)
     stream = data.step_stream(micro_batches=3, packs_per_micro_batch=1)  # 6 packs a step
-    packs_per_epoch = len(data.epoch_view(0).order)
+    packs_per_epoch = len(data.epochs[0])
     assert packs_per_epoch % 6  # some step takes the end of one epoch and the start of the next
     steps = 3 * packs_per_epoch // 6 + 1
     take(stream, steps)
@@ -68,10 +70,28 @@ def test_the_state_is_the_same_on_every_rank_and_checks_the_settings():
     other = PackedDataset(SAMPLES, 64, lengths=LENGTHS, seed=6, world_size=2).step_stream(
         micro_batches=2, packs_per_micro_batch=1
     )
-    with pytest.raises(ValueError, match=r"state was saved by a StepStream with other settings \(dataset: saved"):
+    with pytest.raises(
+        ValueError, match=r"state was saved by a StepStream with other settings \(seed: saved 5, now 6\)"
+    ):
         other.load_state_dict(rank0.state_dict())
-    with pytest.raises(ValueError, match="micro_batches must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="micro_batches must be >= 1, got 0"):
         dataset().step_stream(micro_batches=0, packs_per_micro_batch=1)
+
+
+def test_remainder_is_not_a_setting_of_the_step_stream(caplog):
+    """remainder shapes map-style access only: the stream neither saves it nor logs repeats, and
+    runs with fewer packs in an epoch than ranks, where remainder='drop' would refuse."""
+    repeat = dataset(world_size=2, rank=0).step_stream(micro_batches=1, packs_per_micro_batch=1)
+    drop = dataset(world_size=2, rank=0, remainder="drop").step_stream(micro_batches=1, packs_per_micro_batch=1)
+    assert "remainder" not in repeat.state_dict()
+    drop.load_state_dict(repeat.state_dict())
+    with caplog.at_level(logging.INFO, logger="thdpack"):
+        assert take(drop, 5) == take(repeat, 5)
+    assert "repeated" not in caplog.text and "dropped" not in caplog.text
+    few = PackedDataset(SAMPLES[:3], 64, world_size=8, rank=7, remainder="drop")  # fewer packs than ranks
+    assert len(take(few.step_stream(micro_batches=1, packs_per_micro_batch=1), 2)[0]) == 1
+    with pytest.raises(ValueError, match="with remainder='drop' some ranks would get none"):
+        few[0]
 
 
 def test_the_trainer_packing_group_is_the_dataset_config():
@@ -81,11 +101,14 @@ def test_the_trainer_packing_group_is_the_dataset_config():
     import yaml
 
     from thdpack.packing.dataset import PackedDatasetConfig
-    from thdpack.train.config import PACKING_RUNTIME_FIELDS, Config, PackingNode
+    from thdpack.plan import PlanConfig
+    from thdpack.train.config import Config, PackingNode
 
-    component = {f.name for f in dataclasses.fields(PackedDatasetConfig)}
-    assert {f.name for f in dataclasses.fields(PackingNode)} == component - set(PACKING_RUNTIME_FIELDS)
-    config = Config().packing_config(cp_size=2, rank=1, world_size=4, pad_id=7)
-    assert isinstance(config, PackedDatasetConfig) and (config.rank, config.world_size, config.pad_id) == (1, 4, 7)
+    settings = {f.name for f in dataclasses.fields(PackedDatasetConfig)} - {"plan"}
+    settings |= {f.name for f in dataclasses.fields(PlanConfig)}  # listed flat: packing.pack_size
+    assert {f.name for f in dataclasses.fields(PackingNode)} == settings  # and no runtime value
+    cfg = Config()
+    assert isinstance(cfg.packing_config, PackedDatasetConfig) and cfg.packing_config is cfg.packing_config
+    assert cfg.packing_config.plan == PlanConfig(pack_size=1024, seed=0)
     for preset in (Path(__file__).resolve().parents[3] / "configs" / "packing").glob("*.yaml"):
         assert yaml.safe_load(preset.read_text())["overflow"] == "split", preset.name  # training: no token lost

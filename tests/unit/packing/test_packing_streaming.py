@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.packing.streaming import StreamingPacker
+from thdpack.packing.streaming import StreamingPacker, StreamingPackerConfig
 from thdpack.testing import assert_resumable
 
 
@@ -134,7 +134,7 @@ def test_a_finished_stream_starts_a_new_pass():
 def test_errors():
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens, over pack_size=8; use overflow='split'"):
         list(StreamingPacker([{"input_ids": [1]}, {"input_ids": [1] * 9}], 8))
-    with pytest.raises(ValueError, match="buffer_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="buffer_size must be >= 1, got 0"):
         StreamingPacker([], 8, buffer_size=0)
     with pytest.raises(ValueError, match="unknown overflow policy 'wrap'; valid: error, drop, truncate, split"):
         StreamingPacker([], 8, overflow="wrap")
@@ -144,6 +144,17 @@ def test_errors():
         StreamingPacker([], 8, pad_id=0.5)
     with pytest.raises(TypeError, match="sample 0: input_ids must hold integers"):
         list(StreamingPacker([{"input_ids": ["a"]}], 8))
+    with pytest.raises(TypeError, match=r"pack_size must be an integer, got 8\.0"):
+        StreamingPacker([], 8.0)
+
+
+def test_the_config_takes_the_runs_values_beside_it():
+    samples = [{"input_ids": [1] * n} for n in (3, 4, 5, 6)]
+    config = StreamingPackerConfig(pack_size=8, buffer_size=2)
+    built = [p["input_ids"].tolist() for p in config.build(samples, cp_size=2, pad_id=9)]
+    assert built == [p["input_ids"].tolist() for p in StreamingPacker(samples, 8, buffer_size=2, cp_size=2, pad_id=9)]
+    with pytest.raises(TypeError, match="overflow is a setting of StreamingPackerConfig"):
+        config.build(samples, overflow="split")
 
 
 def test_resume_errors():

@@ -1,4 +1,4 @@
-"""``train.precision``: fp32 master weights under bf16 compute, and the old ``train.dtype`` key."""
+"""``train.precision``: fp32 master weights under bf16 compute."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from thdpack.models import ModelConfig, Transformer
-from thdpack.packing import build_pack
+from thdpack.packing import pack_from_segments
 from thdpack.thd import thd_collate, thd_to_device
 from thdpack.train.config import TrainConfig
-from thdpack.train.precision import Precision, precision_from_config
+from thdpack.train.precision import Precision
 
 
 def test_named_precisions_resolve_to_dtypes():
@@ -37,7 +37,7 @@ def test_bf16_mixed_autocast_computes_in_bf16_and_keeps_fp32_weights_and_grads()
     precision = Precision.named("bf16-mixed")
     model = Transformer(config, seed=0, dtype=precision.param_dtype)
     samples = [{"input_ids": list(range(1, 6))}, {"input_ids": list(range(6, 9))}]
-    thd = thd_collate([build_pack(samples, ([0, 1], [0, 0], [5, 3]), 8)])
+    thd = thd_collate([pack_from_segments(samples, ([0, 1], [0, 0], [5, 3]), 8)])
     with precision.autocast(torch.device("cpu")):
         logits_TV = model(thd)
     assert logits_TV.dtype == torch.bfloat16
@@ -58,18 +58,9 @@ def test_train_precision_defaults_to_fp32_and_is_validated():
         TrainConfig(precision="bfloat16")
 
 
-@pytest.mark.parametrize(("dtype", "precision"), [("float32", "fp32"), ("float64", "fp64"), ("bfloat16", "bf16-mixed")])
-def test_old_dtype_key_maps_to_a_precision_with_a_warning(dtype, precision):
-    with pytest.warns(FutureWarning, match=f"train.dtype={dtype} now means train.precision={precision}"):
-        config = TrainConfig(dtype=dtype)
-    assert config.precision == precision and config.dtype is None
-
-
-def test_old_dtype_key_contradicting_precision_is_refused():
-    with pytest.raises(ValueError, match=r"contradicts train\.precision=fp32"):
-        precision_from_config("fp32", "bfloat16")
-    with pytest.raises(ValueError, match=r"train\.dtype=.float16. is not one of"):
-        precision_from_config(None, "float16")
+def test_the_removed_dtype_key_is_not_a_field():
+    with pytest.raises(TypeError, match="dtype"):
+        TrainConfig(dtype="float32")  # type: ignore[call-arg]
 
 
 @pytest.mark.gpu
@@ -78,7 +69,7 @@ def test_bf16_mixed_on_cuda_stays_close_to_fp32():
     config = ModelConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256)
     lengths = [37, 5, 80, 6]
     samples = [{"input_ids": [(7 * i + 3 * j) % 500 + 1 for j in range(n)]} for i, n in enumerate(lengths)]
-    thd = thd_to_device(thd_collate([build_pack(samples, (range(4), [0] * 4, lengths), 128)]), "cuda")
+    thd = thd_to_device(thd_collate([pack_from_segments(samples, (range(4), [0] * 4, lengths), 128)]), "cuda")
     losses = {}
     for name in ("fp32", "bf16-mixed"):
         precision = Precision.named(name)

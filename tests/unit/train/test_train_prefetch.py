@@ -89,10 +89,15 @@ def test_the_wait_for_a_slow_step_is_measured():
         assert steps.wait_seconds >= 0.05
 
 
-@pytest.mark.parametrize("depth", [-1, 1.5, True])
-def test_a_bad_depth_is_refused(depth):
-    with pytest.raises(ValueError, match="prefetch depth must be an int >= 0"):
+@pytest.mark.parametrize(
+    ("depth", "error", "message"),
+    [(-1, ValueError, "prefetch depth must be >= 0, got -1"), (1.5, TypeError, "prefetch depth must be an integer")],
+)
+def test_a_bad_depth_is_refused(depth, error, message):
+    with pytest.raises(error, match=message):
         StepPrefetcher(_stream(), _collate, depth=depth)
+    with pytest.raises(TypeError, match="prefetch depth must be an integer, got True"):
+        StepPrefetcher(_stream(), _collate, depth=True)
 
 
 @pytest.mark.gpu

@@ -1,16 +1,19 @@
-"""The trainer's token store: the data config's bad-record policy and chat template reach it."""
+"""The trainer's token store: the data config's bad-record policy and chat template reach it; one builder at a time."""
 
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 
+from thdpack.data._lock import FolderLock
+from thdpack.data.encode import TokenizeConfig
+from thdpack.data.write_store import write_token_store
 from thdpack.train.config import DataConfig
-from thdpack.train.store_cache import open_token_store, store_fingerprint
+from thdpack.train.store_cache import cache_path, open_token_store, store_fingerprint
 
-pytest.importorskip("tokenizers", reason="the trainer tokenizes (pip install 'thdpack[hf]')")
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 
 
@@ -54,7 +57,7 @@ def test_a_changed_tokenizer_folder_changes_the_fingerprint(tmp_path):
 
 @pytest.mark.parametrize("preset", ["jsonl", "stdlib"])
 def test_the_data_presets_compose_with_the_new_options(preset):
-    hydra = pytest.importorskip("hydra")
+    import hydra
     from omegaconf import OmegaConf
 
     from thdpack.train.config import Config, register_configs
@@ -68,3 +71,27 @@ def test_the_data_presets_compose_with_the_new_options(preset):
     with hydra.initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         default = OmegaConf.to_object(hydra.compose("train", overrides=[f"data={preset}"]))
     assert (default.data.on_bad_record, default.data.chat_template) == ("fail", "auto")
+
+
+def test_a_second_builder_waits_for_the_first_and_uses_its_cache(chats, tmp_path, capsys):
+    """Machines sharing data.cache_dir: the one that comes second waits for the folder's lock,
+    then finds the cache intact and tokenizes nothing."""
+    data = DataConfig(inputs=[str(chats)], cache_dir=str(tmp_path / "cache"), on_bad_record="skip")
+    path = cache_path(data)
+    opened = []
+    with FolderLock(path) as lock:  # the first builder, mid-build
+        second = threading.Thread(
+            target=lambda: opened.append(
+                open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
+            )
+        )
+        second.start()
+        second.join(timeout=1.0)
+        assert second.is_alive() and not opened  # waiting for the lock, not building beside the first
+        write_token_store(
+            [str(chats)], path, tokenize_config=TokenizeConfig(on_bad_record="skip"), lock=lock, verbose=False
+        )
+        capsys.readouterr()
+    second.join(timeout=60)
+    assert len(opened) == 1 and len(opened[0]) == 1
+    assert "tokenizing" not in capsys.readouterr().out

@@ -40,7 +40,7 @@ def _model() -> Transformer:
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
-        ({"dp_size": 0}, r"dp_size must be an int >= 1, got 0"),
+        ({"dp_size": 0}, r"dp_size must be >= 1, got 0"),
         ({"reduction": "mean"}, r"unknown reduction 'mean'; valid: 'token_mean', 'sequence_mean'"),
         ({"fault": "typo"}, r"unknown fault 'typo'; valid: 'none', 'cross_sequence_attention'"),
         ({"fault": "foreign_shard"}, r"fault 'foreign_shard' only exists under context parallelism; use cp_size >= 2"),

@@ -1,0 +1,132 @@
+"""Publishing a folder: its files, then a manifest of their checksums written last; and verifying it.
+
+One protocol for every folder thdpack writes (a token store, the trainer's token cache, a
+checkpoint):
+
+1. the writer first retracts the folder (``retract``: its manifest goes first), so a reader that
+   meets it mid-rewrite finds an unfinished folder, never an old manifest over new files;
+2. it writes the files, hashing them as they are written (``HashingWriter``, no second read) or
+   after (``file_digest``);
+3. it writes the manifest, every file's ``{"size": bytes, "sha256": hex}`` among its fields, last
+   and atomically (``write_json_atomic``: temp file, fsync, rename). A folder is complete exactly
+   when its manifest exists;
+4. a reader compares each file with its entry (``digest_problem``) before trusting it.
+
+Who may write is the caller's business: a store's writer holds the folder's lock
+(``thdpack.data._lock``), the trainer's cache builder takes the same lock and waits for it, the
+ranks writing a checkpoint meet at barriers. One case needs more than a manifest:
+``replace_folder`` copies a finished folder to a path read by something that knows no manifest
+(transformers' ``from_pretrained`` on ``output_dir/hf``), so it swaps whole folders by rename.
+
+SHA-256 because CPUs with SHA extensions (AMD Zen, Intel Ice Lake and later) hash it at about
+1.5 GB/s per core, faster than BLAKE2b in ``hashlib`` (about 0.9 GB/s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+CHUNK_BYTES = 1 << 22
+"""Bytes per read while hashing: large enough that hashlib releases the GIL and the loop is cheap."""
+
+
+def file_digest(path: Path, on_chunk: Callable[[memoryview], None] | None = None) -> dict[str, Any] | None:
+    """``{"size": bytes, "sha256": hex}`` of ``path``, or None when it is not a file.
+
+    ``on_chunk`` sees every chunk as it is hashed (the store checks token ids in the same pass).
+    """
+    if not path.is_file():
+        return None
+    sha = hashlib.sha256()
+    size = 0
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            chunk = view[:n]
+            sha.update(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
+            size += n
+    return {"size": size, "sha256": sha.hexdigest()}
+
+
+class HashingWriter:
+    """A binary file that hashes what is written to it; ``digest()`` equals ``file_digest`` of it.
+
+    >>> import io
+    >>> w = HashingWriter(io.BytesIO())
+    >>> w.write(b"abc")
+    3
+    >>> w.digest()["sha256"][:16], w.digest()["size"]
+    ('ba7816bf8f01cfea', 3)
+    """
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.file = file
+        self._sha = hashlib.sha256()
+        self._size = 0
+
+    def write(self, data: Any) -> int:
+        """Write ``data`` (bytes or a C-contiguous buffer such as a numpy array)."""
+        view = memoryview(data).cast("B")
+        self._sha.update(view)
+        self._size += len(view)
+        return self.file.write(view)
+
+    def digest(self) -> dict[str, Any]:
+        return {"size": self._size, "sha256": self._sha.hexdigest()}
+
+
+def digest_problem(expected: Mapping[str, Any], actual: Mapping[str, Any] | None, manifest: str) -> str | None:
+    """What is wrong with a file whose digest is ``actual`` (None: no such file) and whose entry in
+    the manifest named ``manifest`` is ``expected``, as a predicate ("has 10 bytes, ..."); None
+    when they agree."""
+    if actual is None:
+        return "is missing"
+    if actual["size"] != expected["size"]:
+        return f"has {actual['size']} bytes, {manifest} says {expected['size']}"
+    if actual["sha256"] != expected["sha256"]:
+        return f"does not match its sha256 in {manifest}"
+    return None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """A reader sees the old or the new content of ``path``, never half (temp file, fsync, rename)."""
+    partial = path.with_name(f".{path.name}.partial")
+    with partial.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """``data`` as indented JSON (sorted keys), written atomically: how every manifest is written."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def retract(folder: Path, manifest: str) -> None:
+    """Make ``folder`` unfinished before its files change or go: its manifest is removed first."""
+    (folder / manifest).unlink(missing_ok=True)
+
+
+def replace_folder(source: Path, target: Path) -> Path:
+    """Replace ``target`` by a copy of ``source``: copied beside it, then renamed in, so a reader
+    never sees half a folder (a killed copy leaves only ``.<name>.partial``, removed next time)."""
+    partial = target.with_name(f".{target.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(source, partial)
+    old = target.with_name(f".{target.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        target.rename(old)
+    partial.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+    return target

@@ -1,0 +1,284 @@
+"""The data-parallel dealer: every epoch's plan and pack order, and how the packs reach the ranks.
+
+This module alone decides which packs a data-parallel rank sees:
+
+- **the epochs** (:class:`Epochs`): epoch ``e`` is planned over the sequence lengths with a seed
+  derived from ``(seed, e)`` (:func:`plan_epoch`; ``thdpack prepare`` plans epoch 0 with it too),
+  and its packs are put in an order shuffled by a second seed derived from ``(seed, e)``. Every
+  rank computes the same epochs, so the global order needs no communication;
+- **balanced steps** (:func:`deal`): a step's packs go to the ranks with equal counts and
+  balanced work, what :class:`thdpack.packing.steps.StepStream` (the trainer's stream) does;
+- **the map-style share** (:func:`rank_share`): an epoch's order dealt round robin, with the
+  ``remainder`` policy evening out the ranks; what ``PackedDataset[i]`` serves;
+- **round robin** (:func:`round_robin`) for a fixed layout (``thdpack verify``'s step).
+
+Attention cost, not tokens, is what differs between nearly full packs: a pack holding one
+4096-token sequence costs 4096^2 in attention, one holding sixteen 256-token sequences
+16 x 256^2, sixteen times less. A step waits for its slowest rank, so ``deal`` hands packs out by
+cost, largest first, each to the least-loaded rank that still takes packs.
+
+>>> costs = pack_costs([np.array([8]), np.array([2, 2, 2, 2]), np.array([4, 4]), np.array([8])], "attention")
+>>> deal(costs, num_ranks=2)
+[[0, 2], [3, 1]]
+>>> [hand.tolist() for hand in round_robin(np.arange(5), 2)]
+[[0, 2, 4], [1, 3]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import numpy as np
+
+from thdpack.plan.api import plan_with
+from thdpack.plan.config import PlanConfig
+from thdpack.plan.packplan import PackPlan
+
+log = logging.getLogger(__name__)
+
+Remainder = Literal["repeat", "drop"]
+REMAINDERS: tuple[str, ...] = get_args(Remainder)
+Balance = Literal["attention", "tokens", "none"]
+BALANCES: tuple[str, ...] = get_args(Balance)
+
+
+# -- the epochs ----------------------------------------------------------------------------
+
+
+def epoch_seeds(seed: int | None, epoch: int) -> tuple[int | None, int]:
+    """(plan seed, order seed) of ``epoch``: independent streams derived from ``(seed, epoch)``.
+
+    ``seed=None`` keeps the planner deterministic (the same plan every epoch); the order is then
+    shuffled by a seed derived from the epoch alone.
+    """
+    if seed is None:
+        return None, int(np.random.SeedSequence([epoch]).generate_state(1)[0])
+    plan_seed, order_seed = np.random.SeedSequence([seed, epoch]).generate_state(2)
+    return int(plan_seed), int(order_seed)
+
+
+def plan_epoch(lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int) -> PackPlan:
+    """Epoch ``epoch``'s plan: ``config`` with the plan seed derived from ``(config.seed, epoch)``."""
+    plan_seed, _ = epoch_seeds(config.seed, epoch)
+    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size)
+
+
+@dataclass(frozen=True)
+class Epoch:
+    """One epoch: its plan and the order of all its packs (every rank's)."""
+
+    number: int
+    plan: PackPlan
+    order: np.ndarray
+    """(P,) pack indices of the plan in the epoch's (shuffled) order."""
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def segments(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``plan.segments`` of the pack at ``index`` of the order."""
+        return self.plan.segments(int(self.order[index]))
+
+
+class Epochs:
+    """Every epoch's plan and pack order over ``lengths`` (checked: ``thdpack.plan.as_lengths``),
+    each planned once.
+
+    The two most recent epochs are kept, so a consumer whose step straddles an epoch boundary
+    reads both without re-planning either. ``first_plan``: epoch 0's plan made beforehand (a
+    prepared store's ``plan.npz``); it must be exactly what epoch 0 would plan.
+    """
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        config: PlanConfig,
+        *,
+        cp_size: int,
+        shuffle: bool,
+        first_plan: PackPlan | None = None,
+    ) -> None:
+        self.lengths = lengths
+        self.config, self.cp_size, self.shuffle = config, cp_size, shuffle
+        self._epochs: dict[int, Epoch] = {}
+        self.plans_made = 0
+        """How many epoch plans were computed (each epoch once; a given first plan is not one)."""
+        if first_plan is not None:
+            self._check_first_plan(first_plan)
+            self._epochs[0] = self._order(0, first_plan)
+
+    def __getitem__(self, epoch: int) -> Epoch:
+        found = self._epochs.get(epoch)
+        if found is None:
+            self.plans_made += 1
+            found = self._order(epoch, plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch))
+            log.debug("epoch %d plan:\n%s", epoch, found.plan.stats)
+            self._epochs[epoch] = found
+            while len(self._epochs) > 2:
+                self._epochs.pop(min(self._epochs))
+        return found
+
+    def _order(self, epoch: int, plan: PackPlan) -> Epoch:
+        n = len(plan)
+        _, order_seed = epoch_seeds(self.config.seed, epoch)
+        order = np.random.default_rng(order_seed).permutation(n) if self.shuffle else np.arange(n)
+        return Epoch(number=epoch, plan=plan, order=order)
+
+    def _check_first_plan(self, plan: PackPlan) -> None:
+        want = {
+            "pack_size": self.config.pack_size,
+            "cp_size": self.cp_size,
+            "algorithm": self.config.algorithm,
+            "seed": epoch_seeds(self.config.seed, 0)[0],
+        }
+        got = {key: getattr(plan, key) for key in want}
+        diff = [f"{key}: plan {got[key]!r}, epoch 0 {want[key]!r}" for key in want if got[key] != want[key]]
+        if not np.array_equal(plan.sequence_lengths, self.lengths):
+            diff.append(f"lengths: the plan's {len(plan.sequence_lengths):,}, the data's {len(self.lengths):,}")
+        if diff:
+            raise ValueError(f"the given plan is not what epoch 0 plans ({'; '.join(diff)}); let the epoch re-plan")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings that decide every epoch's packs and their order."""
+        return {
+            **self.config.fingerprint(),
+            "cp_size": self.cp_size,
+            "shuffle": self.shuffle,
+            "num_sequences": len(self.lengths),
+        }
+
+
+# -- the map-style share -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EpochShard:
+    """How one epoch's packs were dealt round robin to the data-parallel ranks."""
+
+    epoch: int
+    num_packs: int
+    """Packs in the epoch's plan (all ranks together)."""
+    packs_per_rank: int
+    repeated_packs: int
+    """Packs seen twice in the epoch to even out the ranks (remainder="repeat")."""
+    dropped_packs: int
+    """Packs no rank sees in the epoch (remainder="drop")."""
+    dropped_tokens: int
+    """Real tokens of the dropped packs."""
+
+
+def round_robin(items: np.ndarray, hands: int) -> list[np.ndarray]:
+    """``items`` dealt like cards: hand ``h`` gets ``items[h], items[h + hands], ...``."""
+    return [items[h::hands] for h in range(hands)]
+
+
+def rank_share(epoch: Epoch, *, rank: int, world_size: int, remainder: Remainder) -> tuple[np.ndarray, EpochShard]:
+    """``rank``'s packs (indices into ``epoch.order``) when the order is dealt round robin to
+    ``world_size`` ranks, every rank the same number: ``"repeat"`` (like ``DistributedSampler``)
+    repeats the first packs of the order to fill the last round, ``"drop"`` leaves the last few
+    out (a ``ValueError`` when some rank would get none). What it repeats or drops is logged.
+
+    >>> plan = PackPlan(np.arange(5), np.arange(6), sequence_lengths=np.ones(5, dtype=np.int64),
+    ...                 pack_size=1, cp_size=1, algorithm="bfd", seed=None, stats=None)
+    >>> epoch = Epoch(number=0, plan=plan, order=np.arange(5))
+    >>> mine, shard = rank_share(epoch, rank=1, world_size=2, remainder="repeat")
+    >>> mine.tolist(), shard.repeated_packs
+    ([1, 3, 0], 1)
+    """
+    n = len(epoch)
+    positions = np.arange(n)
+    if remainder == "repeat":
+        per_rank = -(-n // world_size)
+        dealt = np.resize(positions, per_rank * world_size)  # np.resize repeats the order cyclically
+        dropped = positions[:0]
+    else:
+        per_rank = n // world_size
+        if per_rank == 0:
+            raise ValueError(
+                f"epoch {epoch.number} has {n} packs for world_size={world_size}: with remainder='drop' some "
+                "ranks would get none; use remainder='repeat', a smaller pack_size or fewer ranks"
+            )
+        dealt, dropped = positions[: per_rank * world_size], positions[per_rank * world_size :]
+    shard = EpochShard(
+        epoch=epoch.number,
+        num_packs=n,
+        packs_per_rank=per_rank,
+        repeated_packs=per_rank * world_size - n if remainder == "repeat" else 0,
+        dropped_packs=len(dropped),
+        dropped_tokens=sum(int(epoch.segments(int(i))[2].sum()) for i in dropped),
+    )
+    if shard.dropped_packs:
+        log.warning(
+            "epoch %d: %d of %d packs (%d tokens) dropped to give %d ranks %d packs each (remainder='drop')",
+            epoch.number,
+            shard.dropped_packs,
+            n,
+            shard.dropped_tokens,
+            world_size,
+            per_rank,
+        )
+    elif shard.repeated_packs:
+        log.info(
+            "epoch %d: %d packs repeated to give %d ranks %d packs each (remainder='repeat')",
+            epoch.number,
+            shard.repeated_packs,
+            world_size,
+            per_rank,
+        )
+    return round_robin(dealt, world_size)[rank], shard
+
+
+# -- balanced steps ------------------------------------------------------------------------
+
+
+def pack_costs(pack_lengths: list[np.ndarray], balance: Balance) -> np.ndarray:
+    """(P,) float64 cost of each pack: tokens + attention (sum of squared lengths / max length)
+    for ``"attention"``, tokens for ``"tokens"``, zeros for ``"none"`` (keeps the order)."""
+    tokens = np.array([float(lengths.sum()) for lengths in pack_lengths])
+    if balance == "none":
+        return np.zeros(len(pack_lengths))
+    if balance == "tokens":
+        return tokens
+    # attention FLOPs ~ sum L^2; scale them to tokens so neither term drowns the other
+    squares = np.array([float((lengths.astype(np.float64) ** 2).sum()) for lengths in pack_lengths])
+    longest = max(1.0, max(float(lengths.max()) for lengths in pack_lengths))
+    return tokens + squares / longest
+
+
+def deal(costs: np.ndarray, num_ranks: int) -> list[list[int]]:
+    """Pack indices per rank, ``len(costs) / num_ranks`` each, largest cost first to the least
+    loaded rank (ties: lowest rank). Equal costs keep the packs' order (round robin)."""
+    if len(costs) % num_ranks:
+        raise ValueError(f"{len(costs)} packs cannot be dealt evenly to {num_ranks} ranks")
+    per_rank = len(costs) // num_ranks
+    hands: list[list[int]] = [[] for _ in range(num_ranks)]
+    heap = [(0.0, r) for r in range(num_ranks)]
+    for i in np.argsort(-costs, kind="stable").tolist():
+        load, r = heapq.heappop(heap)
+        hands[r].append(i)
+        if len(hands[r]) < per_rank:
+            heapq.heappush(heap, (load + float(costs[i]), r))
+    return hands
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """max / mean over ranks of a step's work (1.0 = perfectly balanced)."""
+
+    tokens: float
+    attention: float
+
+
+def imbalance(pack_lengths: list[np.ndarray], hands: list[list[int]]) -> Imbalance:
+    """How uneven the dealt step is, in tokens and in attention cost (sum of squared lengths)."""
+    tokens = np.array([sum(float(pack_lengths[i].sum()) for i in hand) for hand in hands])
+    squares = np.array([sum(float((pack_lengths[i].astype(np.float64) ** 2).sum()) for i in hand) for hand in hands])
+
+    def ratio(x: np.ndarray) -> float:
+        return float(x.max() / x.mean()) if x.mean() > 0 else 1.0
+
+    return Imbalance(tokens=ratio(tokens), attention=ratio(squares))
