@@ -126,18 +126,22 @@ def tile_forward(
     return out_TNH, lse_NT
 
 
-def softmax_delta(dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None) -> torch.Tensor:
-    """(Nq, T) ``rowsum(dout * out) - dlse`` in ``out``'s dtype; a missing gradient counts as 0.
+def backward_inputs(
+    dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dout_TNH, delta_NT)`` that every tiled backward starts from, given the incoming gradients.
 
-    ``out_TNH`` is the FINAL output (all keys merged), in the accumulation dtype.
+    ``out_TNH`` is the FINAL output (all keys merged), in the accumulation dtype. ``dout_TNH``
+    comes back as given, or zeros in ``dtype`` (the inputs' dtype) when only the LSE has a
+    gradient; ``delta_NT`` (Nq, T) is ``rowsum(dout * out) - dlse`` in ``out``'s dtype, a
+    missing gradient counting as 0.
     """
     if dout_TNH is None:
-        delta_NT = out_TNH.new_zeros(out_TNH.shape[1], out_TNH.shape[0])
-    else:
-        delta_NT = (dout_TNH.to(out_TNH.dtype) * out_TNH).sum(-1).T
+        dout_TNH = torch.zeros(out_TNH.shape, dtype=dtype, device=out_TNH.device)
+    delta_NT = (dout_TNH.to(out_TNH.dtype) * out_TNH).sum(-1).T
     if dlse_NT is not None:
         delta_NT = delta_NT - dlse_NT.to(out_TNH.dtype)
-    return delta_NT
+    return dout_TNH, delta_NT
 
 
 def tile_backward(

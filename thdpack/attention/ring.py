@@ -30,16 +30,23 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from thdpack.attention import flash_kernel, math_kernel
+import thdpack.attention.flash_kernel as flash_kernel
+import thdpack.attention.math_kernel as math_kernel
 from thdpack.attention.merge import accumulation_dtype, merge_partials
-from thdpack.cp import local_placement
 from thdpack.cp.comm import Ring, RingComm
+from thdpack.cp.partition import local_placement
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import TokenPlacement
 
 Section = Literal["all", "front", "back"]
 TileKernel = Literal["math", "flash"]
 TILE_KERNELS: tuple[TileKernel, ...] = ("math", "flash")
+
+
+def backward_kernel(kernel: TileKernel, dlse_NT: torch.Tensor | None) -> TileKernel:
+    """The tile kernel of a backward pass: FlashAttention's backward derives delta from ``out`` and
+    cannot take a gradient of the LSE, so one arriving (``dlse_NT``) switches to the math tiles."""
+    return "math" if dlse_NT is not None else kernel
 
 
 def tile_sections(step: int, rank: int, causal: bool) -> tuple[Section, Section, bool]:
@@ -133,8 +140,8 @@ def ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This rank's ``(dq, dk, dv)`` in the accumulation dtype, from the GLOBAL out / lse / delta.
 
-    ``delta_NT`` is :func:`thdpack.attention.math_kernel.softmax_delta` (used by math tiles; the
-    flash kernel derives it from ``out_TNH`` itself).
+    ``delta_NT`` is :func:`thdpack.attention.math_kernel.backward_inputs`'s (used by math tiles;
+    the flash kernel derives it from ``out_TNH`` itself).
     """
     acc = accumulation_dtype(q_TNH.dtype)
     dq_TNH = torch.zeros(q_TNH.shape, dtype=acc, device=q_TNH.device)
@@ -205,14 +212,10 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
         q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        delta_NT = math_kernel.softmax_delta(dout_TNH, out_TNH, dlse_NT)
-        if dout_TNH is None:
-            dout_TNH = q_TNH.new_zeros(out_TNH.shape)
-        # FlashAttention's backward derives delta from out and cannot see dLSE
-        kernel = "math" if dlse_NT is not None else ctx.kernel
+        dout_TNH, delta_NT = math_kernel.backward_inputs(dout_TNH, out_TNH, dlse_NT, q_TNH.dtype)
         dq, dk, dv = ring_backward(
             ctx.ring, dout_TNH, q_TNH, k_TNH, v_TNH, out_TNH, lse_NT, delta_NT, ctx.meta,
-            causal=ctx.causal, scale=ctx.scale, kernel=kernel,
+            causal=ctx.causal, scale=ctx.scale, kernel=backward_kernel(ctx.kernel, dlse_NT),
         )  # fmt: skip
         return dq.to(q_TNH.dtype), dk.to(k_TNH.dtype), dv.to(v_TNH.dtype), None, None, None, None, None
 
@@ -233,8 +236,8 @@ def ring_attention(
     Args:
         q_TNH: (T, Nq, H) this rank's queries in ``thdpack.cp.shard`` order.
         k_TNH / v_TNH: (T, Nkv, H) / (T, Nkv, Hv), ``Nq % Nkv == 0``.
-        meta: :func:`thdpack.thd.meta.thd_meta` of the shard (global cu_seqlens,
-            ``cp_size == cp_group``'s size, ``cp_rank`` == this rank in it).
+        meta: the shard's record (:func:`thdpack.thd.meta.thd_meta`; ``cp_size`` = ``cp_group``'s
+            size, ``cp_rank`` = this rank in it, as ``ThdMeta.check_cp_group`` checks).
         cp_group: the context-parallel group (None: the default group).
         causal, scale: attention mask type and softmax scale.
         kernel: ``"math"`` or ``"flash"`` tiles.

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from thdpack.attention import math_kernel
-from thdpack.attention.ring import TileKernel, ring_backward, ring_forward
-from thdpack.cp.partition import partition_indices
+import thdpack.attention.math_kernel as math_kernel
+from thdpack.attention.config import resolve_softmax_scale
+from thdpack.attention.ring import TileKernel, backward_kernel, ring_backward, ring_forward
+from thdpack.cp.partition import partition_from_lengths
 from thdpack.thd.meta import ThdMeta, thd_meta
 
 
@@ -99,17 +100,14 @@ class SimulatedRingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
         q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        if dout_TNH is None:
-            dout_TNH = q_TNH.new_zeros(out_TNH.shape)
-        kernel = "math" if dlse_NT is not None else ctx.kernel  # as RingAttention does
+        dout_TNH, delta_NT = math_kernel.backward_inputs(dout_TNH, out_TNH, dlse_NT, q_TNH.dtype)
+        kernel = backward_kernel(ctx.kernel, dlse_NT)
 
         def rank_backward(ring: ThreadRing) -> tuple[torch.Tensor, ...]:
             meta, index = ctx.shards[ring.rank]
-            dout, out, lse = dout_TNH[index], out_TNH[index], lse_NT[:, index]
-            delta = math_kernel.softmax_delta(dout, out, None if dlse_NT is None else dlse_NT[:, index])
             return ring_backward(
-                ring, dout, q_TNH[index], k_TNH[index], v_TNH[index], out, lse, delta, meta,
-                causal=ctx.causal, scale=ctx.scale, kernel=kernel,
+                ring, dout_TNH[index], q_TNH[index], k_TNH[index], v_TNH[index], out_TNH[index], lse_NT[:, index],
+                delta_NT[:, index], meta, causal=ctx.causal, scale=ctx.scale, kernel=kernel,
             )  # fmt: skip
 
         grads = [torch.zeros_like(t) for t in (q_TNH, k_TNH, v_TNH)]
@@ -135,7 +133,7 @@ def simulated_ring_attention(
     Args:
         q_TNH / k_TNH / v_TNH: (T, Nq, H) / (T, Nkv, H) / (T, Nkv, Hv), the GLOBAL batch in storage
             order; T a multiple of ``2*cp_size`` per sequence (``cu_seqlens_padded``).
-        thd: the global batch's metadata (``cu_seqlens``, ``cu_seqlens_padded``).
+        thd: the global batch (or any of its shards: the metadata is global).
         cp_size, causal, softmax_scale, kernel: as for :func:`thdpack.attention.ring.ring_attention`.
 
     Returns:
@@ -150,21 +148,11 @@ def simulated_ring_attention(
     >>> bool(torch.allclose(out[[0, 1, 2, 4, 5, 6, 7]], single[[0, 1, 2, 4, 5, 6, 7]]))  # real tokens
     True
     """
-    base = {key: thd[key] for key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if key in thd}
-    total = q_TNH.shape[0]
-    if thd_meta(base).total_tokens != total:
-        raise ValueError(
-            f"q has {total} tokens but the batch metadata describes {thd_meta(base).total_tokens}; "
-            "simulated_ring_attention takes the global (unsharded) tensors"
-        )
+    whole = thd_meta(thd).unsharded()
+    whole.check_token_count(q_TNH.shape[0], "q (the global batch's, as simulated_ring_attention takes)")
     shards = []
     for rank in range(cp_size):
-        meta = thd_meta({**base, "cp_size": cp_size, "cp_rank": rank})
-        if cp_size == 1:
-            index = torch.arange(total, device=q_TNH.device)
-        else:
-            cu_padded = base.get("cu_seqlens_padded", base["cu_seqlens"])
-            index = partition_indices(cu_padded, total, cp_size, rank).to(device=q_TNH.device, dtype=torch.int64)
-        shards.append((meta, index))
-    scale = q_TNH.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        index = partition_from_lengths(whole.lengths_padded_S, cp_size, rank)
+        shards.append((whole.for_rank(cp_size, rank), torch.from_numpy(index).to(q_TNH.device, torch.int64)))
+    scale = resolve_softmax_scale(softmax_scale, q_TNH.shape[-1])
     return SimulatedRingAttention.apply(q_TNH, k_TNH, v_TNH, shards, causal, scale, kernel)

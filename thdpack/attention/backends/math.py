@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from thdpack.attention import math_kernel
+import thdpack.attention.math_kernel as math_kernel
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.tokens import TokenPlacement
 
 
@@ -45,9 +45,7 @@ class TiledAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
         q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        delta_NT = math_kernel.softmax_delta(dout_TNH, out_TNH, dlse_NT)
-        if dout_TNH is None:
-            dout_TNH = torch.zeros_like(out_TNH)
+        dout_TNH, delta_NT = math_kernel.backward_inputs(dout_TNH, out_TNH, dlse_NT, q_TNH.dtype)
         dq, dk, dv = math_kernel.tile_backward(
             dout_TNH, q_TNH, k_TNH, v_TNH, lse_NT, delta_NT, *ctx.sides, causal=ctx.causal, scale=ctx.scale
         )
