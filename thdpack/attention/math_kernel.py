@@ -126,24 +126,6 @@ def tile_forward(
     return out_TNH, lse_NT
 
 
-def backward_inputs(
-    dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dout_TNH, delta_NT)`` that every tiled backward starts from, given the incoming gradients.
-
-    ``out_TNH`` is the FINAL output (all keys merged), in the accumulation dtype. ``dout_TNH``
-    comes back as given, or zeros in ``dtype`` (the inputs' dtype) when only the LSE has a
-    gradient; ``delta_NT`` (Nq, T) is ``rowsum(dout * out) - dlse`` in ``out``'s dtype, a
-    missing gradient counting as 0.
-    """
-    if dout_TNH is None:
-        dout_TNH = torch.zeros(out_TNH.shape, dtype=dtype, device=out_TNH.device)
-    delta_NT = (dout_TNH.to(out_TNH.dtype) * out_TNH).sum(-1).T
-    if dlse_NT is not None:
-        delta_NT = delta_NT - dlse_NT.to(out_TNH.dtype)
-    return dout_TNH, delta_NT
-
-
 def tile_backward(
     dout_TNH: torch.Tensor,
     q_TNH: torch.Tensor,
@@ -164,7 +146,7 @@ def tile_backward(
         q_TNH, k_TNH, v_TNH, q, k, causal, scale: as in :func:`tile_forward`.
         lse_NT: (Nq, Tq) the rows' final LSE over ALL their keys (not just this tile's).
         delta_NT: (Nq, Tq) ``rowsum(dout * out) - dlse`` with the final ``out`` and the incoming
-            gradient of the returned LSE (0 when unused).
+            gradient of the returned LSE (0 when unused): ``merge.output_grads``.
 
     Returns:
         ``(dq_TNH, dk_TNH, dv_TNH)`` in the accumulation dtype; dK/dV already summed over each

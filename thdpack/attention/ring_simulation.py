@@ -15,13 +15,14 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-import thdpack.attention.math_kernel as math_kernel
 from thdpack.attention.config import resolve_softmax_scale
-from thdpack.attention.ring import TileKernel, backward_kernel, ring_backward, ring_forward
+from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
+from thdpack.attention.ring import TileKernel, ring_backward, ring_forward
 from thdpack.cp.partition import partition_from_lengths
 from thdpack.thd.meta import ThdMeta, thd_meta
 
@@ -67,54 +68,43 @@ def run_ring_threads(size: int, fn: Callable[[ThreadRing], Any]) -> list[Any]:
     return results
 
 
-class SimulatedRingAttention(torch.autograd.Function):
-    """Global q, k, v -> global (out, lse) through a ring of ``cp_size`` thread ranks."""
+@dataclass(frozen=True)
+class SimulatedRing:
+    """Global q, k, v -> global (out, lse) through a ring of ``len(shards)`` thread ranks (an
+    :class:`~thdpack.attention.merge.LseAttention`); ``shards[r]`` is rank r's record and its
+    (T / cp,) global token indices."""
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q_TNH: torch.Tensor,
-        k_TNH: torch.Tensor,
-        v_TNH: torch.Tensor,
-        shards: list[tuple[ThdMeta, torch.Tensor]],
-        causal: bool,
-        scale: float,
-        kernel: TileKernel,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    shards: list[tuple[ThdMeta, torch.Tensor]]
+    causal: bool
+    scale: float
+    kernel: TileKernel
+
+    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
         def rank_forward(ring: ThreadRing) -> tuple[torch.Tensor, torch.Tensor]:
-            meta, index = shards[ring.rank]
-            return ring_forward(
-                ring, q_TNH[index], k_TNH[index], v_TNH[index], meta, causal=causal, scale=scale, kernel=kernel
-            )
+            meta, index = self.shards[ring.rank]
+            q, k, v = q_TNH[index], k_TNH[index], v_TNH[index]
+            return ring_forward(ring, q, k, v, meta, causal=self.causal, scale=self.scale, kernel=self.kernel)
 
-        parts = run_ring_threads(len(shards), rank_forward)
+        parts = run_ring_threads(len(self.shards), rank_forward)
         out_TNH = parts[0][0].new_empty((q_TNH.shape[0], *parts[0][0].shape[1:]))
         lse_NT = parts[0][1].new_empty((q_TNH.shape[1], q_TNH.shape[0]))
-        for (_, index), (out, lse) in zip(shards, parts, strict=True):
+        for (_, index), (out, lse) in zip(self.shards, parts, strict=True):
             out_TNH[index], lse_NT[:, index] = out, lse
-        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
-        ctx.shards, ctx.causal, ctx.scale, ctx.kernel = shards, causal, scale, kernel
-        ctx.set_materialize_grads(False)
-        return out_TNH.to(q_TNH.dtype), lse_NT
+        return out_TNH, lse_NT
 
-    @staticmethod
-    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
-        q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        dout_TNH, delta_NT = math_kernel.backward_inputs(dout_TNH, out_TNH, dlse_NT, q_TNH.dtype)
-        kernel = backward_kernel(ctx.kernel, dlse_NT)
+    def backward(self, saved: Saved, grads: OutputGrads) -> Gradients:
+        def rank_backward(ring: ThreadRing) -> Gradients:
+            meta, index = self.shards[ring.rank]
+            mine = Saved(*(t[index] for t in saved[:4]), saved.lse_NT[:, index])
+            dlse = None if grads.dlse_NT is None else grads.dlse_NT[:, index]
+            my_grads = OutputGrads(grads.dout_TNH[index], grads.delta_NT[:, index], dlse)
+            return ring_backward(ring, mine, my_grads, meta, causal=self.causal, scale=self.scale, kernel=self.kernel)
 
-        def rank_backward(ring: ThreadRing) -> tuple[torch.Tensor, ...]:
-            meta, index = ctx.shards[ring.rank]
-            return ring_backward(
-                ring, dout_TNH[index], q_TNH[index], k_TNH[index], v_TNH[index], out_TNH[index], lse_NT[:, index],
-                delta_NT[:, index], meta, causal=ctx.causal, scale=ctx.scale, kernel=kernel,
-            )  # fmt: skip
-
-        grads = [torch.zeros_like(t) for t in (q_TNH, k_TNH, v_TNH)]
-        for (_, index), parts in zip(ctx.shards, run_ring_threads(len(ctx.shards), rank_backward), strict=True):
-            for total, part in zip(grads, parts, strict=True):
+        totals = [torch.zeros_like(t) for t in saved[:3]]
+        for (_, index), parts in zip(self.shards, run_ring_threads(len(self.shards), rank_backward), strict=True):
+            for total, part in zip(totals, parts, strict=True):
                 total[index] = part.to(total.dtype)
-        return *grads, None, None, None, None
+        return totals[0], totals[1], totals[2]
 
 
 def simulated_ring_attention(
@@ -155,4 +145,4 @@ def simulated_ring_attention(
         index = partition_from_lengths(whole.lengths_padded_S, cp_size, rank)
         shards.append((whole.for_rank(cp_size, rank), torch.from_numpy(index).to(q_TNH.device, torch.int64)))
     scale = resolve_softmax_scale(softmax_scale, q_TNH.shape[-1])
-    return SimulatedRingAttention.apply(q_TNH, k_TNH, v_TNH, shards, causal, scale, kernel)
+    return differentiable_attention(q_TNH, k_TNH, v_TNH, SimulatedRing(shards, causal, scale, kernel))
