@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from thdpack._optional import has_transformer_engine, require
 from thdpack.plan.slots import cp_multiple
-from thdpack.thd.format import THD_METADATA_KEYS, THDBatch
+from thdpack.thd.format import THD_METADATA_KEYS, THDBatch, check_token_rows
 from thdpack.thd.meta import ThdMeta, attach_meta, check_cp, cu_lengths, thd_meta
 from thdpack.thd.tokens import TokenPlacement, global_placement
 
@@ -68,12 +68,11 @@ def partition_indices(
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    check_cp(cp_size, cp_rank)
     total_tokens = int(total_tokens)
     lengths_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
     layout = ThdMeta.from_lengths(lengths_S, lengths_S, copy=False)
     layout.check_token_count(total_tokens, "the batch (total_tokens)")
-    layout.for_rank(cp_size, cp_rank)  # the 2*cp_size rule
+    layout.for_rank(cp_size, cp_rank)  # cp_size, cp_rank and the 2*cp_size rule
     if impl == "auto":
         if cu_seqlens_padded.device.type == "cpu":
             impl = "numpy"
@@ -210,7 +209,7 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
     """
     meta = thd_meta(thd)
     local = meta.for_rank(cp_size, cp_rank)
-    _check_token_counts(thd, meta)
+    check_token_rows(thd, meta)
     if cp_size == 1:  # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
         return dict(thd)
     # computed on the host from the validated record (no device read), then moved with the tokens
@@ -303,10 +302,3 @@ def gather(local_thd: Mapping[str, Any], group: dist.ProcessGroup) -> THDBatch:
             part["cp_rank"] = r
         attach_meta(part, meta if r == meta.cp_rank else whole.for_rank(meta.cp_size, r))
     return unshard(shards, meta.cp_size)
-
-
-def _check_token_counts(thd: Mapping[str, Any], meta: ThdMeta) -> None:
-    """Every per-token tensor of ``thd`` has one row per token its record describes."""
-    for key, value in thd.items():
-        if key not in THD_METADATA_KEYS and isinstance(value, torch.Tensor):
-            meta.check_token_count(value.shape[0] if value.dim() else 0, key)

@@ -88,9 +88,7 @@ def validate_thd(thd: Mapping[str, Any]) -> ThdMeta:
     meta = thd_meta(thd)
     for key in CU_KEYS:
         meta.cu_tensor(key)
-    for key, value in thd.items():
-        if key not in THD_METADATA_KEYS and isinstance(value, torch.Tensor):
-            meta.check_token_count(value.shape[0] if value.dim() else 0, key)
+    check_token_rows(thd, meta)
     for key in INT_TOKEN_KEYS:
         value = thd[key]
         if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype in _NOT_INTEGER:
@@ -102,6 +100,14 @@ def validate_thd(thd: Mapping[str, Any]) -> ThdMeta:
 
 
 _NOT_INTEGER = (torch.bool, torch.complex64, torch.complex128)
+
+
+def check_token_rows(thd: Mapping[str, Any], meta: ThdMeta) -> None:
+    """Every per-token tensor of ``thd`` has one row per token of its record ``meta``
+    (:meth:`ThdMeta.check_token_count`)."""
+    for key, value in thd.items():
+        if key not in THD_METADATA_KEYS and isinstance(value, torch.Tensor):
+            meta.check_token_count(value.shape[0] if value.dim() else 0, key)
 
 
 def check_bshd(batch: Mapping[str, Any]) -> None:

@@ -10,8 +10,8 @@ message: :meth:`ThdMeta.from_lengths` (the lengths, ``max_seqlen``, the ``2*cp_s
 :meth:`~ThdMeta.cu_tensor` (``cu_seqlens`` int32 on the kernel's device) and
 :meth:`~ThdMeta.check_cp_group` (the process group is the one the batch was sharded for).
 
-The record travels with its batch, as flash-attn's ``unpad_input`` returns ``indices``,
-``cu_seqlens`` and ``max_seqlen`` together: every batch thdpack makes (``to_thd``,
+The record travels with its batch, as flash-attn's ``bert_padding.unpad_input`` returns
+``indices``, ``cu_seqlens`` and ``max_seqlen`` together: every batch thdpack makes (``to_thd``,
 ``thd_collate``, ``cp.shard`` / ``unshard`` / ``gather``, ``thd_to_device``, ``thd_pin_memory``)
 holds its record under :data:`META_KEY` (``"thd_meta"``), and :func:`thd_meta` takes it from
 there without reading a tensor. It is the one carrier of a shard's ``cp_size`` / ``cp_rank``.
@@ -23,9 +23,9 @@ When the batch holds other ones (replaced, moved by something other than ``thd_t
 copied by DataLoader's ``pin_memory``) or they were changed in place, or the batch's
 ``max_seqlen`` / ``cp_size`` / ``cp_rank`` keys say otherwise, the record is stale and is never
 used: :func:`thd_meta` builds the record afresh from the tensors (as for a batch made
-elsewhere; one device sync on an accelerator), keeping the stale record's ``cp_size`` /
-``cp_rank`` unless the batch's keys give them (no tensor says which shard a batch is), and
-stores it in the batch in place of the stale one.
+elsewhere: a host copy of the two ``cu`` tensors, a device sync on an accelerator), keeping the
+stale record's ``cp_size`` / ``cp_rank`` unless the batch's keys give them (no tensor says which
+shard a batch is), and stores it in the batch in place of the stale one.
 
 A mapping made elsewhere (NeMo's, Transformer Engine's: ``cu_seqlens`` and optional
 ``cu_seqlens_padded``, ``max_seqlen``, ``cp_size``, ``cp_rank``) is validated from its tensors
@@ -336,20 +336,24 @@ class ThdMeta:
 
     def _describes(self, thd: Mapping[str, Any]) -> bool:
         """``thd`` holds the very tensors this record was attached to, unchanged, and none of its keys
-        says otherwise about the layout. Reads no tensor."""
+        says otherwise about the layout. Reads no tensor (every attention layer asks this)."""
         if self._tensors is None:
             return False
         cu_seqlens, cu_version, cu_seqlens_padded, padded_version = self._tensors
-        if thd.get("cu_seqlens") is not cu_seqlens or cu_seqlens._version != cu_version:
+        if thd.get("cu_seqlens") is not cu_seqlens or thd.get("cu_seqlens_padded") is not cu_seqlens_padded:
             return False
-        if thd.get("cu_seqlens_padded") is not cu_seqlens_padded:
+        if cu_seqlens._version != cu_version:
             return False
         if cu_seqlens_padded is not None and cu_seqlens_padded._version != padded_version:
             return False
-        return all(
-            key not in thd or _same_int(thd[key], value)
-            for key, value in (("max_seqlen", self.max_seqlen), ("cp_size", self.cp_size), ("cp_rank", self.cp_rank))
-        )
+        max_seqlen = thd.get("max_seqlen", self.max_seqlen)
+        if max_seqlen is not self.max_seqlen and not _same_int(max_seqlen, self.max_seqlen):
+            return False
+        if "cp_size" in thd or "cp_rank" in thd:  # a batch made elsewhere (or relabelled) says which shard
+            return _same_int(thd.get("cp_size", self.cp_size), self.cp_size) and _same_int(
+                thd.get("cp_rank", self.cp_rank), self.cp_rank
+            )
+        return True
 
     def _attached_to(self, thd: Mapping[str, Any]) -> ThdMeta:
         """This record describing ``thd``'s cu tensors: ``self`` when it is new or already does, else
