@@ -321,3 +321,20 @@ def test_unshard_rejects_bad_shard_lists():
         unshard([shards[0], other], 2)
     with pytest.raises(ValueError, match=r"shards\[1\] has keys"):
         unshard([shards[0], dict(shards[1], extra="x")], 2)
+
+
+def test_one_rank_keeps_every_token_whatever_the_slot_widths():
+    """TE's formula gives the identity for one rank; the twins used to fail on odd slots there."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for impl in ("auto", "numpy", "torch"):
+        assert partition_indices(cu, 8, 1, 0, impl=impl).tolist() == list(range(8))
+
+
+def test_unshard_rejects_shards_that_hold_other_tokens():
+    thd = thd_collate([P5, C1_SECOND])
+    shards = [shard(thd, 2, r) for r in range(2)]
+    short = dict(shards[1], labels=shards[1]["labels"][:-1])
+    with pytest.raises(
+        ValueError, match=r"labels of all shards together has 31 tokens but the THD layout holds 32 \(cu_seqlens_padded"
+    ):
+        unshard([shards[0], short], 2)
