@@ -359,17 +359,16 @@ class ThdMeta:
         """This record describing ``thd``'s cu tensors: ``self`` when it is new or already does, else
         a twin sharing its arrays and cache (the same layout, other tensors: a moved batch)."""
         cu_seqlens, cu_seqlens_padded = thd["cu_seqlens"], thd.get("cu_seqlens_padded")
-        tensors = (cu_seqlens, cu_seqlens._version, cu_seqlens_padded, getattr(cu_seqlens_padded, "_version", 0))
+        if self._tensors is not None and self._tensors[0] is cu_seqlens and self._tensors[2] is cu_seqlens_padded:
+            return self
+        padded_version = 0 if cu_seqlens_padded is None else cu_seqlens_padded._version
+        attached = self
         if self._tensors is not None:
-            if self._tensors[0] is cu_seqlens and self._tensors[2] is cu_seqlens_padded:
-                return self
-            twin = ThdMeta(
+            attached = ThdMeta(
                 self._lengths_S, self._padded_S, self.cp_size, self.cp_rank, self.max_seqlen, cache=self._cache
             )
-            twin._tensors = tensors
-            return twin
-        self._tensors = tensors
-        return self
+        attached._tensors = (cu_seqlens, cu_seqlens._version, cu_seqlens_padded, padded_version)
+        return attached
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickles (into and out of DataLoader workers) without the device-side cache, with the tensors it
