@@ -41,9 +41,10 @@ Per-sequence mean (``reduction="sequence_mean"``): every sequence's token mean, 
 over the global batch's sequences (SFT recipes that do not want long answers to dominate).
 A sequence is cut across CP ranks (and a global batch across micro-batches and DP ranks), so no
 rank can take a sequence's mean alone. Instead ``loss_weights`` gives each token of the *global*
-THD batch, before CP sharding, the weight ``1 / (loss tokens of its sequence)``; shard the
-weights like every other per-token tensor (``thd["loss_weights"] = loss_weights(...)`` before
-``cp.shard``), pass each micro-batch's weights, and the denominator becomes the global sum of
+THD batch, before CP sharding, the weight ``1 / (loss tokens of its sequence)``, reading the
+sequences from the batch's record; shard the weights like every other per-token tensor
+(``thd["loss_weights"] = loss_weights(thd["labels"], thd_meta(thd), ...)`` before ``cp.shard``),
+pass each micro-batch's weights, and the denominator becomes the global sum of
 weights, which is the number of sequences that have loss tokens. Token mean is the special case
 of weight 1 per loss token. A sequence that ``overflow="split"`` cut into pieces counts as one
 sequence per piece.
@@ -69,8 +70,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from thdpack.format_rules import IGNORE_INDEX
-from thdpack.thd.meta import cu_lengths
-from thdpack.thd.tokens import TokenPlacement
+from thdpack.thd.meta import ThdMeta
+from thdpack.thd.tokens import global_placement
 
 LossReduction = Literal["token_mean", "sequence_mean"]
 LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
@@ -78,7 +79,7 @@ LOSS_REDUCTIONS: tuple[str, ...] = get_args(LossReduction)
 
 def loss_weights(
     labels_T: torch.Tensor,
-    cu_seqlens_padded: torch.Tensor,
+    meta: ThdMeta,
     *,
     reduction: LossReduction = "token_mean",
     ignore_index: int = IGNORE_INDEX,
@@ -87,34 +88,36 @@ def loss_weights(
 
     Args:
         labels_T: (T,) integer labels, already next-token shifted; ``ignore_index`` = no loss.
-        cu_seqlens_padded: (S+1,) integer, ``[0] == 0``, non-decreasing, ``[-1] == T``: the
-            sequences' storage slots (``thd["cu_seqlens_padded"]``; with no padding the plain
-            ``cu_seqlens``). Only used by ``"sequence_mean"``.
+        meta: the batch's record (``thdpack.thd.meta.thd_meta(thd)``), whose sequences the
+            ``"sequence_mean"`` weights follow; a global record (``cp_size`` 1) of ``T`` tokens.
         reduction: ``"token_mean"``: 1 for every loss token. ``"sequence_mean"``: ``1 / n_s`` for
             each loss token of sequence ``s`` with ``n_s`` loss tokens.
 
     Returns (T,) float64 on ``labels_T``'s device; 0 where the label is ``ignore_index``.
     The sum is the number of loss tokens (token mean) or of sequences with loss tokens.
 
+    >>> from thdpack.thd.meta import ThdMeta
     >>> labels = torch.tensor([5, 6, -100, 7, -100, -100, 8, 9])
-    >>> cu = torch.tensor([0, 4, 8], dtype=torch.int32)
-    >>> loss_weights(labels, cu, reduction="sequence_mean").tolist()
+    >>> meta = ThdMeta.from_lengths([4, 4], [4, 4])
+    >>> loss_weights(labels, meta, reduction="sequence_mean").tolist()
     [0.3333333333333333, 0.3333333333333333, 0.0, 0.3333333333333333, 0.0, 0.0, 0.5, 0.5]
     """
     if reduction not in LOSS_REDUCTIONS:
         raise ValueError(f"unknown reduction {reduction!r}; use one of {list(LOSS_REDUCTIONS)}")
     _check_labels(labels_T)
+    if not isinstance(meta, ThdMeta):
+        raise TypeError(f"meta must be the batch's ThdMeta (thdpack.thd.meta.thd_meta(thd)), got {type(meta).__name__}")
+    if meta.cp_size != 1:
+        raise ValueError(
+            f"meta is CP rank {meta.cp_rank}'s shard of cp_size={meta.cp_size}; sequence weights need the whole "
+            "sequences: pass the GLOBAL batch's labels and record (before cp.shard), then shard the weights"
+        )
+    meta.check_token_count(len(labels_T), "labels")
     valid_T = (labels_T != ignore_index).to(torch.float64)
     if reduction == "token_mean":
         return valid_T
-    slots_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
-    if int(slots_S.sum()) != len(labels_T):
-        raise ValueError(
-            f"cu_seqlens_padded ends at {int(slots_S.sum())} but labels has T={len(labels_T)} tokens; pass the "
-            "GLOBAL batch's labels and cu_seqlens_padded (before cp.shard)"
-        )
-    seg_T = TokenPlacement(tuple(slots_S.tolist()), tuple(slots_S.tolist()), device=labels_T.device).seg_T
-    loss_tokens_S = torch.zeros(len(slots_S), dtype=torch.float64, device=labels_T.device)
+    seg_T = global_placement(meta, labels_T.device).seg_T
+    loss_tokens_S = torch.zeros(meta.num_sequences, dtype=torch.float64, device=labels_T.device)
     loss_tokens_S.index_add_(0, seg_T, valid_T)
     return valid_T / loss_tokens_S.clamp_min(1.0)[seg_T]
 

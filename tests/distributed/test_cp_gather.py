@@ -68,5 +68,5 @@ def test_gather_restores_the_global_batch_on_every_rank():
                     assert torch.equal(gathered[key], value), (rank, cp_size, key)
                 else:
                     assert gathered[key] == value, (rank, cp_size, key)
-            expected = f"but this process is rank {result['cp_rank']} of a group of {cp_size}"
+            expected = f"but this process is rank {result['cp_rank']} of a cp_group of {cp_size}; pass the"
             assert expected in result["wrong_rank_error"]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from thdpack.cp import partition_indices
 from thdpack.loss import StepLoss, cross_entropy_sum, loss_weights
 from thdpack.testing import run_distributed
+from thdpack.thd.meta import thd_meta
 
 VOCAB, DIM, MICRO_STEPS = 13, 6, 2
 LENGTHS = [3, 9, 2, 14, 5, 7, 1, 11, 4, 6]
@@ -66,7 +67,8 @@ def local_shards(dp_size: int, dp_rank: int, cp_size: int, cp_rank: int) -> list
         total = int(cu[-1])
         idx = torch.arange(total) if cp_size == 1 else partition_indices(cu, total, cp_size, cp_rank).long()
         shard = {"input_ids": batch["input_ids"][idx], "labels": batch["labels"][idx]}
-        shard["weights"] = loss_weights(batch["labels"], cu, reduction="sequence_mean")[idx]
+        meta = thd_meta({"cu_seqlens": cu})
+        shard["weights"] = loss_weights(batch["labels"], meta, reduction="sequence_mean")[idx]
         shards.append(shard)
     return shards
 

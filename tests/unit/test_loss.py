@@ -15,6 +15,7 @@ from thdpack.loss import (
     loss_weights,
     packed_cross_entropy,
 )
+from thdpack.thd.meta import ThdMeta
 
 LOG2 = 0.6931471805599453
 LOG4_3 = 0.28768207245178085  # CE of logits (log 3, 0) for label 0: -log(3/4)
@@ -81,12 +82,12 @@ def test_grad_average_size_scales_the_backward_loss_only():
 
 def test_sequence_mean_weights_written_out():
     labels_T = torch.tensor([5, 6, -100, 7, -100, -100, 8, 9, -100, -100, -100, -100])
-    cu = torch.tensor([0, 4, 8, 12], dtype=torch.int32)  # the third sequence has no loss token
-    weights_T = loss_weights(labels_T, cu, reduction="sequence_mean")
+    meta = ThdMeta.from_lengths([4, 4, 4], [4, 4, 4])  # the third sequence has no loss token
+    weights_T = loss_weights(labels_T, meta, reduction="sequence_mean")
     third = 1 / 3
     assert weights_T.tolist() == [third, third, 0.0, third, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
     assert weights_T.dtype == torch.float64 and weights_T.sum().item() == pytest.approx(2.0, abs=1e-15)
-    assert loss_weights(labels_T, cu).tolist() == [1.0, 1.0, 0.0, 1.0, 0, 0, 1.0, 1.0, 0, 0, 0, 0]
+    assert loss_weights(labels_T, meta).tolist() == [1.0, 1.0, 0.0, 1.0, 0, 0, 1.0, 1.0, 0, 0, 0, 0]
     assert global_loss_denominator([weights_T[:6], weights_T[6:]]).item() == pytest.approx(2.0, abs=1e-15)
 
 
@@ -94,7 +95,7 @@ def test_sequence_mean_loss_written_out():
     # sequence 0: CE log 2 on one token; sequence 1: CE log(4/3) on three tokens
     logits_TV = torch.tensor([[0.0, 0.0]] + [[math.log(3), 0.0]] * 3, dtype=torch.float64)
     labels_T = torch.tensor([1, 0, 0, 0])
-    weights_T = loss_weights(labels_T, torch.tensor([0, 1, 4]), reduction="sequence_mean")
+    weights_T = loss_weights(labels_T, ThdMeta.from_lengths([1, 3], [1, 3]), reduction="sequence_mean")
     step = StepLoss.begin([labels_T], micro_batch_weights=[weights_T], grad_average_size=1)
     step(logits_TV, labels_T, weights_T)
     assert step.value().item() == pytest.approx((LOG2 + LOG4_3) / 2, abs=1e-15)
@@ -128,11 +129,18 @@ def test_bad_inputs_raise_with_the_values():
     with pytest.raises(TypeError, match=r"labels must be an integer tensor, got torch\.float32"):
         cross_entropy_sum(logits, labels.float())
     with pytest.raises(ValueError, match=r"unknown reduction 'mean'; use one of \['token_mean', 'sequence_mean'\]"):
-        loss_weights(labels, torch.tensor([0, 3]), reduction="mean")
-    with pytest.raises(ValueError, match=r"cu_seqlens_padded ends at 2 but labels has T=3 tokens"):
-        loss_weights(labels, torch.tensor([0, 2]), reduction="sequence_mean")
-    with pytest.raises(ValueError, match=r"cu_seqlens_padded must be non-decreasing; it drops at entry 2 \(3 -> 1\)"):
-        loss_weights(labels, torch.tensor([0, 3, 1]), reduction="sequence_mean")
+        loss_weights(labels, ThdMeta.from_lengths([3], [3]), reduction="mean")
+    with pytest.raises(
+        ValueError, match=r"labels has 3 tokens but the THD layout holds 2 \(cu_seqlens_padded\[-1\]=2\)"
+    ):
+        loss_weights(labels, ThdMeta.from_lengths([2], [2]), reduction="sequence_mean")
+    with pytest.raises(
+        TypeError, match=r"meta must be the batch's ThdMeta \(thdpack.thd.meta.thd_meta\(thd\)\), got Tensor"
+    ):
+        loss_weights(labels, torch.tensor([0, 3]), reduction="sequence_mean")
+    shard_record = ThdMeta.from_lengths([4], [4], cp_size=2, cp_rank=1)
+    with pytest.raises(ValueError, match=r"meta is CP rank 1's shard of cp_size=2; .* pass the GLOBAL batch's labels"):
+        loss_weights(torch.zeros(2, dtype=torch.long), shard_record, reduction="sequence_mean")
     with pytest.raises(ValueError, match="micro_batch_weights is empty"):
         global_loss_denominator([])
     with pytest.raises(ValueError, match=r"a process group was given but torch\.distributed is not initialised"):

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from thdpack.attention.backends.math import TiledAttention
+from thdpack.attention.backends.math import tiled_attention
 from thdpack.cp.comm import all_gather_rows, reduce_scatter_rows
 from thdpack.cp.partition import local_placement, partition_from_lengths
 from thdpack.thd.meta import ThdMeta
@@ -85,4 +85,4 @@ def allgather_attention(
     order = meta.cached(("gather order", device), lambda: gather_order(meta, device))
     k_glob, v_glob = GatherKV.apply(k_TNH, v_TNH, order, cp_group)
     q_rows, kv_rows = local_placement(meta, device), global_placement(meta, device)
-    return TiledAttention.apply(q_TNH, k_glob, v_glob, q_rows, kv_rows, causal, scale)
+    return tiled_attention(q_TNH, k_glob, v_glob, q_rows, kv_rows, causal=causal, scale=scale)

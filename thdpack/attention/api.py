@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from thdpack.attention.backends.base import AttentionCall, CallFacts
-from thdpack.attention.config import AttentionConfig
+from thdpack.attention.config import AttentionConfig, resolve_softmax_scale
 from thdpack.attention.select import attend_function, choose_backend, log_choice
-from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.thd.meta import thd_meta
 
 CONFIG_KEYWORDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
 """The keywords ``thd_attention`` accepts as a shorthand for ``config=AttentionConfig(...)``."""
@@ -47,15 +47,18 @@ def thd_attention(
         thd: the batch's metadata: ``cu_seqlens`` ((S+1,) int32, GLOBAL real lengths, ``[0] == 0``,
             non-decreasing), ``cu_seqlens_padded`` ((S+1,) int32, GLOBAL storage slots, each slot
             >= its real length, a multiple of ``2*cp_size`` under CP, ``[-1] == T * cp_size``),
-            ``max_seqlen`` (Python int >= the widest slot) and, on a CP shard, ``cp_size`` /
-            ``cp_rank``. Validated once per batch (cached), so every layer can pass it.
+            ``max_seqlen`` (Python int >= the widest slot); on a CP shard the record
+            ``thdpack.cp.shard`` gives it (or ``cp_size`` / ``cp_rank`` keys). A batch thdpack
+            made carries its validated record; any other is validated by the first call, which
+            stores the record in it (``thdpack.thd.meta``), so every layer can pass it.
         config: how to attend (:class:`~thdpack.attention.AttentionConfig`): ``backend``
             (``"auto"`` = fastest available, logged on ``thdpack.attention``; the environment
             variable ``THDPACK_ATTENTION_BACKEND`` forces one), ``causal``, ``softmax_scale``
             (default ``H ** -0.5``) and ``cp_comm_type`` (``"p2p"`` ring or ``"all_gather"``).
             Default: ``AttentionConfig()``.
-        cp_group: the context-parallel group when q/k/v are a CP shard (size must equal
-            ``thd["cp_size"]``). ``te`` does CP itself; ``flash`` / ``varlen`` run thdpack's
+        cp_group: the context-parallel group when q/k/v are a CP shard: the group the batch was
+            sharded for (its size and this process's rank in it are the shard's ``cp_size`` and
+            ``cp_rank``). ``te`` does CP itself; ``flash`` / ``varlen`` run thdpack's
             ring with FlashAttention-2 tiles; ``math`` runs it with exact math tiles (CPU/gloo),
             or the all-gather of K/V.
         return_lse: also return the log-sum-exp (differentiable with ``math`` and the CP ring).
@@ -85,17 +88,18 @@ def thd_attention(
     config = _attention_config(config, keywords)
     _check_qkv(q, k, v)
     meta = thd_meta(thd)
-    cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-    _check_layout(q, meta, cp_group, cp_size)
-    situation = CallFacts.of(q, k, v, cp=cp_size > 1, cp_comm_type=config.cp_comm_type, need_lse=return_lse)
+    meta.check_cp_group(cp_group)
+    meta.check_token_count(q.shape[0], "q")
+    cp = meta.cp_size > 1
+    situation = CallFacts.of(q, k, v, cp=cp, cp_comm_type=config.cp_comm_type, need_lse=return_lse)
     backend, reason = choose_backend(config.backend, situation)
     log_choice(backend, reason, situation)
     call = AttentionCall(
         thd=thd,
         meta=meta,
         config=config,
-        scale=q.shape[-1] ** -0.5 if config.softmax_scale is None else config.softmax_scale,
-        cp_group=cp_group if cp_size > 1 else None,
+        scale=resolve_softmax_scale(config.softmax_scale, q.shape[-1]),
+        cp_group=cp_group if cp else None,
         return_lse=return_lse,
     )
     out, lse = attend_function(backend, situation)(q, k, v, call)
@@ -150,22 +154,3 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"q has {q.shape[1]} heads, not a multiple of k/v's {k.shape[1]}; GQA needs Nq % Nkv == 0")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q and k must have the same head dim, got {q.shape[2]} and {k.shape[2]}")
-
-
-def _check_layout(q: torch.Tensor, meta: ThdMeta, cp_group: dist.ProcessGroup | None, cp_size: int) -> None:
-    if cp_size != meta.cp_size:
-        where = "cp_group is None" if cp_group is None else f"cp_group has {cp_size} ranks"
-        raise ValueError(
-            f"thd is sharded for cp_size={meta.cp_size} but {where}; pass the context-parallel group the "
-            "batch was sharded for (or the unsharded batch)"
-        )
-    if cp_size > 1 and dist.get_rank(cp_group) != meta.cp_rank:
-        raise ValueError(
-            f"thd is the shard of cp_rank={meta.cp_rank} but this process is rank {dist.get_rank(cp_group)} "
-            "of cp_group; shard with thdpack.cp.shard(batch, cp_size, rank_in_cp_group)"
-        )
-    if q.shape[0] != meta.local_tokens:
-        raise ValueError(
-            f"q has {q.shape[0]} tokens but the THD metadata describes {meta.local_tokens} on this rank "
-            f"(cu_seqlens_padded[-1]={meta.total_tokens} / cp_size={meta.cp_size})"
-        )

@@ -19,6 +19,15 @@ CpCommType = Literal["p2p", "all_gather"]
 CP_COMM_TYPES: tuple[CpCommType, ...] = get_args(CpCommType)
 
 
+def resolve_softmax_scale(softmax_scale: float | None, head_dim: int) -> float:
+    """The scale scores are multiplied by: ``softmax_scale``, or ``head_dim ** -0.5`` when it is None.
+
+    >>> resolve_softmax_scale(None, 64), resolve_softmax_scale(0.5, 64)
+    (0.125, 0.5)
+    """
+    return head_dim**-0.5 if softmax_scale is None else softmax_scale
+
+
 def _listing(options: tuple[str, ...]) -> str:
     return ", ".join(repr(o) for o in options)
 
@@ -41,7 +50,7 @@ class AttentionConfig:
     causal: bool = True
     """Causal (decoder) attention inside each sequence; False = each sequence fully visible."""
     softmax_scale: float | None = None
-    """Score scale; None = ``head_dim ** -0.5``."""
+    """Score scale; None = ``head_dim ** -0.5`` (:func:`resolve_softmax_scale`)."""
     cp_comm_type: CpCommType = "p2p"
     """Context-parallel K/V exchange: ``"p2p"`` ring or ``"all_gather"`` (Llama 3 style)."""
 

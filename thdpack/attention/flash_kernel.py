@@ -68,12 +68,14 @@ def unavailable_reason(
     return None
 
 
-def _keys(k: TokenPlacement, causal: bool) -> tuple[torch.Tensor | None, torch.Tensor, int]:
-    """(rows to keep or None, cu_seqlens_k, max_seqlen_k) for the key side of a tile."""
+def _tile_lengths(
+    q: TokenPlacement, k: TokenPlacement, causal: bool
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """(key rows to keep or None, the kernels' ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``)."""
     if causal or not k.has_padding:
         # causal: padding follows every real token, so no real query ever sees a padded key
-        return None, k.cu, max(k.counts)
-    return k.valid_index, k.valid_cu, max(k.valid_counts)
+        return None, (q.cu, k.cu, max(q.counts), max(k.counts))
+    return k.valid_index, (q.cu, k.valid_cu, max(q.counts), max(k.valid_counts))
 
 
 def tile_forward(
@@ -90,24 +92,14 @@ def tile_forward(
 
     ``q`` and ``k`` must have equal per-sequence row counts when ``causal`` (square tiles).
     """
-    keep, cu_k, max_k = _keys(k, causal)
+    keep, lengths = _tile_lengths(q, k, causal)
     if keep is not None:
         k_TNH, v_TNH = k_TNH.index_select(0, keep), v_TNH.index_select(0, keep)
-    if max_k == 0 or q_TNH.shape[0] == 0:
+    if lengths[3] == 0 or q_TNH.shape[0] == 0:
         out = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], v_TNH.shape[-1]))
         return out, q_TNH.new_full((q_TNH.shape[1], q_TNH.shape[0]), float("-inf"), dtype=torch.float32)
     out_TNH, lse_NT = torch.ops.aten._flash_attention_forward(
-        q_TNH.contiguous(),
-        k_TNH.contiguous(),
-        v_TNH.contiguous(),
-        q.cu,
-        cu_k,
-        max(q.counts),
-        max_k,
-        0.0,
-        causal,
-        False,
-        scale=scale,
+        q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous(), *lengths, 0.0, causal, False, scale=scale
     )[:2]
     return out_TNH, normalize_lse(lse_NT)
 
@@ -130,29 +122,17 @@ def tile_backward(
     The kernel computes ``delta = rowsum(dout * out)`` itself, so this path cannot take a
     gradient of the LSE; callers use the math kernel when one arrives.
     """
-    keep, cu_k, max_k = _keys(k, causal)
+    keep, lengths = _tile_lengths(q, k, causal)
     k_in, v_in = (k_TNH, v_TNH) if keep is None else (k_TNH.index_select(0, keep), v_TNH.index_select(0, keep))
-    if max_k == 0 or q_TNH.shape[0] == 0:
+    if lengths[3] == 0 or q_TNH.shape[0] == 0:
         return torch.zeros_like(q_TNH), torch.zeros_like(k_TNH), torch.zeros_like(v_TNH)
     rng_state = torch.zeros(2, dtype=getattr(torch, "uint64", torch.int64), device=q_TNH.device)
     unused = torch.empty(0, device=q_TNH.device)
+    lse_for_kernel = lse_NT.float().masked_fill(torch.isneginf(lse_NT), float("inf")).contiguous()
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        dout_TNH.contiguous(),
-        q_TNH.contiguous(),
-        k_in.contiguous(),
-        v_in.contiguous(),
-        out_TNH.contiguous(),
-        lse_NT.float().masked_fill(torch.isneginf(lse_NT), float("inf")).contiguous(),
-        q.cu,
-        cu_k,
-        max(q.counts),
-        max_k,
-        0.0,
-        causal,
-        rng_state,
-        unused,
-        scale=scale,
-    )
+        dout_TNH.contiguous(), q_TNH.contiguous(), k_in.contiguous(), v_in.contiguous(), out_TNH.contiguous(),
+        lse_for_kernel, *lengths, 0.0, causal, rng_state, unused, scale=scale,
+    )  # fmt: skip
     if keep is not None:
         dk = torch.zeros_like(k_TNH).index_copy(0, keep, dk)
         dv = torch.zeros_like(v_TNH).index_copy(0, keep, dv)

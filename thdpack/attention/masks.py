@@ -22,17 +22,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from thdpack._optional import has_flex_attention
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.format import SEQ_LENS_SENTINEL, bshd_meta
 from thdpack.thd.meta import thd_meta
 from thdpack.thd.tokens import TokenPlacement, global_placement
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
-
-
-TokenLayout = TokenPlacement
-"""The per-token view of a batch (``seg``, ``pos``, ``valid``): :class:`thdpack.thd.tokens.TokenPlacement`."""
 
 
 def visible(
@@ -59,18 +55,19 @@ def visible(
 
 
 def token_layout(thd: Mapping[str, Any]) -> TokenPlacement:
-    """The :class:`TokenPlacement` of a THD batch, or of a CP shard (``thd["cp_size"]``, ``thd["cp_rank"]``),
-    on ``cu_seqlens_padded``'s device (``T / cp_size`` rows for a shard).
+    """The :class:`TokenPlacement` of a THD batch, or of a CP shard (``thdpack.cp.shard``'s, or a
+    mapping with ``cp_size`` / ``cp_rank`` keys), on ``cu_seqlens_padded``'s device (``T / cp_size``
+    rows for a shard).
 
     >>> cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     >>> cu_padded = torch.tensor([0, 4, 8], dtype=torch.int32)
     >>> layout = token_layout({"cu_seqlens": cu, "cu_seqlens_padded": cu_padded})
-    >>> layout.seg.tolist(), layout.pos.tolist()
+    >>> layout.seg_T.tolist(), layout.pos_T.tolist()
     ([0, 0, 0, 0, 1, 1, 1, 1], [0, 1, 2, 3, 0, 1, 2, 3])
-    >>> layout.valid.int().tolist()
+    >>> layout.valid_T.int().tolist()
     [1, 1, 1, 0, 1, 1, 0, 0]
     >>> shard1 = token_layout({"cu_seqlens": cu, "cu_seqlens_padded": cu_padded, "cp_size": 2, "cp_rank": 1})
-    >>> shard1.seg.tolist(), shard1.pos.tolist(), shard1.valid.int().tolist()
+    >>> shard1.seg_T.tolist(), shard1.pos_T.tolist(), shard1.valid_T.int().tolist()
     ([0, 0, 1, 1], [1, 2, 1, 2], [1, 1, 1, 0])
     """
     for key in ("cu_seqlens", "cu_seqlens_padded"):

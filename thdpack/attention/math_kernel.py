@@ -126,20 +126,6 @@ def tile_forward(
     return out_TNH, lse_NT
 
 
-def softmax_delta(dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None) -> torch.Tensor:
-    """(Nq, T) ``rowsum(dout * out) - dlse`` in ``out``'s dtype; a missing gradient counts as 0.
-
-    ``out_TNH`` is the FINAL output (all keys merged), in the accumulation dtype.
-    """
-    if dout_TNH is None:
-        delta_NT = out_TNH.new_zeros(out_TNH.shape[1], out_TNH.shape[0])
-    else:
-        delta_NT = (dout_TNH.to(out_TNH.dtype) * out_TNH).sum(-1).T
-    if dlse_NT is not None:
-        delta_NT = delta_NT - dlse_NT.to(out_TNH.dtype)
-    return delta_NT
-
-
 def tile_backward(
     dout_TNH: torch.Tensor,
     q_TNH: torch.Tensor,
@@ -160,7 +146,7 @@ def tile_backward(
         q_TNH, k_TNH, v_TNH, q, k, causal, scale: as in :func:`tile_forward`.
         lse_NT: (Nq, Tq) the rows' final LSE over ALL their keys (not just this tile's).
         delta_NT: (Nq, Tq) ``rowsum(dout * out) - dlse`` with the final ``out`` and the incoming
-            gradient of the returned LSE (0 when unused).
+            gradient of the returned LSE (0 when unused): ``merge.output_grads``.
 
     Returns:
         ``(dq_TNH, dk_TNH, dv_TNH)`` in the accumulation dtype; dK/dV already summed over each

@@ -1,4 +1,4 @@
-"""Log-sum-exp arithmetic shared by every tiled attention path.
+"""Log-sum-exp arithmetic shared by every tiled attention path, and their one autograd function.
 
 Attention over a key set split into disjoint parts is exact when the parts' partial results
 are merged by their log-sum-exp (LSE): with ``lse = log(e^lse_a + e^lse_b)``,
@@ -6,12 +6,17 @@ are merged by their log-sum-exp (LSE): with ``lse = log(e^lse_a + e^lse_b)``,
 overflows. A row with no visible key has ``out = 0`` and ``lse = -inf``; merging two such rows
 must give ``0`` and ``-inf`` again, never NaN.
 
+The backward of every tiled path (the math tiles, the ring, the simulated ring, the all-gather)
+recomputes its tiles from the final ``out`` and ``lse`` (FlashAttention's scheme): each path is an
+:class:`LseAttention` (its forward and backward), and :func:`differentiable_attention` is the
+one autograd function around them.
+
 Legend: ``T`` tokens (rows), ``N`` heads, ``H`` head dim.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -89,3 +94,82 @@ def no_lse_gradient(lse_NT: torch.Tensor, producer: str) -> torch.Tensor:
     gradient their backward ignores; a loss using it would train on a wrong gradient.
     """
     return _NoLseGradient.apply(lse_NT, producer)
+
+
+class Saved(NamedTuple):
+    """What a tiled backward recomputes from: the inputs and the FINAL (all keys merged) out / LSE."""
+
+    q_TNH: torch.Tensor
+    k_TNH: torch.Tensor
+    v_TNH: torch.Tensor
+    out_TNH: torch.Tensor
+    """In the accumulation dtype."""
+    lse_NT: torch.Tensor
+
+
+class OutputGrads(NamedTuple):
+    """The gradients that reach an attention's outputs, as a tiled backward uses them."""
+
+    dout_TNH: torch.Tensor
+    """Of the output (zeros when only the LSE has a gradient)."""
+    delta_NT: torch.Tensor
+    """(Nq, T) ``rowsum(dout * out) - dlse``: the LSE's gradient enters the backward only through it."""
+    dlse_NT: torch.Tensor | None
+    """Of the LSE itself, None when it has none."""
+
+
+def output_grads(
+    dout_TNH: torch.Tensor | None, out_TNH: torch.Tensor, dlse_NT: torch.Tensor | None, dtype: torch.dtype
+) -> OutputGrads:
+    """The :class:`OutputGrads` of the incoming gradients (None: no gradient), with ``out_TNH`` the
+    final output in the accumulation dtype; a missing ``dout`` becomes zeros in ``dtype`` (the
+    inputs'), ``delta`` is in ``out``'s dtype."""
+    if dout_TNH is None:
+        dout_TNH = torch.zeros(out_TNH.shape, dtype=dtype, device=out_TNH.device)
+    delta_NT = (dout_TNH.to(out_TNH.dtype) * out_TNH).sum(-1).T
+    if dlse_NT is not None:
+        delta_NT = delta_NT - dlse_NT.to(out_TNH.dtype)
+    return OutputGrads(dout_TNH, delta_NT, dlse_NT)
+
+
+Gradients = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(dq, dk, dv)``."""
+
+
+class LseAttention(Protocol):
+    """One exact attention computation: its forward, and its backward from the final out / LSE."""
+
+    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(out_TNH, lse_NT)``, both in the accumulation dtype."""
+        ...
+
+    def backward(self, saved: Saved, grads: OutputGrads) -> Gradients:
+        """``(dq, dk, dv)`` of q, k, v (any float dtype; cast to the inputs' by the caller)."""
+        ...
+
+
+class _Differentiable(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, attention: LseAttention
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out_TNH, lse_NT = attention.forward(q_TNH, k_TNH, v_TNH)
+        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
+        ctx.attention = attention
+        ctx.set_materialize_grads(False)
+        return out_TNH.to(q_TNH.dtype), lse_NT
+
+    @staticmethod
+    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
+        saved = Saved(*ctx.saved_tensors)
+        grads = output_grads(dout_TNH, saved.out_TNH, dlse_NT, saved.q_TNH.dtype)
+        dq, dk, dv = ctx.attention.backward(saved, grads)
+        return dq.to(saved.q_TNH.dtype), dk.to(saved.k_TNH.dtype), dv.to(saved.v_TNH.dtype), None
+
+
+def differentiable_attention(
+    q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, attention: LseAttention
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_TNH, lse_NT)`` of ``attention``: out in q's dtype, lse in the accumulation dtype, both
+    differentiable; the backward keeps only q, k, v, out and lse (O(T) activation memory)."""
+    return _Differentiable.apply(q_TNH, k_TNH, v_TNH, attention)

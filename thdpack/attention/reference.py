@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from thdpack.attention.config import resolve_softmax_scale
 from thdpack.thd.meta import thd_meta
 
 
@@ -31,8 +32,8 @@ def reference_attention(
     Args:
         q_TNH: (T, Nq, H) all tokens in storage order (``cu_seqlens_padded`` slots).
         k_TNH / v_TNH: (T, Nkv, H) / (T, Nkv, Hv), ``Nq % Nkv == 0``.
-        thd: the batch's metadata (``cu_seqlens``, ``cu_seqlens_padded``; any ``cp_size`` is
-            ignored: the tensors are the global ones).
+        thd: the batch, or any of its CP shards (``cu_seqlens``, ``cu_seqlens_padded``; the
+            tensors are the global ones whatever the shard).
         causal: token i of a sequence sees tokens 0..i of it; otherwise all its real tokens.
         softmax_scale: default ``H ** -0.5``.
 
@@ -46,8 +47,8 @@ def reference_attention(
     >>> out.flatten().tolist()     # row 1 averages tokens 0 and 1; row 3 is padding
     [0.0, 0.5, 2.0, 0.0]
     """
-    meta = thd_meta({key: thd[key] for key in ("cu_seqlens", "cu_seqlens_padded") if key in thd})
-    scale = q_TNH.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    meta = thd_meta(thd).unsharded()
+    scale = resolve_softmax_scale(softmax_scale, q_TNH.shape[-1])
     group = q_TNH.shape[1] // k_TNH.shape[1]
     outs, lses = [], []
     start = 0

@@ -25,15 +25,24 @@ Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from thdpack.attention import flash_kernel, math_kernel
-from thdpack.attention.merge import accumulation_dtype, merge_partials
-from thdpack.cp import local_placement
+import thdpack.attention.flash_kernel as flash_kernel
+import thdpack.attention.math_kernel as math_kernel
+from thdpack.attention.merge import (
+    Gradients,
+    OutputGrads,
+    Saved,
+    accumulation_dtype,
+    differentiable_attention,
+    merge_partials,
+)
 from thdpack.cp.comm import Ring, RingComm
+from thdpack.cp.partition import local_placement
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import TokenPlacement
 
@@ -118,24 +127,23 @@ def ring_forward(
 
 def ring_backward(
     ring: Ring,
-    dout_TNH: torch.Tensor,
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    out_TNH: torch.Tensor,
-    lse_NT: torch.Tensor,
-    delta_NT: torch.Tensor,
+    saved: Saved,
+    grads: OutputGrads,
     meta: ThdMeta,
     *,
     causal: bool,
     scale: float,
     kernel: TileKernel,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Gradients:
     """This rank's ``(dq, dk, dv)`` in the accumulation dtype, from the GLOBAL out / lse / delta.
 
-    ``delta_NT`` is :func:`thdpack.attention.math_kernel.softmax_delta` (used by math tiles; the
-    flash kernel derives it from ``out_TNH`` itself).
+    ``grads.delta_NT`` is used by math tiles; the flash kernel derives it from ``out_TNH`` itself
+    and so cannot take a gradient of the LSE: one arriving (``grads.dlse_NT``) switches the pass
+    to math tiles.
     """
+    q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = saved
+    dout_TNH, delta_NT, dlse_NT = grads
+    kernel = "math" if dlse_NT is not None else kernel
     acc = accumulation_dtype(q_TNH.dtype)
     dq_TNH = torch.zeros(q_TNH.shape, dtype=acc, device=q_TNH.device)
     dk_TNH = torch.zeros(k_TNH.shape, dtype=acc, device=k_TNH.device)
@@ -181,40 +189,26 @@ def _accumulate(total: torch.Tensor, rows: torch.Tensor | None, part: torch.Tens
         total.index_add_(0, rows, part.to(total.dtype))
 
 
-class RingAttention(torch.autograd.Function):
-    """Autograd wrapper: forward = :func:`ring_forward`, backward = :func:`ring_backward`."""
+@dataclass(frozen=True)
+class RingPass:
+    """This rank's share of ring attention (an :class:`~thdpack.attention.merge.LseAttention`):
+    :func:`ring_forward`, and :func:`ring_backward` from the global out / LSE."""
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q_TNH: torch.Tensor,
-        k_TNH: torch.Tensor,
-        v_TNH: torch.Tensor,
-        meta: ThdMeta,
-        ring: Ring,
-        causal: bool,
-        scale: float,
-        kernel: TileKernel,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out_TNH, lse_NT = ring_forward(ring, q_TNH, k_TNH, v_TNH, meta, causal=causal, scale=scale, kernel=kernel)
-        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
-        ctx.meta, ctx.ring, ctx.causal, ctx.scale, ctx.kernel = meta, ring, causal, scale, kernel
-        ctx.set_materialize_grads(False)
-        return out_TNH.to(q_TNH.dtype), lse_NT
+    ring: Ring
+    meta: ThdMeta
+    causal: bool
+    scale: float
+    kernel: TileKernel
 
-    @staticmethod
-    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
-        q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        delta_NT = math_kernel.softmax_delta(dout_TNH, out_TNH, dlse_NT)
-        if dout_TNH is None:
-            dout_TNH = q_TNH.new_zeros(out_TNH.shape)
-        # FlashAttention's backward derives delta from out and cannot see dLSE
-        kernel = "math" if dlse_NT is not None else ctx.kernel
-        dq, dk, dv = ring_backward(
-            ctx.ring, dout_TNH, q_TNH, k_TNH, v_TNH, out_TNH, lse_NT, delta_NT, ctx.meta,
-            causal=ctx.causal, scale=ctx.scale, kernel=kernel,
-        )  # fmt: skip
-        return dq.to(q_TNH.dtype), dk.to(k_TNH.dtype), dv.to(v_TNH.dtype), None, None, None, None, None
+    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ring_forward(
+            self.ring, q_TNH, k_TNH, v_TNH, self.meta, causal=self.causal, scale=self.scale, kernel=self.kernel
+        )
+
+    def backward(self, saved: Saved, grads: OutputGrads) -> Gradients:
+        return ring_backward(
+            self.ring, saved, grads, self.meta, causal=self.causal, scale=self.scale, kernel=self.kernel
+        )
 
 
 def ring_attention(
@@ -233,8 +227,8 @@ def ring_attention(
     Args:
         q_TNH: (T, Nq, H) this rank's queries in ``thdpack.cp.shard`` order.
         k_TNH / v_TNH: (T, Nkv, H) / (T, Nkv, Hv), ``Nq % Nkv == 0``.
-        meta: :func:`thdpack.thd.meta.thd_meta` of the shard (global cu_seqlens,
-            ``cp_size == cp_group``'s size, ``cp_rank`` == this rank in it).
+        meta: the shard's record (:func:`thdpack.thd.meta.thd_meta`; ``cp_size`` = ``cp_group``'s
+            size, ``cp_rank`` = this rank in it, as ``ThdMeta.check_cp_group`` checks).
         cp_group: the context-parallel group (None: the default group).
         causal, scale: attention mask type and softmax scale.
         kernel: ``"math"`` or ``"flash"`` tiles.
@@ -243,4 +237,5 @@ def ring_attention(
         ``out_TNH`` (T, Nq, Hv) in q's dtype and ``lse_NT`` (Nq, T) (fp64 for fp64 inputs, else
         fp32); both differentiable.
     """
-    return RingAttention.apply(q_TNH, k_TNH, v_TNH, meta, RingComm(cp_group), causal, scale, kernel)
+    ring = RingPass(RingComm(cp_group), meta, causal, scale, kernel)
+    return differentiable_attention(q_TNH, k_TNH, v_TNH, ring)

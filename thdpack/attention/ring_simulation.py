@@ -15,13 +15,15 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from thdpack.attention import math_kernel
+from thdpack.attention.config import resolve_softmax_scale
+from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
 from thdpack.attention.ring import TileKernel, ring_backward, ring_forward
-from thdpack.cp.partition import partition_indices
+from thdpack.cp.partition import partition_from_lengths
 from thdpack.thd.meta import ThdMeta, thd_meta
 
 
@@ -66,57 +68,43 @@ def run_ring_threads(size: int, fn: Callable[[ThreadRing], Any]) -> list[Any]:
     return results
 
 
-class SimulatedRingAttention(torch.autograd.Function):
-    """Global q, k, v -> global (out, lse) through a ring of ``cp_size`` thread ranks."""
+@dataclass(frozen=True)
+class SimulatedRing:
+    """Global q, k, v -> global (out, lse) through a ring of ``len(shards)`` thread ranks (an
+    :class:`~thdpack.attention.merge.LseAttention`); ``shards[r]`` is rank r's record and its
+    (T / cp,) global token indices."""
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q_TNH: torch.Tensor,
-        k_TNH: torch.Tensor,
-        v_TNH: torch.Tensor,
-        shards: list[tuple[ThdMeta, torch.Tensor]],
-        causal: bool,
-        scale: float,
-        kernel: TileKernel,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    shards: list[tuple[ThdMeta, torch.Tensor]]
+    causal: bool
+    scale: float
+    kernel: TileKernel
+
+    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
         def rank_forward(ring: ThreadRing) -> tuple[torch.Tensor, torch.Tensor]:
-            meta, index = shards[ring.rank]
-            return ring_forward(
-                ring, q_TNH[index], k_TNH[index], v_TNH[index], meta, causal=causal, scale=scale, kernel=kernel
-            )
+            meta, index = self.shards[ring.rank]
+            q, k, v = q_TNH[index], k_TNH[index], v_TNH[index]
+            return ring_forward(ring, q, k, v, meta, causal=self.causal, scale=self.scale, kernel=self.kernel)
 
-        parts = run_ring_threads(len(shards), rank_forward)
+        parts = run_ring_threads(len(self.shards), rank_forward)
         out_TNH = parts[0][0].new_empty((q_TNH.shape[0], *parts[0][0].shape[1:]))
         lse_NT = parts[0][1].new_empty((q_TNH.shape[1], q_TNH.shape[0]))
-        for (_, index), (out, lse) in zip(shards, parts, strict=True):
+        for (_, index), (out, lse) in zip(self.shards, parts, strict=True):
             out_TNH[index], lse_NT[:, index] = out, lse
-        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
-        ctx.shards, ctx.causal, ctx.scale, ctx.kernel = shards, causal, scale, kernel
-        ctx.set_materialize_grads(False)
-        return out_TNH.to(q_TNH.dtype), lse_NT
+        return out_TNH, lse_NT
 
-    @staticmethod
-    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
-        q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        if dout_TNH is None:
-            dout_TNH = q_TNH.new_zeros(out_TNH.shape)
-        kernel = "math" if dlse_NT is not None else ctx.kernel  # as RingAttention does
+    def backward(self, saved: Saved, grads: OutputGrads) -> Gradients:
+        def rank_backward(ring: ThreadRing) -> Gradients:
+            meta, index = self.shards[ring.rank]
+            mine = Saved(*(t[index] for t in saved[:4]), saved.lse_NT[:, index])
+            dlse = None if grads.dlse_NT is None else grads.dlse_NT[:, index]
+            my_grads = OutputGrads(grads.dout_TNH[index], grads.delta_NT[:, index], dlse)
+            return ring_backward(ring, mine, my_grads, meta, causal=self.causal, scale=self.scale, kernel=self.kernel)
 
-        def rank_backward(ring: ThreadRing) -> tuple[torch.Tensor, ...]:
-            meta, index = ctx.shards[ring.rank]
-            dout, out, lse = dout_TNH[index], out_TNH[index], lse_NT[:, index]
-            delta = math_kernel.softmax_delta(dout, out, None if dlse_NT is None else dlse_NT[:, index])
-            return ring_backward(
-                ring, dout, q_TNH[index], k_TNH[index], v_TNH[index], out, lse, delta, meta,
-                causal=ctx.causal, scale=ctx.scale, kernel=kernel,
-            )  # fmt: skip
-
-        grads = [torch.zeros_like(t) for t in (q_TNH, k_TNH, v_TNH)]
-        for (_, index), parts in zip(ctx.shards, run_ring_threads(len(ctx.shards), rank_backward), strict=True):
-            for total, part in zip(grads, parts, strict=True):
+        totals = [torch.zeros_like(t) for t in saved[:3]]
+        for (_, index), parts in zip(self.shards, run_ring_threads(len(self.shards), rank_backward), strict=True):
+            for total, part in zip(totals, parts, strict=True):
                 total[index] = part.to(total.dtype)
-        return *grads, None, None, None, None
+        return totals[0], totals[1], totals[2]
 
 
 def simulated_ring_attention(
@@ -135,7 +123,7 @@ def simulated_ring_attention(
     Args:
         q_TNH / k_TNH / v_TNH: (T, Nq, H) / (T, Nkv, H) / (T, Nkv, Hv), the GLOBAL batch in storage
             order; T a multiple of ``2*cp_size`` per sequence (``cu_seqlens_padded``).
-        thd: the global batch's metadata (``cu_seqlens``, ``cu_seqlens_padded``).
+        thd: the global batch (or any of its shards: the metadata is global).
         cp_size, causal, softmax_scale, kernel: as for :func:`thdpack.attention.ring.ring_attention`.
 
     Returns:
@@ -150,21 +138,11 @@ def simulated_ring_attention(
     >>> bool(torch.allclose(out[[0, 1, 2, 4, 5, 6, 7]], single[[0, 1, 2, 4, 5, 6, 7]]))  # real tokens
     True
     """
-    base = {key: thd[key] for key in ("cu_seqlens", "cu_seqlens_padded", "max_seqlen") if key in thd}
-    total = q_TNH.shape[0]
-    if thd_meta(base).total_tokens != total:
-        raise ValueError(
-            f"q has {total} tokens but the batch metadata describes {thd_meta(base).total_tokens}; "
-            "simulated_ring_attention takes the global (unsharded) tensors"
-        )
+    whole = thd_meta(thd).unsharded()
+    whole.check_token_count(q_TNH.shape[0], "q (the global batch's, as simulated_ring_attention takes)")
     shards = []
     for rank in range(cp_size):
-        meta = thd_meta({**base, "cp_size": cp_size, "cp_rank": rank})
-        if cp_size == 1:
-            index = torch.arange(total, device=q_TNH.device)
-        else:
-            cu_padded = base.get("cu_seqlens_padded", base["cu_seqlens"])
-            index = partition_indices(cu_padded, total, cp_size, rank).to(device=q_TNH.device, dtype=torch.int64)
-        shards.append((meta, index))
-    scale = q_TNH.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return SimulatedRingAttention.apply(q_TNH, k_TNH, v_TNH, shards, causal, scale, kernel)
+        index = partition_from_lengths(whole.lengths_padded_S, cp_size, rank)
+        shards.append((whole.for_rank(cp_size, rank), torch.from_numpy(index).to(q_TNH.device, torch.int64)))
+    scale = resolve_softmax_scale(softmax_scale, q_TNH.shape[-1])
+    return differentiable_attention(q_TNH, k_TNH, v_TNH, SimulatedRing(shards, causal, scale, kernel))

@@ -14,11 +14,13 @@ import torch
 
 from thdpack._optional import has_module
 from thdpack.attention.masks import block_causal_mask
+from thdpack.compat._nemo_errors import NemoRuntimeError
 from thdpack.format_rules import IGNORE_INDEX, check_pack_size
 from thdpack.packing.packer import SampleTokens, assemble_pack, read_sample
 from thdpack.plan import plan_packs
-from thdpack.thd import collate
+from thdpack.thd.batch import collate
 from thdpack.thd.format import PACK_KEYS, SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
+from thdpack.thd.meta import cu_from_lengths
 
 log = logging.getLogger(__name__)
 
@@ -155,8 +157,9 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
     ``seq_lens`` are single sequences: each is padded to the longest (``input_ids`` with the pad
     id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with -100), real length =
     ``sum(attention_mask)`` or the length, then collated the same way. Returns those five keys plus
-    ``qkv_format="thd"``; ``{}`` for an empty batch. Items are not modified. Packs of different
-    lengths, and a batch mixing packs with single sequences, raise ``ValueError``.
+    ``qkv_format="thd"``; ``{}`` for an empty batch. Items are not modified. A batch mixing packs
+    with single sequences raises ``ValueError``; packs of different lengths raise
+    ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError`` NeMo's ``torch.stack`` raises.
 
     >>> a = {"input_ids": [1, 2, 3, 0], "labels": [2, 3, -100, -100], "position_ids": [0, 1, 2, 3],
     ...      "seq_lens": [3], "seq_lens_padded": [4]}
@@ -178,7 +181,7 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
     if kinds[0] == "pack":
         widths = [len(item["input_ids"]) for item in batch]
         if len(set(widths)) > 1:
-            raise ValueError(f"packs must all have the same length (pack_size) to stack; got {widths}")
+            raise NemoRuntimeError(f"packs must all have the same length (pack_size) to stack; got {widths}")
         packs = [{key: item[key] for key in PACK_KEYS if key in item} for item in batch]
     else:
         pad_ids = batch[0].get(PAD_TOKEN_IDS_KEY) or {}
@@ -215,8 +218,7 @@ def create_block_causal_mask(seq_lens: Sequence[torch.Tensor] | torch.Tensor) ->
         )
     masks = []
     for lengths in rows:  # each row as a THD batch without padding: thdpack's one mask rule
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(lengths, 0)
+        cu = cu_from_lengths(lengths.numpy())
         masks.append(block_causal_mask({"cu_seqlens": cu, "cu_seqlens_padded": cu}))
     return torch.stack(masks)[:, None]
 

@@ -1,7 +1,8 @@
 """NeMo AutoModel drop-ins for BSHD -> THD conversion and Transformer Engine CP sharding:
 ``process_input_for_thd``, ``split_batch_into_thd_chunks``, ``make_cp_batch_for_te`` (current
 generation: ``cu_seqlens`` from real lengths, trailing-pad absorption, ``padding_mask`` from
-the layout), with TE's partition computed by ``thdpack.cp.partition_indices``.
+the layout), each thdpack's core call (``to_thd``, ``split_micro_batches``, ``cp.shard``) plus
+NeMo's names and quirks.
 
 Legend: ``B`` rows, ``L`` row length, ``T = B*L`` tokens, ``S`` sequences, ``C`` chunks.
 """
@@ -15,12 +16,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from thdpack.cp import shard
-from thdpack.thd.format import SEQ_LENS_SENTINEL, bshd_meta
-from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.compat._nemo_errors import NemoKeyError
+from thdpack.cp.partition import shard
+from thdpack.thd.batch import split_micro_batches, to_thd
+from thdpack.thd.format import SEQ_LENS_SENTINEL
+from thdpack.thd.meta import META_KEY, cu_from_lengths, thd_meta
 from thdpack.thd.tokens import real_rows
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")
+LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
 
 
 class CPMesh(Protocol):
@@ -31,8 +35,13 @@ class CPMesh(Protocol):
     def get_group(self) -> Any: ...
 
 
-def _cu(lengths: np.ndarray) -> np.ndarray:
-    return np.concatenate(([0], np.cumsum(lengths))).astype(np.int32)
+def _require_seq_lens(batch: Mapping[str, Any]) -> None:
+    """NeMo reads ``batch["seq_lens"]`` (``KeyError`` when absent); thdpack refuses it missing or None."""
+    if batch.get("seq_lens") is None:
+        raise NemoKeyError(
+            "batch['seq_lens'] is missing or None: thdpack derives cu_seqlens and padding_mask from the pack "
+            "layout, never from token values; collate with packed_sequence_thd_collater"
+        )
 
 
 def _check_widths(batch: Mapping[str, Any]) -> tuple[int, int]:
@@ -57,7 +66,7 @@ def _check_widths(batch: Mapping[str, Any]) -> tuple[int, int]:
             f"position_ids has shape {tuple(position_ids.shape)} but input_ids is ({rows}, {width}, ...); "
             "position_ids must be (B, L), or (R, B, L) for mRoPE, or None"
         )
-    for key in ("seq_lens", "seq_lens_padded"):
+    for key in LENGTH_KEYS:
         value = batch.get(key)
         if value is not None and (value.dim() != 2 or value.shape[0] != rows):
             raise ValueError(
@@ -66,23 +75,39 @@ def _check_widths(batch: Mapping[str, Any]) -> tuple[int, int]:
     return rows, width
 
 
-def _record(batch: Mapping[str, Any], width: int, sentinel: int) -> tuple[ThdMeta, int]:
-    """The batch's validated THD record (``thdpack.thd.format.bshd_meta``), and the tokens of
-    padding at the end of the LAST row that its ``seq_lens_padded`` leave unlisted (NeMo allows
-    that there only; the record counts them in the last slot, as thdpack's packs do)."""
+def _core_lengths(batch: Mapping[str, Any], sentinel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seq_lens`` and ``seq_lens_padded`` (``seq_lens`` where None) with thdpack's filler, -1000."""
     seq_lens = batch["seq_lens"]
     slots = batch.get("seq_lens_padded")
     slots = seq_lens if slots is None else slots
-    if sentinel != SEQ_LENS_SENTINEL:  # the core's filler is NeMo's default, -1000
+    if sentinel != SEQ_LENS_SENTINEL:
         seq_lens = torch.where(seq_lens == sentinel, SEQ_LENS_SENTINEL, seq_lens)
         slots = torch.where(slots == sentinel, SEQ_LENS_SENTINEL, slots)
+    return seq_lens, slots
+
+
+def _core_batch(batch: Mapping[str, Any], width: int, sentinel: int) -> tuple[dict[str, Any], int]:
+    """The BSHD batch ``thdpack.to_thd`` takes, and the tokens of padding at the end of the LAST row
+    that NeMo's ``seq_lens_padded`` leave unlisted (NeMo allows that there only; thdpack's packs
+    count them in the last slot). mRoPE positions (R, B, L) go in as per-token (B, L, R)."""
+    seq_lens, slots = _core_lengths(batch, sentinel)
     slots = slots.detach().cpu().clone().to(torch.int64)
     listed = torch.where(slots == SEQ_LENS_SENTINEL, 0, slots).sum(1)
     unlisted = width - int(listed[-1])
     last = int((slots[-1] != SEQ_LENS_SENTINEL).sum()) - 1
     if unlisted > 0 and last >= 0:
         slots[-1, last] += unlisted
-    return bshd_meta(seq_lens, slots, width), max(unlisted, 0)
+    position_ids = batch.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3:
+        position_ids = position_ids.permute(1, 2, 0)
+    core = {
+        "input_ids": batch["input_ids"],
+        "labels": batch["labels"],
+        "position_ids": position_ids,
+        "seq_lens": seq_lens,
+        "seq_lens_padded": slots,
+    }
+    return core, max(unlisted, 0)
 
 
 def process_input_for_thd(
@@ -90,8 +115,8 @@ def process_input_for_thd(
 ) -> dict[str, Any]:
     """NeMo's ``process_input_for_thd`` (current generation): a collated BSHD batch -> THD.
 
-    The lengths are validated by thdpack's THD record (``thdpack.thd.format.bshd_meta``, the check
-    ``thdpack.to_thd`` runs) and ``padding_mask`` is its layout; what remains is NeMo's format.
+    ``thdpack.to_thd`` flattens the batch, validates its lengths and takes ``padding_mask`` from
+    the layout; what remains is NeMo's format.
 
     Args:
         batch: ``input_ids`` (B, L) (or (B, L, H) embeddings), ``labels`` (B, L),
@@ -106,9 +131,10 @@ def process_input_for_thd(
     differs from ``cu_seqlens``, ``max_seqlen`` 0-dim int32 = max slot of ``cu_seqlens``, then
     every other key of ``batch`` except ``seq_lens`` / ``seq_lens_padded``. When the only
     padding is at the very end, the last boundary absorbs it (``cu_seqlens[-1] = T``) and no
-    ``cu_seqlens_padded`` is emitted. Raises ``ValueError`` for a missing ``seq_lens`` (NeMo
-    falls back to token values), for any width other than ``input_ids``' and for lengths that do
-    not match the rows.
+    ``cu_seqlens_padded`` is emitted. Raises ``ValueError`` for any width other than
+    ``input_ids``' and for lengths that do not match the rows, and for a missing ``seq_lens``
+    (NeMo then falls back to token values) ``NemoKeyError``, a ``ValueError`` and the
+    ``KeyError`` NeMo raises for a missing key.
 
     >>> batch = {"input_ids": torch.tensor([[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11]]),
     ...          "labels": torch.tensor([[2, 3, 99, 4, 5, 6], [7, 8, 9, 10, 11, 12]]),
@@ -121,42 +147,38 @@ def process_input_for_thd(
     >>> out["padding_mask"].nonzero().flatten().tolist()
     [3]
     """
-    if batch.get("seq_lens") is None:
-        raise ValueError(
-            "batch['seq_lens'] is missing or None: thdpack derives cu_seqlens and padding_mask from the pack "
-            "layout, never from token values; collate with packed_sequence_thd_collater"
-        )
+    _require_seq_lens(batch)
     rows, width = _check_widths(batch)
     total = rows * width
-    meta, unlisted = _record(batch, width, seq_lens_padding_value)
-    input_ids, labels, position_ids = batch["input_ids"], batch["labels"], batch.get("position_ids")
-    cu = _cu(meta.lengths_S)
+    core, unlisted = _core_batch(batch, width, seq_lens_padding_value)
+    thd = to_thd(core)
+    meta = thd_meta(thd)
+    device = batch["seq_lens"].device
+    # NeMo's boundaries: cu_seqlens from real lengths; cu_seqlens_padded ends where the listed slots end
+    real_S = meta.lengths_S.copy()
     listed_S = meta.lengths_padded_S.copy()
     if unlisted and len(listed_S):
-        listed_S[-1] -= unlisted  # NeMo's cu_seqlens_padded ends where the listed slots end
-    cu_padded = None if batch.get("seq_lens_padded") is None else _cu(listed_S)
-    if cu_padded is not None and len(cu) > 1 and np.array_equal(cu[:-1], cu_padded[:-1]) and cu[-1] < total:
-        cu[-1] = total  # only the last sequence has padding: let it absorb the pad (TE's cheaper path)
-        cu_padded = cu.copy()
-    device = batch["seq_lens"].device
-    if position_ids is not None:
-        position_ids = (
-            position_ids.reshape(position_ids.shape[0], 1, -1) if position_ids.dim() == 3 else position_ids.reshape(-1)
-        )
-    padding_mask = torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S))
+        listed_S[-1] -= unlisted
+    has_padded = batch.get("seq_lens_padded") is not None
+    if has_padded and len(real_S) and np.array_equal(real_S[:-1], listed_S[:-1]) and real_S.sum() < total:
+        real_S[-1] += total - real_S.sum()  # only the last sequence has padding: it absorbs it (TE's cheaper path)
+        listed_S = real_S
+    position_ids = thd["position_ids"]
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2:  # mRoPE: (T, R) -> NeMo's (R, 1, T)
+        position_ids = position_ids.T.unsqueeze(1)
     out: dict[str, Any] = {
-        "input_ids": input_ids.reshape(total, -1).squeeze(-1),
+        "input_ids": thd["input_ids"].reshape(total, -1).squeeze(-1),
         "position_ids": position_ids,
-        "cu_seqlens": torch.from_numpy(cu).to(device),
-        "labels": labels.reshape(total),
-        "padding_mask": padding_mask.to(input_ids.device),
+        "cu_seqlens": cu_from_lengths(real_S, device),
+        "labels": thd["labels"],
+        "padding_mask": thd["padding_mask"],
     }
-    if cu_padded is not None and not np.array_equal(cu_padded, cu):
-        out["cu_seqlens_padded"] = torch.from_numpy(cu_padded).to(device)
-    if len(cu) > 1:
-        out["max_seqlen"] = torch.tensor(int(np.diff(cu).max()), dtype=torch.int32, device=device)
+    if has_padded and not np.array_equal(listed_S, real_S):
+        out["cu_seqlens_padded"] = cu_from_lengths(listed_S, device)
+    if len(real_S):
+        out["max_seqlen"] = torch.tensor(int(real_S.max()), dtype=torch.int32, device=device)
     for key, value in batch.items():
-        if key not in out and key not in ("seq_lens", "seq_lens_padded"):
+        if key not in out and key not in LENGTH_KEYS:
             out[key] = value
     return out
 
@@ -177,12 +199,13 @@ def split_batch_into_thd_chunks(
 ) -> dict[str, Any]:
     """NeMo's ``split_batch_into_thd_chunks``: ``process_input_for_thd`` on C groups of rows.
 
-    ``num_chunks <= 1`` is ``process_input_for_thd(batch)``. Otherwise rows ``[c*B/C, (c+1)*B/C)``
-    form chunk ``c``; ``input_ids``, ``labels``, ``position_ids``, ``padding_mask`` are stacked to
-    (C, T/C), ``cu_seqlens`` to (C, K) int32 right-padded with the filler,
-    ``cu_seqlens_padded`` likewise when any chunk has one (others contribute ``cu_seqlens``),
-    ``max_seqlen`` to (C,) int32; non-tensor keys are kept. ``B % num_chunks != 0`` raises
-    ``ValueError`` (NeMo silently drops the remainder rows), as does mRoPE position_ids.
+    ``num_chunks <= 1`` is ``process_input_for_thd(batch)``. Otherwise ``thdpack.split_micro_batches``
+    cuts the batch into chunks of ``B/C`` consecutive rows; ``input_ids``, ``labels``,
+    ``position_ids``, ``padding_mask`` are stacked to (C, T/C), ``cu_seqlens`` to (C, K) int32
+    right-padded with the filler, ``cu_seqlens_padded`` likewise when any chunk has one (others
+    contribute ``cu_seqlens``), ``max_seqlen`` to (C,) int32; non-tensor keys are kept.
+    ``B % num_chunks != 0`` raises ``ValueError`` (NeMo silently drops the remainder rows), as
+    does mRoPE position_ids; a missing ``seq_lens`` raises ``NemoKeyError``.
 
     >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "labels": torch.arange(8).reshape(2, 4),
     ...          "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]]),
@@ -194,24 +217,23 @@ def split_batch_into_thd_chunks(
     """
     if num_chunks <= 1:
         return process_input_for_thd(batch, seq_lens_padding_value, padding_token_id)
-    rows = batch["input_ids"].shape[0]
-    if rows % num_chunks:
-        raise ValueError(
-            f"batch has {rows} rows, not divisible by num_chunks={num_chunks}; NeMo would silently drop "
-            f"{rows % num_chunks} rows: use a batch size that is a multiple of num_chunks"
-        )
+    _require_seq_lens(batch)
     position_ids = batch.get("position_ids")
     if position_ids is not None and position_ids.dim() == 3:
         raise ValueError("split_batch_into_thd_chunks does not support 3-D (mRoPE) position_ids; use num_chunks=1")
+    rows = _check_widths(batch)[0]
+    # the core's filler (so each chunk keeps only its own columns); a missing seq_lens_padded stays missing
+    seq_lens, slots = _core_lengths(batch, seq_lens_padding_value)
+    parts = split_micro_batches({**batch, "seq_lens": seq_lens, "seq_lens_padded": slots}, num_chunks)
     per = rows // num_chunks
     chunks = []
-    for c in range(num_chunks):
-        rows_c = slice(c * per, (c + 1) * per)
-        part = {k: v[rows_c] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    for c, part in enumerate(parts):
+        if batch.get("seq_lens_padded") is None:
+            part["seq_lens_padded"] = None
         try:
-            chunks.append(process_input_for_thd(part, seq_lens_padding_value, padding_token_id))
+            chunks.append(process_input_for_thd(part, SEQ_LENS_SENTINEL, padding_token_id))
         except ValueError as err:
-            raise ValueError(f"chunk {c} (rows {rows_c.start}-{rows_c.stop - 1}): {err}") from err
+            raise ValueError(f"chunk {c} (rows {c * per}-{(c + 1) * per - 1}): {err}") from err
     out: dict[str, Any] = {
         "input_ids": torch.stack([c["input_ids"] for c in chunks]),
         "labels": torch.stack([c["labels"] for c in chunks]),
@@ -253,10 +275,10 @@ def _shard_for_te(
         if isinstance(value, torch.Tensor):
             tokens[key] = value.permute(2, 0, 1) if key == "position_ids" and mrope else value
     if "padding_mask" not in tokens:  # a THD batch made elsewhere: the mask comes from its layout
-        meta = thd_meta({"cu_seqlens": cu, "cu_seqlens_padded": cu_padded})
+        meta = thd_meta(tokens)
         tokens["padding_mask"] = torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S))
     local = shard(tokens, cp_size, cp_rank)
-    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "cu_seqlens_padded")}
+    out = {k: v for k, v in batch.items() if k not in ("attention_mask", "cu_seqlens_padded", META_KEY)}
     for key in TOKEN_KEYS:
         if key in local:
             value = local[key]

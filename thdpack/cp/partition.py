@@ -22,25 +22,13 @@ import torch
 import torch.distributed as dist
 
 from thdpack._optional import has_transformer_engine, require
-from thdpack.thd.format import THD_METADATA_KEYS, THDBatch
-from thdpack.thd.meta import ThdMeta, check_cp, check_cp_multiple, cu_lengths, register, thd_meta
+from thdpack.format_rules import cp_multiple
+from thdpack.thd.format import THD_METADATA_KEYS, THDBatch, check_token_rows
+from thdpack.thd.meta import ThdMeta, attach_meta, check_cp, cu_lengths, thd_meta
 from thdpack.thd.tokens import TokenPlacement, global_placement
 
 PartitionImpl = Literal["auto", "te", "torch", "numpy"]
 _IMPLS = ("auto", "te", "torch", "numpy")
-
-
-def _checked_lengths(cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int) -> np.ndarray:
-    """The slots of ``cu_seqlens_padded``, checked once on the host by the THD record's validator,
-    plus what TE's kernel needs beyond it: ``cu_seqlens_padded[-1] == total_tokens``."""
-    lengths_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
-    check_cp_multiple(lengths_S, cp_size)
-    if int(lengths_S.sum()) != total_tokens:
-        raise ValueError(
-            f"total_tokens={total_tokens} but cu_seqlens_padded[-1]={int(lengths_S.sum())}; they must be equal "
-            "(Transformer Engine silently duplicates or drops tokens otherwise)"
-        )
-    return lengths_S
 
 
 def partition_indices(
@@ -69,7 +57,8 @@ def partition_indices(
         (T / cp_size,) int32 on ``cu_seqlens_padded``'s device: same values, same order as TE.
 
     Raises ``ValueError`` where TE's release build would silently return wrong indices (the
-    checks run before any implementation; they copy ``cu_seqlens_padded`` to the host once).
+    checks, the THD record's, run before any implementation; they copy ``cu_seqlens_padded`` to
+    the host once). With ``cp_size`` 1 the partition is the identity, whatever the slot widths.
 
     >>> cu = torch.tensor([0, 8, 16], dtype=torch.int32)
     >>> partition_indices(cu, 16, 2, 0).tolist()   # chunks 0 and 3 of each sequence
@@ -79,20 +68,24 @@ def partition_indices(
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    check_cp(cp_size, cp_rank)
     total_tokens = int(total_tokens)
-    lengths_S = _checked_lengths(cu_seqlens_padded, total_tokens, cp_size)
+    lengths_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
+    layout = ThdMeta.from_lengths(lengths_S, lengths_S, copy=False)
+    layout.check_token_count(total_tokens, "the batch (total_tokens)")
+    layout.for_rank(cp_size, cp_rank)  # cp_size, cp_rank and the 2*cp_size rule
     if impl == "auto":
         if cu_seqlens_padded.device.type == "cpu":
             impl = "numpy"
         else:
             impl = "te" if cu_seqlens_padded.is_cuda and has_transformer_engine() else "torch"
+    if impl == "te" and not cu_seqlens_padded.is_cuda:
+        raise ValueError(
+            f"impl='te' runs TE's CUDA kernel, but cu_seqlens_padded is on {cu_seqlens_padded.device}; "
+            "move it to a GPU or use impl='auto'"
+        )
+    if cp_size == 1:  # what TE's formula gives for one rank, also where a slot is odd (TE would refuse)
+        return torch.arange(total_tokens, dtype=torch.int32, device=cu_seqlens_padded.device)
     if impl == "te":
-        if not cu_seqlens_padded.is_cuda:
-            raise ValueError(
-                f"impl='te' runs TE's CUDA kernel, but cu_seqlens_padded is on {cu_seqlens_padded.device}; "
-                "move it to a GPU or use impl='auto'"
-            )
         tex = require("transformer_engine_torch", "partition_indices(impl='te')")
         return tex.thd_get_partitioned_indices(cu_seqlens_padded.to(torch.int32), total_tokens, cp_size, cp_rank)
     if impl == "numpy":
@@ -106,14 +99,18 @@ def partition_from_lengths(lengths_padded_S: np.ndarray, cp_size: int, cp_rank: 
 
     The numpy twin of ``_partition_indices_torch`` (same formula); every other view of TE's
     dual-chunk layout (a shard's token placement, the all-gather order) derives from it.
+    One rank (``cp_size`` 1) keeps every token in order.
     """
     lengths_S = np.asarray(lengths_padded_S, dtype=np.int64)
+    local_T = int(lengths_S.sum()) // cp_size
+    if cp_size == 1:
+        return np.arange(local_T, dtype=np.int32)
+    chunks = cp_multiple(cp_size)  # 2W chunks per sequence: rank r keeps chunk r and chunk 2W-1-r
     starts_S = np.cumsum(lengths_S) - lengths_S
-    chunk_S = lengths_S // (2 * cp_size)
+    chunk_S = lengths_S // chunks
     local_starts_S = 2 * (np.cumsum(chunk_S) - chunk_S)
     base_S = starts_S - local_starts_S
-    offset_S2 = np.stack((base_S + cp_rank * chunk_S, base_S + (2 * cp_size - 2 - cp_rank) * chunk_S), 1)
-    local_T = int(lengths_S.sum()) // cp_size
+    offset_S2 = np.stack((base_S + cp_rank * chunk_S, base_S + (chunks - 2 - cp_rank) * chunk_S), 1)
     index_T = np.repeat(offset_S2.reshape(-1).astype(np.int32), np.repeat(chunk_S, 2))
     index_T += np.arange(local_T, dtype=np.int32)
     return index_T
@@ -122,8 +119,20 @@ def partition_from_lengths(lengths_padded_S: np.ndarray, cp_size: int, cp_rank: 
 def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None = None) -> TokenPlacement:
     """The rows CP rank ``rank`` (default: the record's) holds, in ``shard`` order: the global
     placement taken at ``partition_indices`` (chunk ``r`` then chunk ``2W-1-r`` of every sequence).
-    Cached on ``meta`` per (rank, device)."""
+    ``rank`` must be a rank of the record's CP group (0 for a global record). Cached on ``meta``
+    per (rank, device).
+
+    >>> from thdpack.thd.meta import ThdMeta
+    >>> meta = ThdMeta.from_lengths([3, 4], [4, 4], cp_size=2, cp_rank=0)
+    >>> local_placement(meta, "cpu", rank=1).pos_T.tolist()   # chunk 1 and chunk 2 of each sequence
+    [1, 2, 1, 2]
+    >>> local_placement(ThdMeta.from_lengths([3], [4]), "cpu", rank=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: cp_rank must be an int in [0, 1), got 1
+    """
     rank = meta.cp_rank if rank is None else rank
+    check_cp(meta.cp_size, rank)
     device = torch.device(device)
 
     def build() -> TokenPlacement:
@@ -150,13 +159,14 @@ def _partition_indices_torch(
     inside a run the global index is the local index plus a per-run constant, so the whole
     answer is ``arange(T_local) + repeat_interleave(offset_2N, run_length_2N)``.
     """
+    chunks = cp_multiple(cp_size)  # 2W
     cu_S1 = cu_seqlens_padded.to(torch.int64)
     starts_S = cu_S1[:-1]
-    chunk_S = (cu_S1[1:] - starts_S) // (2 * cp_size)  # tokens per chunk of each sequence
+    chunk_S = (cu_S1[1:] - starts_S) // chunks  # tokens per chunk of each sequence
     local_starts_S = 2 * (torch.cumsum(chunk_S, 0) - chunk_S)  # where each sequence starts locally
     base_S = starts_S - local_starts_S
     # head run: chunk r; tail run: chunk 2W-1-r, which starts c tokens later in local order
-    offset_S2 = torch.stack((base_S + cp_rank * chunk_S, base_S + (2 * cp_size - 2 - cp_rank) * chunk_S), 1)
+    offset_S2 = torch.stack((base_S + cp_rank * chunk_S, base_S + (chunks - 2 - cp_rank) * chunk_S), 1)
     local_T = total_tokens // cp_size
     offset_T = torch.repeat_interleave(offset_S2.reshape(-1), chunk_S.repeat_interleave(2), output_size=local_T)
     return (torch.arange(local_T, device=cu_S1.device) + offset_T).to(torch.int32)
@@ -176,7 +186,8 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
         ``padding_mask`` and any other (T, ...) tensor) re-indexed with
         ``partition_indices`` to (T / cp_size, ...); the GLOBAL ``cu_seqlens``,
         ``cu_seqlens_padded`` and ``max_seqlen`` kept, as TE expects (it divides them itself);
-        ``cp_size`` and ``cp_rank`` added. Positions stay the global position within each
+        ``thd_meta`` the shard's record (``cp_size``, ``cp_rank``: which shard it is), made from
+        the batch's without validating again. Positions stay the global position within each
         sequence, so RoPE needs no correction. Non-tensor values pass through.
 
     The P6 pack of nemo_te_spec.md (S2): sequences of 3, 2, 1 tokens in slots of 4, 4, 12.
@@ -193,28 +204,25 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
     ([2, 3, 5, 0, 0, 0, 0, 0, 0, 0], [1, 2, 1, 2, 3, 4, 5, 6, 7, 8])
     >>> rank1["cu_seqlens"].tolist(), rank1["cu_seqlens_padded"].tolist(), rank1["max_seqlen"]
     ([0, 3, 5, 6], [0, 4, 8, 20], 12)
+    >>> rank1["thd_meta"].cp_size, rank1["thd_meta"].cp_rank
+    (2, 1)
     """
-    T = _num_tokens(thd, "the THD batch")
     meta = thd_meta(thd)
-    if meta.cp_size == 1 and cp_size == 1 and cp_rank == 0:
-        # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
-        return {**thd, "cp_size": 1, "cp_rank": 0}
     local = meta.for_rank(cp_size, cp_rank)
-    if meta.total_tokens != T:
-        raise ValueError(
-            f"the THD batch's tokens number {T} but cu_seqlens_padded[-1]={meta.total_tokens}; they must be equal "
-            "(Transformer Engine silently duplicates or drops tokens otherwise)"
-        )
+    check_token_rows(thd, meta)
+    if cp_size == 1:  # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
+        return dict(thd)
     # computed on the host from the validated record (no device read), then moved with the tokens
-    index_T = torch.from_numpy(partition_from_lengths(np.asarray(meta.lengths_padded), cp_size, cp_rank))
+    index_T = torch.from_numpy(partition_from_lengths(meta.lengths_padded_S, cp_size, cp_rank))
     out: THDBatch = {}
     for key, value in thd.items():
+        if key in ("cp_size", "cp_rank"):  # a batch made elsewhere may say it is unsharded; the record says
+            continue
         if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
             out[key] = value
         else:
             out[key] = value.index_select(0, index_T.to(value.device))
-    out["cp_size"], out["cp_rank"] = cp_size, cp_rank
-    register(out, local)
+    attach_meta(out, local)
     return out
 
 
@@ -222,13 +230,12 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
     """Reassemble the global THD batch from every rank's ``shard``, in rank order.
 
     Args:
-        shards: ``cp_size`` shards of one global batch, ``shards[r]["cp_rank"] == r``.
+        shards: ``cp_size`` shards of one global batch, shard ``r`` of CP rank ``r``.
         cp_size: context-parallel world size.
 
     Returns:
         The global batch: per-token tensors (T, ...) back in storage order, the shared metadata,
-        no ``cp_size`` / ``cp_rank``. ``unshard([shard(thd, W, r) for r in range(W)], W)`` equals
-        ``thd``.
+        the global record. ``unshard([shard(thd, W, r) for r in range(W)], W)`` equals ``thd``.
 
     >>> cu = torch.tensor([0, 8], dtype=torch.int32)
     >>> thd = {"input_ids": torch.arange(8), "cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": 8}
@@ -242,25 +249,22 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
         raise ValueError(f"unshard got {len(shards)} shards for cp_size={cp_size}; pass one shard per rank")
     first = shards[0]
     for r, part in enumerate(shards):
-        if part.get("cp_size") != cp_size or part.get("cp_rank") != r:
+        meta = thd_meta(part)
+        if (meta.cp_size, meta.cp_rank) != (cp_size, r):
             raise ValueError(
-                f"shards[{r}] has cp_size={part.get('cp_size')}, cp_rank={part.get('cp_rank')}; expected "
-                f"cp_size={cp_size}, cp_rank={r}: pass shard(thd, {cp_size}, r) for r = 0..{cp_size - 1}, "
-                "in order"
+                f"shards[{r}] has cp_size={meta.cp_size}, cp_rank={meta.cp_rank}; expected cp_size={cp_size}, "
+                f"cp_rank={r}: pass shard(thd, {cp_size}, r) for r = 0..{cp_size - 1}, in order"
             )
         if part.keys() != first.keys():
             raise ValueError(f"shards[{r}] has keys {sorted(part.keys())} but shards[0] has {sorted(first.keys())}")
         for key in ("cu_seqlens", "cu_seqlens_padded"):
             if not torch.equal(part[key], first[key]):
                 raise ValueError(f"shards[{r}] has a different {key} than shards[0]; shards must be of one batch")
-    if cp_size == 1:
-        return {key: value for key, value in first.items() if key not in ("cp_size", "cp_rank")}
-    cu_padded = first["cu_seqlens_padded"]
-    T = int(cu_padded[-1])
+    whole = thd_meta(first).unsharded()
     # position in the rank-major concatenation -> global token index, then its inverse
-    gathered_to_global_T = torch.cat([partition_indices(cu_padded, T, cp_size, r) for r in range(cp_size)])
-    global_to_gathered_T = torch.empty(T, dtype=torch.int64, device=cu_padded.device)
-    global_to_gathered_T[gathered_to_global_T.to(torch.int64)] = torch.arange(T, device=cu_padded.device)
+    slots_S = whole.lengths_padded_S
+    gathered_to_global_T = np.concatenate([partition_from_lengths(slots_S, cp_size, r) for r in range(cp_size)])
+    global_to_gathered_T = torch.from_numpy(np.argsort(gathered_to_global_T, kind="stable"))
     out: THDBatch = {}
     for key, value in first.items():
         if key in ("cp_size", "cp_rank"):
@@ -269,12 +273,9 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
             out[key] = value
         else:
             gathered = torch.cat([part[key] for part in shards])
-            if gathered.dim() == 0 or gathered.shape[0] != T:
-                raise ValueError(
-                    f"{key}: the shards hold {gathered.shape[0] if gathered.dim() else 0} tokens in all, "
-                    f"but cu_seqlens_padded[-1] = {T}"
-                )
+            whole.check_token_count(gathered.shape[0] if gathered.dim() else 0, f"{key} of all shards together")
             out[key] = gathered.index_select(0, global_to_gathered_T.to(gathered.device))
+    attach_meta(out, whole)
     return out
 
 
@@ -285,35 +286,19 @@ def gather(local_thd: Mapping[str, Any], group: dist.ProcessGroup) -> THDBatch:
     the same global batch (``cp_size`` = the group's size, ``cp_rank`` = the rank in it). One
     ``all_gather`` per per-token tensor; works on gloo (CPU) and NCCL.
     """
-    cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    if local_thd.get("cp_size") != cp_size or local_thd.get("cp_rank") != cp_rank:
-        raise ValueError(
-            f"local_thd is shard cp_rank={local_thd.get('cp_rank')} of cp_size={local_thd.get('cp_size')}, "
-            f"but this process is rank {cp_rank} of a group of {cp_size}; shard with the group's size "
-            "and rank"
-        )
-    shards: list[dict[str, Any]] = [dict(local_thd, cp_rank=r) for r in range(cp_size)]
+    meta = thd_meta(local_thd)
+    meta.check_cp_group(group)
+    whole = meta.unsharded()
+    shards: list[dict[str, Any]] = [dict(local_thd) for _ in range(meta.cp_size)]
     for key, value in local_thd.items():
         if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
             continue
-        parts = [torch.empty_like(value) for _ in range(cp_size)]
+        parts = [torch.empty_like(value) for _ in range(meta.cp_size)]
         dist.all_gather(parts, value.contiguous(), group=group)
-        for r in range(cp_size):
+        for r in range(meta.cp_size):
             shards[r][key] = parts[r]
-    return unshard(shards, cp_size)
-
-
-def _num_tokens(thd: Mapping[str, Any], what: str) -> int:
-    """T, the first dim shared by every per-token tensor of ``thd``."""
-    if "cu_seqlens_padded" not in thd or "input_ids" not in thd:
-        raise ValueError(f"{what} lacks cu_seqlens_padded or input_ids; build it with thdpack.to_thd")
-    T = thd["input_ids"].shape[0]
-    for key, value in thd.items():
-        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 0 or value.shape[0] != T:
-            raise ValueError(
-                f"{key} has shape {tuple(value.shape)}; every per-token tensor of {what} needs T={T} rows "
-                "(like input_ids)"
-            )
-    return T
+    for r, part in enumerate(shards):
+        if "cp_rank" in part:  # a shard made elsewhere says its rank with keys
+            part["cp_rank"] = r
+        attach_meta(part, meta if r == meta.cp_rank else whole.for_rank(meta.cp_size, r))
+    return unshard(shards, meta.cp_size)

@@ -57,8 +57,9 @@ import torch
 import torch.distributed as dist
 
 from thdpack._optional import require
-from thdpack.attention import AttentionConfig, thd_attention
-from thdpack.thd.meta import thd_meta
+from thdpack.attention.api import thd_attention
+from thdpack.attention.config import AttentionConfig
+from thdpack.thd.meta import META_KEY, thd_meta
 
 THD_KWARG = "thdpack_thd"
 """Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""
@@ -68,7 +69,7 @@ ATTENTION_CONFIG_KWARG = "thdpack_attention"
 """Optional model-call keyword: the ``AttentionConfig`` (backend, CP exchange) of thdpack's
 attention; the layer's own causality and softmax scale override its ``causal`` / ``softmax_scale``."""
 
-_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank")
+_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", META_KEY, "cp_size", "cp_rank")
 
 
 def hf_packed_kwargs(
@@ -85,7 +86,8 @@ def hf_packed_kwargs(
             ``position_ids`` (T,) integer; ``cu_seqlens`` / ``cu_seqlens_padded`` (N+1,) int32
             (``[0] == 0``, non-decreasing, ``cu_seqlens_padded[-1] == T * cp_size``);
             ``max_seqlen`` a Python int; ``labels`` (T,) (already shifted) with ``include_labels``.
-        cp_group: the CP group of a shard (required exactly when ``thd`` is a shard).
+        cp_group: the CP group of a shard (the one it was sharded for; None for a batch that is
+            not a shard); thdpack's attention checks it against the shard's record.
         include_labels: add ``labels`` and ``shift_labels`` (1, T) so the model computes the loss
             without shifting the already-shifted labels a second time.
         model: the model the kwargs are for; its attention implementation is checked
@@ -97,9 +99,9 @@ def hf_packed_kwargs(
         ``FlashAttentionKwargs`` ``cu_seq_lens_q = cu_seq_lens_k`` ((N+1,) int32, the storage
         slots ``cu_seqlens_padded``: the varlen kernel indexes rows by them, and padding follows
         its sequence's real tokens, so causal attention of every real token is exact) and
-        ``max_length_q = max_length_k`` (int). Always ``thdpack_thd``, the batch's metadata,
-        for thdpack's attention; for a shard also ``thdpack_cp_group``, and no
-        ``cu_seq_lens_*``, which no Hugging Face backend could use on a CP shard.
+        ``max_length_q = max_length_k`` (int). Always ``thdpack_thd``, the batch's metadata
+        with its record, for thdpack's attention; with a ``cp_group`` also ``thdpack_cp_group``;
+        for a shard no ``cu_seq_lens_*``, which no Hugging Face backend could use on a CP shard.
 
     >>> pack = {"input_ids": torch.tensor([[5, 6, 7, 0, 8, 9, 0, 0]]),
     ...         "labels": torch.tensor([[6, 7, -100, -100, 9, -100, -100, -100]]),
@@ -119,14 +121,7 @@ def hf_packed_kwargs(
         missing.append("labels")
     if missing:
         raise ValueError(f"the THD batch lacks {missing}; build it with thdpack.to_thd / thd_collate")
-    cp_size = thd.get("cp_size", 1)
-    if cp_size > 1 and cp_group is None:
-        raise ValueError(
-            f"thd is CP rank {thd.get('cp_rank')}'s shard of cp_size={cp_size}; pass its cp_group (and load the "
-            "model with attn_implementation set to register_hf_attention()'s name)"
-        )
-    if cp_size == 1 and cp_group is not None:
-        raise ValueError("cp_group was given but thd is not a CP shard; shard it with thdpack.cp.shard first")
+    cp_size = thd_meta(thd).cp_size
     if model is not None:
         check_hf_attention(model, thd)
     elif cp_size > 1:
@@ -142,9 +137,9 @@ def hf_packed_kwargs(
         "use_cache": False,
         THD_KWARG: {key: thd[key] for key in _METADATA_KEYS if key in thd},
     }
-    if cp_size > 1:
+    if cp_group is not None:  # thdpack's attention checks it against the shard (ThdMeta.check_cp_group)
         kwargs[CP_GROUP_KWARG] = cp_group
-    else:
+    if cp_size == 1:
         cu = thd["cu_seqlens_padded"].to(torch.int32)
         kwargs.update(
             cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=thd["max_seqlen"], max_length_k=thd["max_seqlen"]
@@ -243,7 +238,7 @@ def check_hf_attention(model: torch.nn.Module, thd: Mapping[str, Any]) -> None:
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)
     fix = f"load the model with attn_implementation={register_hf_attention.__name__}() (thdpack's attention)"
-    if thd.get("cp_size", 1) > 1 and implementation not in _REGISTERED:
+    if thd_meta(thd).cp_size > 1 and implementation not in _REGISTERED:
         raise ValueError(
             f"the model's attention {implementation!r} cannot run a CP shard: each rank holds only chunks of every "
             f"sequence and needs the other ranks' keys; {fix}"
@@ -324,6 +319,6 @@ def _metadata(kwargs: Mapping[str, Any], *, total_tokens: int) -> Mapping[str, A
             "(or at least cu_seq_lens_q and max_length_q)"
         )
     cu = kwargs["cu_seq_lens_q"].to(torch.int32)
-    if int(cu[-1]) != total_tokens:
-        raise ValueError(f"cu_seq_lens_q ends at {int(cu[-1])} but the row has {total_tokens} tokens")
-    return {"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": int(kwargs["max_length_q"])}
+    thd = {"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": int(kwargs["max_length_q"])}
+    thd_meta(thd).check_token_count(total_tokens, "the row (query)")
+    return thd

@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch import nn
 
 from thdpack._optional import require
-from thdpack.attention import AttentionConfig
+from thdpack.attention.config import AttentionConfig
 from thdpack.models.config import ModelConfig
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
+from thdpack.thd.meta import thd_meta
 
 ATTENTION_NAME = "thdpack"
 """``attn_implementation`` of the models built here."""
@@ -168,7 +169,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, thd: Mapping[str, Any], *, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """(T, V) logits of the tokens of ``thd`` (a THD batch or a CP shard, on the model's device)."""
-        sharded = thd.get("cp_size", 1) > 1
+        sharded = thd_meta(thd).cp_size > 1
         kwargs = hf_packed_kwargs(thd, cp_group=cp_group if sharded else None, model=self.hf)
         kwargs[ATTENTION_CONFIG_KWARG] = self.attention
         return self.hf(**kwargs).logits[0]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from thdpack.attention import thd_attention
+from thdpack.attention.api import thd_attention
 from thdpack.models.config import ModelConfig
 
 _HALF = (torch.float16, torch.bfloat16)

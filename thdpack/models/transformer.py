@@ -103,8 +103,8 @@ class Transformer(nn.Module):
             thd: a THD batch or a CP shard of one, on the model's device: ``input_ids`` (T,)
                 integer, ``position_ids`` (T,) integer (position inside each sequence; GLOBAL
                 positions on a CP shard, as ``cp.shard`` keeps them), and the attention metadata
-                ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen`` (global), plus ``cp_size`` /
-                ``cp_rank`` on a shard.
+                ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen`` (global) with the batch's record
+                ``thd_meta``, which on a shard says which CP rank's it is.
             cp_group: the context-parallel group the shard belongs to (None without CP).
 
         Returns:

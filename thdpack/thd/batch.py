@@ -5,9 +5,9 @@ Data flow: ``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> 
 (including the Python-int ``max_seqlen``) is computed on the host, once, and the forward pass
 never calls ``.item()``.
 
-Every builder validates the batch's lengths once (``thdpack.thd.meta``) and registers the
-record for the batch it returns, so attention, masks and the loss look it up instead of
-re-validating.
+Every builder validates the batch's lengths once (``thdpack.thd.meta``) and the batch it returns
+carries that record (``thd["thd_meta"]``), so attention, masks, sharding and the loss take it
+from the batch instead of validating again.
 
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``T = B*L`` packed tokens, ``S``
 sequences (of the whole batch; the (B, S) length matrices have as many columns as the fullest row).
@@ -17,7 +17,7 @@ The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd.format``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from thdpack.thd.format import (
     bshd_meta,
     check_bshd,
 )
-from thdpack.thd.meta import ThdMeta, register, thd_meta
+from thdpack.thd.meta import ThdMeta, attach_meta, cu_from_lengths, thd_meta
 from thdpack.thd.tokens import real_rows
 
 __all__ = ["collate", "sequence_lengths", "split_micro_batches", "thd_collate", "thd_to_device", "to_thd"]
@@ -90,6 +90,8 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
         PADDED slot, not the longest real sequence: a kernel given a ``max_seqlen`` below a slot
         width may write out of bounds (cuDNN did, NeMo Automodel PR #2316), while a larger value
         only costs a little launch-grid slack. Tensors are views of ``batch`` where possible.
+        ``thd_meta`` is the batch's validated record (``thdpack.thd.meta``), which every later
+        step takes from the batch instead of validating it again.
 
     ``padding_mask`` comes from the layout, never from token values, so a pad id that also
     occurs as content (GLM's eos) stays a real token:
@@ -103,6 +105,8 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
     ([0, 3, 5], [0, 4, 8], 4)
     >>> thd["padding_mask"].int().tolist()
     [0, 0, 0, 1, 0, 0, 1, 1]
+    >>> thd["thd_meta"]
+    ThdMeta(lengths=(3, 2), lengths_padded=(4, 4), cp_size=1, cp_rank=0, max_seqlen=4)
     """
     check_bshd(batch)
     return _flatten(batch, bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]))
@@ -123,27 +127,24 @@ def thd_to_device(thd: Mapping[str, Any], device: torch.device | str, *, non_blo
     """Move every tensor of a THD batch to ``device``; ``max_seqlen`` and other ints stay Python ints.
 
     ``non_blocking`` copies overlap with compute when the batch is in pinned memory
-    (``DataLoader(pin_memory=True)``). The batch's validated record moves along (registered for
-    the moved tensors), so nothing on the device is read back to validate it again.
+    (``DataLoader(pin_memory=True)``). The batch's record moves along, describing the moved
+    tensors, so nothing on the device is read back to validate it again.
     """
-    meta = thd_meta(thd) if "cu_seqlens" in thd else None
-    moved = {
-        key: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
-        for key, value in thd.items()
-    }
-    if meta is not None:
-        register(moved, meta)
-    return moved
+    return _copy_tensors(thd, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def thd_pin_memory(thd: Mapping[str, Any]) -> THDBatch:
     """Page-locked copies of a THD batch's tensors (needs CUDA), so that ``thd_to_device(...,
-    non_blocking=True)`` overlaps the copy with compute; the validated record moves along."""
+    non_blocking=True)`` overlaps the copy with compute; the batch's record moves along."""
+    return _copy_tensors(thd, lambda t: t.pin_memory())
+
+
+def _copy_tensors(thd: Mapping[str, Any], copy: Callable[[torch.Tensor], torch.Tensor]) -> THDBatch:
     meta = thd_meta(thd) if "cu_seqlens" in thd else None
-    pinned = {key: value.pin_memory() if isinstance(value, torch.Tensor) else value for key, value in thd.items()}
+    out = {key: copy(value) if isinstance(value, torch.Tensor) else value for key, value in thd.items()}
     if meta is not None:
-        register(pinned, meta)
-    return pinned
+        attach_meta(out, meta)
+    return out
 
 
 def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -276,32 +277,28 @@ def _as_tensor(value: Any, pack_index: int, key: str) -> torch.Tensor:
         raise TypeError(f"pack {pack_index} has {key} of type {type(value).__name__}, not a tensor: {err}") from err
 
 
-def _cumsum_from_zero(lengths_S: np.ndarray) -> torch.Tensor:
-    """(S+1,) int32 ``[0] + cumsum(lengths)``."""
-    cu = np.empty(len(lengths_S) + 1, dtype=np.int32)
-    cu[0] = 0
-    cu[1:] = lengths_S.cumsum()  # int64 sums, cast once (faster than cumsum into an int32 out)
-    return torch.from_numpy(cu)
-
-
 def _flatten(batch: Mapping[str, Any], meta: ThdMeta) -> THDBatch:
-    """The THD batch of a checked BSHD batch; metadata computed on the host, moved to the batch's device."""
-    B, L = batch["input_ids"].shape
+    """The THD batch of a checked BSHD batch; metadata computed on the host, moved to the batch's device.
+
+    Every (B, L, ...) tensor becomes (T, ...), row-major; other values pass through.
+    """
+    B, L = batch["input_ids"].shape[:2]
     T = B * L
     device = batch["input_ids"].device
-    thd: THDBatch = {
-        "input_ids": batch["input_ids"].reshape(T),
-        "labels": batch["labels"].reshape(T),
-        "position_ids": batch["position_ids"].reshape(T),
-        "cu_seqlens": _cumsum_from_zero(meta.lengths_S).to(device),
-        "cu_seqlens_padded": _cumsum_from_zero(meta.lengths_padded_S).to(device),
-        "max_seqlen": meta.max_seqlen,
+
+    def flat(value: Any) -> Any:
+        return value.reshape(T, *value.shape[2:]) if isinstance(value, torch.Tensor) else value
+
+    thd: THDBatch = {key: flat(batch[key]) for key in INT_TOKEN_KEYS}
+    thd.update(
+        cu_seqlens=cu_from_lengths(meta.lengths_S, device),
+        cu_seqlens_padded=cu_from_lengths(meta.lengths_padded_S, device),
+        max_seqlen=meta.max_seqlen,
         # TokenPlacement's rule for real rows (a prefix of each slot), without building the placement
-        "padding_mask": torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S)).to(device),
-    }
+        padding_mask=torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S)).to(device),
+    )
     for key, value in batch.items():
-        if key in thd or key in LENGTH_KEYS:
-            continue
-        thd[key] = value.reshape(T, *value.shape[2:]) if isinstance(value, torch.Tensor) else value
-    register(thd, meta)
+        if key not in thd and key not in LENGTH_KEYS:
+            thd[key] = flat(value)
+    attach_meta(thd, meta)
     return thd

@@ -6,7 +6,8 @@ Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences i
 
 BSHD batch (``thdpack.collate``): ``input_ids``, ``labels``, ``position_ids`` (B, L) int64;
 ``seq_lens`` (real lengths) and ``seq_lens_padded`` (slot widths) (B, S) int64, each row
-right-padded with ``SEQ_LENS_SENTINEL``; extra per-token keys (B, L, ...).
+right-padded with ``SEQ_LENS_SENTINEL``; extra per-token keys (B, L, ...). (``to_thd`` also takes
+(B, L, H) input embeddings as ``input_ids``, as NeMo AutoModel's pipeline stages pass them.)
 
 THD batch (a plain ``dict``; CONTRACT.md "THD batch"):
 
@@ -20,11 +21,20 @@ key                    shape, dtype         meaning
 ``cu_seqlens_padded``  (S+1,) int32         ``[0] + cumsum(slot widths)``; ``[-1] == T``
 ``max_seqlen``         Python int           the widest padded slot (see ``to_thd``)
 ``padding_mask``       (T,) bool            True = padding, from the layout only
+``thd_meta``           ``ThdMeta``          the validated record of the layout (below)
 any other key          (T, ...)             per-token extras (``loss_mask``), flattened alike
 =====================  ===================  ===========================================
 
 Sequence ``i`` occupies storage ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``; its
 ``cu_seqlens[i+1] - cu_seqlens[i]`` real tokens are a prefix of that slot.
+
+Every batch thdpack makes carries its :class:`~thdpack.thd.meta.ThdMeta` under ``"thd_meta"``,
+so attention, masks, sharding and the loss take the layout from it without validating again; a
+CP shard (``thdpack.cp.shard``) keeps the table's keys (``T / cp_size`` rows, the GLOBAL
+``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``) and its record says which shard it is
+(``cp_size``, ``cp_rank``). A mapping made elsewhere may instead carry ``cp_size`` / ``cp_rank``
+keys, as NeMo AutoModel's ``make_cp_batch_for_te`` does; ``thdpack.thd.meta`` says how a record
+is found, checked and rebuilt.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack.thd.meta import CU_KEYS, ThdMeta, thd_meta
+from thdpack.thd.meta import CU_KEYS, META_KEY, ThdMeta, thd_meta
 
 SEQ_LENS_SENTINEL = -1000
 """Fills ``seq_lens`` / ``seq_lens_padded`` rows past a pack's last sequence (NeMo's value)."""
@@ -43,63 +53,75 @@ SEQ_LENS_SENTINEL = -1000
 PACK_KEYS = ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
 """Keys every pack carries (CONTRACT.md "Packs")."""
 
-THD_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", "cp_size", "cp_rank")
-"""Keys of a THD batch that describe the whole batch rather than one token each."""
+THD_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", META_KEY, "cp_size", "cp_rank")
+"""Keys of a THD batch that describe the whole batch rather than one token each (``cp_size`` /
+``cp_rank``: those of a CP shard made elsewhere)."""
 
 INT_TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
 
 THDBatch = dict[str, Any]
-"""A THD batch: this module's table; CP shards add ``cp_size`` and ``cp_rank``."""
+"""A THD batch: this module's table."""
 
 
 def validate_thd(thd: Mapping[str, Any]) -> ThdMeta:
-    """Check a THD batch (global, or a CP shard carrying ``cp_size`` / ``cp_rank``); return its record.
+    """Check a THD batch (global, or a CP shard); return its record.
 
-    The metadata is checked by the one validator (:func:`thdpack.thd.meta.thd_meta`: ``cu_seqlens``
-    and ``cu_seqlens_padded`` (S+1,), ``[0] == 0``, non-decreasing, real ``<=`` padded per sequence,
+    The layout is checked by its record (:func:`thdpack.thd.meta.thd_meta`: ``cu_seqlens`` and
+    ``cu_seqlens_padded`` (S+1,), ``[0] == 0``, non-decreasing, real ``<=`` padded per sequence,
     ``max_seqlen`` an int ``>=`` every padded width, under CP every padded width a multiple of
-    ``2*cp_size``); here in addition: the required keys, both ``cu`` tensors int32 (what TE and
-    flash-attn take), ``input_ids`` / ``labels`` / ``position_ids`` integer, ``padding_mask`` bool,
-    and every per-token tensor ``T`` rows (``T / cp_size`` for a shard). Raises ``ValueError`` /
-    ``TypeError`` saying what is wrong and how to fix it. Tensors on an accelerator are copied to
-    the host for the checks (one sync) unless thdpack made the batch, so validate before moving it.
+    ``2*cp_size``; a batch thdpack made carries it, checked once), and so are both ``cu``
+    tensors int32 (what TE and flash-attn take) and every per-token tensor ``T`` rows (``T /
+    cp_size`` for a shard); here in addition: the required keys, ``input_ids`` / ``labels`` /
+    ``position_ids`` integer tensors, ``padding_mask`` bool. Raises ``ValueError`` / ``TypeError``
+    saying what is wrong and how to fix it.
+
+    >>> from thdpack.thd.batch import thd_collate
+    >>> pack = {"input_ids": [5, 6, 7, 0], "labels": [6, 7, -100, -100], "position_ids": [0, 1, 2, 3],
+    ...         "seq_lens": [3], "seq_lens_padded": [4]}
+    >>> validate_thd(thd_collate([pack]))
+    ThdMeta(lengths=(3,), lengths_padded=(4,), cp_size=1, cp_rank=0, max_seqlen=4)
     """
-    missing = [k for k in (*INT_TOKEN_KEYS, "padding_mask", *THD_METADATA_KEYS[:3]) if k not in thd]
+    missing = [k for k in (*INT_TOKEN_KEYS, "padding_mask", *CU_KEYS, "max_seqlen") if k not in thd]
     if missing:
         raise ValueError(f"THD batch lacks {missing}; build it with thdpack.to_thd / thd_collate")
     meta = thd_meta(thd)
     for key in CU_KEYS:
-        if thd[key].dtype != torch.int32:
-            raise TypeError(f"{key} must be int32 (what TE and flash-attn take), got {thd[key].dtype}")
-    for key, value in thd.items():
-        if key in THD_METADATA_KEYS or not isinstance(value, torch.Tensor):
-            continue
-        if value.dim() == 0 or value.shape[0] != meta.local_tokens:
-            cp_size = meta.cp_size
-            where = f"T / cp_size = {meta.total_tokens} / {cp_size}" if cp_size > 1 else "T = cu_seqlens_padded[-1]"
-            raise ValueError(
-                f"{key} has shape {tuple(value.shape)}; per-token tensors need {meta.local_tokens} rows ({where})"
-            )
+        meta.cu_tensor(key)
+    check_token_rows(thd, meta)
     for key in INT_TOKEN_KEYS:
-        if thd[key].dtype.is_floating_point or thd[key].dtype.is_complex or thd[key].dtype == torch.bool:
-            raise TypeError(f"{key} must be an integer tensor, got {thd[key].dtype}")
-    if thd["padding_mask"].dtype != torch.bool:
-        raise TypeError(f"padding_mask must be a bool tensor (True = padding), got {thd['padding_mask'].dtype}")
+        value = thd[key]
+        if not isinstance(value, torch.Tensor) or value.dtype.is_floating_point or value.dtype in _NOT_INTEGER:
+            raise TypeError(f"{key} must be an integer tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+    if not isinstance(thd["padding_mask"], torch.Tensor) or thd["padding_mask"].dtype != torch.bool:
+        found = getattr(thd["padding_mask"], "dtype", type(thd["padding_mask"]).__name__)
+        raise TypeError(f"padding_mask must be a bool tensor (True = padding), got {found}")
     return meta
 
 
+_NOT_INTEGER = (torch.bool, torch.complex64, torch.complex128)
+
+
+def check_token_rows(thd: Mapping[str, Any], meta: ThdMeta) -> None:
+    """Every per-token tensor of ``thd`` has one row per token of its record ``meta``
+    (:meth:`ThdMeta.check_token_count`)."""
+    for key, value in thd.items():
+        if key not in THD_METADATA_KEYS and isinstance(value, torch.Tensor):
+            meta.check_token_count(value.shape[0] if value.dim() else 0, key)
+
+
 def check_bshd(batch: Mapping[str, Any]) -> None:
-    """Check the keys and shapes of a BSHD batch; ``flat_sequence_lengths`` checks its lengths."""
+    """Check the keys and shapes of a BSHD batch; ``bshd_meta`` checks its lengths."""
     missing = [k for k in PACK_KEYS if k not in batch]
     if missing:
         raise ValueError(f"batch lacks {missing}; build it with thdpack.collate")
     input_ids = batch["input_ids"]
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() < 2:
         raise ValueError(
-            f"input_ids must be a (B, L) tensor, got {getattr(input_ids, 'shape', type(input_ids).__name__)}"
+            "input_ids must be a (B, L) tensor of token ids (or (B, L, H) input embeddings), got "
+            f"{getattr(input_ids, 'shape', type(input_ids).__name__)}"
         )
-    B, L = input_ids.shape
+    B, L = input_ids.shape[:2]
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
             continue

@@ -16,7 +16,7 @@ import functools
 import numpy as np
 import torch
 
-from thdpack.thd.meta import ThdMeta
+from thdpack.thd.meta import ThdMeta, cu_from_lengths
 
 
 def real_rows(counts_S: np.ndarray, valid_S: np.ndarray) -> np.ndarray:
@@ -99,28 +99,15 @@ class TokenPlacement:
         """(T,) bool, True for padding (the THD batch's ``padding_mask``)."""
         return ~self.valid_T
 
-    # the attribute names of thdpack.masks.TokenLayout, which this type replaced
-    @property
-    def seg(self) -> torch.Tensor:
-        return self.seg_T
-
-    @property
-    def pos(self) -> torch.Tensor:
-        return self.pos_T
-
-    @property
-    def valid(self) -> torch.Tensor:
-        return self.valid_T
-
     @functools.cached_property
     def cu(self) -> torch.Tensor:
         """(S+1,) int32 cumulative row counts (FlashAttention's ``cu_seqlens`` for these rows)."""
-        return _cumsum_int32(self.counts, self.device)
+        return cu_from_lengths(self.counts, self.device)
 
     @functools.cached_property
     def valid_cu(self) -> torch.Tensor:
         """(S+1,) int32 cumulative real-token counts (for kernels fed only the real rows)."""
-        return _cumsum_int32(self.valid_counts, self.device)
+        return cu_from_lengths(self.valid_counts, self.device)
 
     @functools.cached_property
     def valid_index(self) -> torch.Tensor:
@@ -149,12 +136,6 @@ class TokenPlacement:
             valid = tuple(max(v - h, 0) if back else min(v, h) for v, h in zip(self.valid_counts, half, strict=True))
             out.append((index_T, TokenPlacement(half, valid, self.pos_T.index_select(0, index_T))))
         return out[0], out[1]
-
-
-def _cumsum_int32(counts: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0)
-    return cu.to(device)
 
 
 def global_placement(meta: ThdMeta, device: torch.device | str = "cpu") -> TokenPlacement:

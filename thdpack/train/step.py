@@ -29,6 +29,7 @@ from thdpack.cp.partition import shard
 from thdpack.loss import StepLoss, loss_weights
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
+from thdpack.thd.meta import thd_meta
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def prepare_micro_batches(
     out = []
     for thd in micro_batches:
         if reduction == "sequence_mean" and "loss_weights" not in thd:
-            thd = {**thd, "loss_weights": loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction=reduction)}
+            thd = {**thd, "loss_weights": loss_weights(thd["labels"], thd_meta(thd), reduction=reduction)}
         out.append(thd_to_device(hooks.shard(thd, cp_size, cp_rank), device))
     return out
 

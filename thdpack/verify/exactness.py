@@ -41,6 +41,7 @@ from thdpack.packing.packer import build_pack, pack_from_segments
 from thdpack.plan.api import plan_packs
 from thdpack.thd.batch import thd_collate
 from thdpack.thd.format import THDBatch
+from thdpack.thd.meta import thd_meta
 from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
@@ -174,7 +175,7 @@ def global_micro_batches(
         thds = []
         for packs in per_rank:
             thd = thd_collate(packs)
-            thd["loss_weights"] = loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction=spread.reduction)
+            thd["loss_weights"] = loss_weights(thd["labels"], thd_meta(thd), reduction=spread.reduction)
             thds.append(thd)
         out.append(thds)
     return out

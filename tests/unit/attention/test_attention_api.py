@@ -10,11 +10,14 @@ import types
 import pytest
 import torch
 from _attention_cases import make_thd, random_case, reference_results
+from thd_cases import P5
 
 from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
 from thdpack.attention.backends import flash
 from thdpack.attention.backends.base import AttentionCall
 from thdpack.attention.select import ENV_VAR
+from thdpack.cp import shard as cp_shard
+from thdpack.thd import thd_collate
 from thdpack.thd.meta import thd_meta
 
 
@@ -100,7 +103,7 @@ THD = make_thd([3, 5])
             ValueError,
             "same head dim, got 4 and 5",
         ),
-        (_qkv(tokens=10), {}, ValueError, "q has 10 tokens but the THD metadata describes 8 on this rank"),
+        (_qkv(tokens=10), {}, ValueError, r"q has 10 tokens but the THD layout holds 8 \(cu_seqlens_padded\[-1\]=8\)"),
         (_qkv(), {"backend": "fastest"}, ValueError, "unknown attention backend 'fastest'"),
         (
             _qkv(),
@@ -122,10 +125,22 @@ def test_bad_inputs_are_rejected_with_the_fix(args, kwargs, error, message):
         thd_attention(*args, THD, **kwargs)
 
 
-def test_a_cp_shard_without_its_group_is_rejected():
-    shard = {**make_thd([4, 8], 2), "cp_size": 2, "cp_rank": 0}
-    with pytest.raises(ValueError, match="thd is sharded for cp_size=2 but cp_group is None"):
-        thd_attention(*_qkv(tokens=6), shard)
+@pytest.mark.parametrize(
+    ("group_size", "rank", "message"),
+    [
+        (None, None, "the THD batch is CP rank 0's shard of cp_size=2 but no cp_group was given; pass the"),
+        (4, 0, "the THD batch is CP rank 0's shard of cp_size=2 but this process is rank 0 of a cp_group of 4"),
+        (2, 1, "the THD batch is CP rank 0's shard of cp_size=2 but this process is rank 1 of a cp_group of 2"),
+    ],
+)
+def test_a_cp_shard_needs_the_group_it_was_sharded_for(monkeypatch, group_size, rank, message):
+    """One check (ThdMeta.check_cp_group), one message, for every way the group can disagree."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: group_size)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group: rank)
+    group = None if group_size is None else object()  # stands in for a ProcessGroup
+    for shard in ({**make_thd([4, 8], 2), "cp_size": 2, "cp_rank": 0}, cp_shard(thd_collate([P5]), 2, 0)):
+        with pytest.raises(ValueError, match=message):
+            thd_attention(*_qkv(tokens=thd_meta(shard).local_tokens), shard, cp_group=group)
 
 
 def test_lengths_not_divisible_by_2cp_are_rejected():

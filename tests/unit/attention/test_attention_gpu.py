@@ -12,6 +12,7 @@ from _attention_cases import make_thd, random_case
 
 from thdpack import _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
+from thdpack.attention.merge import output_grads
 from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
 from thdpack.cp import local_placement
@@ -43,6 +44,19 @@ def _grads(attend, q, k, v, dout):
     return {"out": out.detach().float(), **{n: t.grad.float() for n, t in zip(("dq", "dk", "dv"), leaves, strict=True)}}
 
 
+def _errors_and_plain_bf16_errors(case, thd, causal, attend):
+    """``attend``'s errors in bf16 and plain PyTorch's (the reference run in bf16), both against fp32."""
+    qkv = [case[name] for name in ("q", "k", "v")]
+
+    def reference(q, k, v):
+        return reference_attention(q, k, v, thd, causal=causal)[0]
+
+    want = _grads(reference, *qkv, case["dout"])
+    bf16 = [t.bfloat16() for t in qkv]
+    errors = _errors(_grads(attend, *bf16, case["dout"]), want, case["valid"])
+    return errors, _errors(_grads(reference, *bf16, case["dout"]), want, case["valid"])
+
+
 def _errors(got, want, valid):
     return {name: float((got[name] - want[name])[valid].abs().max()) for name in want}
 
@@ -70,7 +84,7 @@ def test_flash_tiles_match_math_tiles(causal):
             finite = torch.isfinite(lse_m)
             assert torch.allclose(lse_f[finite], lse_m[finite], atol=1e-3)
             dout = torch.randn_like(q)
-            delta = math_kernel.softmax_delta(dout, out_m, None)
+            delta = output_grads(dout, out_m, None, q.dtype).delta_NT
             grads_f = flash_kernel.tile_backward(dout, q, k, v, out_m.to(q.dtype), lse_m, q_side, k_side,
                                                  causal=tile_causal, scale=0.125)  # fmt: skip
             grads_m = math_kernel.tile_backward(dout, q, k, v, lse_m, delta, q_side, k_side,
@@ -94,18 +108,11 @@ def test_bf16_ring_on_flash_tiles_is_within_2x_plain_bf16_error(cp_size, causal)
     n = cp_size
     thd = make_thd([2 * n, 16 * n, 128 * n, 6 * n - 3], cp_size)
     case, thd = _cuda_case(thd, 4, 2, 64, seed=cp_size)
-    valid, dout = case["valid"], case["dout"]
-    qkv = [case[name] for name in ("q", "k", "v")]
-    want = _grads(lambda q, k, v: reference_attention(q, k, v, thd, causal=causal)[0], *qkv, dout)
-    bf16 = [t.bfloat16() for t in qkv]
-    plain = _errors(
-        _grads(lambda q, k, v: reference_attention(q, k, v, thd, causal=causal)[0], *bf16, dout), want, valid
-    )
 
     def ring(q, k, v):
         return simulated_ring_attention(q, k, v, thd, cp_size=cp_size, causal=causal, kernel="flash")[0]
 
-    ring_errors = _errors(_grads(ring, *bf16, dout), want, valid)
+    ring_errors, plain = _errors_and_plain_bf16_errors(case, thd, causal, ring)
     for name, err in ring_errors.items():
         assert err <= 2 * plain[name], (name, ring_errors, plain)
 
@@ -121,16 +128,11 @@ def test_backends_are_within_2x_plain_bf16_error(backend, causal):
         pytest.skip("Transformer Engine is not installed (pip install 'thdpack[te]')")
     thd = make_thd([5, 1, 170, 64, 33], multiple=8, tail=8)
     case, thd = _cuda_case(thd, 8, 2, 64, seed=3)
-    valid, dout = case["valid"], case["dout"]
-    qkv = [case[name] for name in ("q", "k", "v")]
-    want = _grads(lambda q, k, v: reference_attention(q, k, v, thd, causal=causal)[0], *qkv, dout)
-    bf16 = [t.bfloat16() for t in qkv]
-    plain = _errors(
-        _grads(lambda q, k, v: reference_attention(q, k, v, thd, causal=causal)[0], *bf16, dout), want, valid
-    )
-    got = _errors(
-        _grads(lambda q, k, v: thd_attention(q, k, v, thd, causal=causal, backend=backend), *bf16, dout), want, valid
-    )
+
+    def attend(q, k, v):
+        return thd_attention(q, k, v, thd, causal=causal, backend=backend)
+
+    got, plain = _errors_and_plain_bf16_errors(case, thd, causal, attend)
     for name, err in got.items():
         assert err <= 2 * plain[name], (backend, name, got, plain)
 

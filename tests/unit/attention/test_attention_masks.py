@@ -12,7 +12,6 @@ from thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 
 from thdpack._optional import has_flex_attention
 from thdpack.attention.masks import (
-    TokenLayout,
     block_causal_bias,
     block_causal_mask,
     flex_block_mask,
@@ -23,6 +22,7 @@ from thdpack.attention.masks import (
 )
 from thdpack.cp import partition_indices, shard
 from thdpack.thd import collate, thd_collate
+from thdpack.thd.tokens import TokenPlacement
 
 
 def _reference_mask(thd, causal=True):
@@ -65,10 +65,10 @@ def test_non_causal_mask_of_p5():
 
 def test_token_layout_of_p6():
     layout = token_layout(thd_collate([P6]))
-    assert layout.seg.tolist() == [0] * 4 + [1] * 4 + [2] * 12
-    assert layout.pos.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, *range(12)]
-    assert layout.valid.tolist() == [True] * 3 + [False] + [True] * 2 + [False] * 2 + [True] + [False] * 11
-    assert layout.seg.dtype == layout.pos.dtype == torch.int64 and layout.valid.dtype == torch.bool
+    assert layout.seg_T.tolist() == [0] * 4 + [1] * 4 + [2] * 12
+    assert layout.pos_T.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, *range(12)]
+    assert layout.valid_T.tolist() == [True] * 3 + [False] + [True] * 2 + [False] * 2 + [True] + [False] * 11
+    assert layout.seg_T.dtype == layout.pos_T.dtype == torch.int64 and layout.valid_T.dtype == torch.bool
 
 
 def test_block_causal_bias_values():
@@ -105,11 +105,11 @@ def test_token_layout_needs_cu_seqlens():
         )
 
 
-def test_token_layout_rejects_mismatched_tensors():
+def test_token_placement_rejects_mismatched_tensors():
     with pytest.raises(ValueError, match=r"pos_T has shape \(2,\), but the counts describe 3 rows"):
-        TokenLayout((3,), (2,), torch.zeros(2, dtype=torch.int64))
+        TokenPlacement((3,), (2,), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"valid_counts \(4,\) must be <= counts \(3,\)"):
-        TokenLayout((3,), (4,))
+        TokenPlacement((3,), (4,))
 
 
 def test_mask_to_ascii_rejects_1d():
@@ -126,11 +126,11 @@ def test_masks_equal_the_per_sequence_reference(case):
         assert torch.equal(block_causal_mask(thd, causal=causal), want)
         assert bool(want.any(1).all())  # no empty row: every sequence has a real first token
     layout = token_layout(thd)
-    assert torch.equal(layout.valid, ~thd["padding_mask"])
-    assert torch.equal(layout.pos, thd["position_ids"])
+    assert torch.equal(layout.valid_T, ~thd["padding_mask"])
+    assert torch.equal(layout.pos_T, thd["position_ids"])
     # segment ids count the sequences of each row from 1, 0 on padding
-    seg_BL = layout.seg.view(len(packs), -1)
-    want_BL = torch.where(layout.valid.view_as(seg_BL), seg_BL - seg_BL[:, :1] + 1, 0)
+    seg_BL = layout.seg_T.view(len(packs), -1)
+    want_BL = torch.where(layout.valid_T.view_as(seg_BL), seg_BL - seg_BL[:, :1] + 1, 0)
     assert torch.equal(segment_ids(collate(packs)), want_BL)
 
 
@@ -145,7 +145,7 @@ def test_shard_masks_are_the_global_mask_restricted(case):
         part = shard(thd, cp_size, rank)
         index = partition_indices(thd["cu_seqlens_padded"], T, cp_size, rank).long() if cp_size > 1 else torch.arange(T)
         local = token_layout(part)
-        assert torch.equal(local.seg, global_layout.seg[index])
+        assert torch.equal(local.seg_T, global_layout.seg_T[index])
         # the shard's queries against every key (all-gather CP): rows of the global mask, never empty
         against_all = layout_mask(local, global_layout)
         assert torch.equal(against_all, global_mask[index])

@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack.attention import math_kernel
-from thdpack.attention.backends.math import TiledAttention
 from thdpack.attention.backends.math import attend as attend_math
-from thdpack.attention.merge import merge_partials
+from thdpack.attention.backends.math import tiled_attention
+from thdpack.attention.merge import merge_partials, output_grads
 from thdpack.cp import local_placement
 from thdpack.thd.meta import thd_meta
 from thdpack.thd.tokens import TokenPlacement
@@ -97,7 +97,9 @@ def test_tile_gradients_with_the_global_lse_sum_to_the_full_gradient(causal):
     assert torch.allclose(lse[:, valid], want["lse"][:, valid], atol=1e-12)
 
     dlse = case["dlse"].masked_fill(~valid, 0.0)  # a nonzero LSE gradient enters through delta
-    delta = math_kernel.softmax_delta(case["dout"], out, dlse)
+    grads = output_grads(case["dout"], out, dlse, case["q"].dtype)
+    delta = grads.delta_NT
+    assert grads.dout_TNH is case["dout"] and grads.dlse_NT is dlse
     dq, dk, dv = torch.zeros_like(out), torch.zeros_like(case["k"]), torch.zeros_like(case["v"])
     for rows, k_side in tiles:
         dq_t, dk_t, dv_t = math_kernel.tile_backward(
@@ -161,7 +163,7 @@ def test_gradcheck_fp64():
     for causal in (True, False):
 
         def fn(q, k, v, causal=causal):
-            out, lse = TiledAttention.apply(q, k, v, side, side, causal, 0.7)
+            out, lse = tiled_attention(q, k, v, side, side, causal=causal, scale=0.7)
             return out, lse.masked_fill(torch.isinf(lse), 0.0)
 
         assert torch.autograd.gradcheck(fn, (q, k, v))

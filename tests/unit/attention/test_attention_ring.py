@@ -113,5 +113,8 @@ def test_gradcheck_through_a_simulated_ring(cp_size):
 def test_the_global_tensors_are_required():
     thd = make_thd([8], 2)
     x = torch.randn(4, 1, 2)
-    with pytest.raises(ValueError, match="q has 4 tokens but the batch metadata describes 8"):
+    with pytest.raises(
+        ValueError,
+        match=r"q \(the global batch's, as simulated_ring_attention takes\) has 4 tokens but the THD layout holds 8",
+    ):
         simulated_ring_attention(x, x, x, thd, cp_size=2)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from thdpack.compat.nemo import (
+    NemoKeyError,
     make_cp_batch_for_te,
     pack_dataset,
     packed_sequence_thd_collater,
@@ -199,10 +200,11 @@ def test_bad_batches():
     bad = {**t3_batch(), "seq_lens_padded": torch.tensor([[4, 4], [6, -1000]])}
     with pytest.raises(ValueError, match=r"pack 0: seq_lens_padded=\[4, 4\] sums to 8, not the pack length 6"):
         process_input_for_thd(bad)
+    three_rows = {key: torch.cat([value, value[:1]]) for key, value in t3_batch().items()}
     with pytest.raises(
-        ValueError, match=r"batch has 3 rows, not divisible by num_chunks=2; NeMo would silently drop 1"
+        ValueError, match=r"batch has B=3 rows, not divisible by num_chunks=2 \(NeMo would silently drop 1 rows\)"
     ):
-        split_batch_into_thd_chunks({**t3_batch(), "input_ids": torch.zeros(3, 6)}, 2)
+        split_batch_into_thd_chunks(three_rows, 2)
     with pytest.raises(ValueError, match=r"does not support 3-D \(mRoPE\) position_ids"):
         split_batch_into_thd_chunks({**t3_batch(), "position_ids": torch.zeros(3, 2, 6)}, 2)
 
@@ -269,21 +271,42 @@ def test_widths_and_lengths_are_checked_against_input_ids(convert, change, messa
 
 
 def test_the_drop_ins_call_the_core(monkeypatch):
-    """A fault only the core checks surfaces with the core's words through every drop-in."""
+    """process_input_for_thd is thdpack.to_thd, split_batch_into_thd_chunks thdpack.split_micro_batches
+    (then to_thd per chunk); a fault only the core checks surfaces with the core's words."""
     import thdpack.compat._nemo_thd as nemo_thd
 
     calls = []
-    real = nemo_thd.bshd_meta
-
-    def counting(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(nemo_thd, "bshd_meta", counting)
+    for name in ("to_thd", "split_micro_batches"):
+        real = getattr(nemo_thd, name)
+        monkeypatch.setattr(nemo_thd, name, lambda *args, _real=real, _name=name: calls.append(_name) or _real(*args))
     process_input_for_thd(t3_batch())
+    assert calls == ["to_thd"]
     split_batch_into_thd_chunks(t3_batch(), 2)
-    assert len(calls) == 3  # one record per batch or chunk, built by thdpack's validator
+    assert calls == ["to_thd", "split_micro_batches", "to_thd", "to_thd"]
     bad = {**t3_batch(), "seq_lens": torch.tensor([[5, 2], [6, -1000]])}
     for convert in (process_input_for_thd, lambda b: make_cp_batch_for_te(_FakeMesh(), b)):
         with pytest.raises(ValueError, match="pack 0: sequence 0 has 5 real tokens but a padded slot of 4"):
             convert(bad)
+
+
+def test_a_batch_without_seq_lens_raises_nemos_key_error_too():
+    """NeMo raises KeyError('seq_lens') there (make_cp_batch_for_te); a caller's ``except KeyError``
+    must still catch thdpack's error, which is also a ValueError with the fix."""
+    batch = {key: value for key, value in t3_batch().items() if key != "seq_lens"}
+    message = r"batch\['seq_lens'\] is missing or None: thdpack derives cu_seqlens and padding_mask from the pack"
+    for convert in (
+        process_input_for_thd,
+        lambda b: split_batch_into_thd_chunks(b, 2),
+        lambda b: make_cp_batch_for_te(_FakeMesh(), b),
+        lambda b: make_cp_batch_for_te(_FakeMesh(), b, num_chunks=2),
+    ):
+        with pytest.raises(KeyError, match=message) as caught:
+            convert(batch)
+        assert isinstance(caught.value, ValueError) and isinstance(caught.value, NemoKeyError)
+        assert str(caught.value).startswith("batch['seq_lens'] is missing")  # not quoted, as KeyError would
+
+
+def test_outputs_have_nemos_keys_and_no_record():
+    out = process_input_for_thd(t3_batch())
+    assert "thd_meta" not in out
+    assert "thd_meta" not in split_batch_into_thd_chunks(t3_batch(), 2)

@@ -15,6 +15,7 @@ from thdpack._optional import has_transformer_engine
 from thdpack.attention.masks import token_layout
 from thdpack.cp import partition_indices, shard, unshard
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
+from thdpack.thd.meta import thd_meta
 
 # (cu_seqlens_padded, total, cp_size, per-rank indices): rows 1-8 and 10-14 of the spec's table
 GOLDEN = [
@@ -78,14 +79,17 @@ def test_rejects_lengths_not_divisible():
 
 
 def test_rejects_total_mismatch():
-    with pytest.raises(ValueError, match=r"total_tokens=12 but cu_seqlens_padded\[-1\]=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"the batch \(total_tokens\) has 12 tokens but the THD layout holds 8 \(cu_seqlens_padded\[-1\]=8\)",
+    ):
         partition_indices(torch.tensor([0, 8]), 12, 2, 0)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (([0, 8], 8, 0, 0), "cp_size must be an int >= 1"),
+        (([0, 8], 8, 0, 0), "cp_size must be >= 1, got 0"),
         (([0, 8], 8, 2, 2), r"cp_rank must be an int in \[0, 2\)"),
         (([4, 8], 8, 2, 0), r"cu_seqlens_padded\[0\] must be 0"),
         (([0, 8, 4], 4, 2, 0), "non-decreasing"),
@@ -203,7 +207,7 @@ def test_shard_s1_two_cp2_packs():
         assert part["cu_seqlens"].tolist() == [0, 3, 8, 11, 13, 14]
         assert part["cu_seqlens_padded"].tolist() == [0, 4, 16, 20, 24, 32]
         assert part["max_seqlen"] == 12
-        assert (part["cp_size"], part["cp_rank"]) == (2, rank)
+        assert (thd_meta(part).cp_size, thd_meta(part).cp_rank) == (2, rank) and "cp_rank" not in part
 
 
 def test_shard_s2_p6_pack():
@@ -245,7 +249,7 @@ def test_shard_s4_micro_batches():
 def test_shard_cp_size_1_keeps_every_token():
     thd = thd_collate([P5])
     part = shard(thd, 1, 0)
-    assert part["input_ids"] is thd["input_ids"] and (part["cp_size"], part["cp_rank"]) == (1, 0)
+    assert part["input_ids"] is thd["input_ids"] and part["thd_meta"] is thd["thd_meta"]
     assert unshard([part], 1).keys() == thd.keys()
 
 
@@ -275,7 +279,7 @@ def test_shard_invariants(case):
         assert torch.equal(part["labels"][real], 7 * part["input_ids"][real] + 1)
         assert torch.equal(part["padding_mask"], part["is_padding"])
         # positions are the global position inside each sequence (what RoPE needs)
-        assert torch.equal(part["position_ids"], token_layout(part).pos)
+        assert torch.equal(part["position_ids"], token_layout(part).pos_T)
         assert part["cu_seqlens"] is thd["cu_seqlens"] and part["max_seqlen"] == thd["max_seqlen"]
     whole = unshard(shards, cp_size)
     assert whole.keys() == thd.keys()
@@ -294,7 +298,9 @@ def test_shard_rejects_a_shard():
 
 def test_shard_rejects_per_token_tensors_of_another_length():
     thd = dict(thd_collate([P5]), loss_mask=torch.ones(15))
-    with pytest.raises(ValueError, match=r"loss_mask has shape \(15,\); every per-token tensor .* needs T=16 rows"):
+    with pytest.raises(
+        ValueError, match=r"loss_mask has 15 tokens but the THD layout holds 16 \(cu_seqlens_padded\[-1\]=16\)"
+    ):
         shard(thd, 2, 0)
 
 
@@ -315,3 +321,20 @@ def test_unshard_rejects_bad_shard_lists():
         unshard([shards[0], other], 2)
     with pytest.raises(ValueError, match=r"shards\[1\] has keys"):
         unshard([shards[0], dict(shards[1], extra="x")], 2)
+
+
+def test_one_rank_keeps_every_token_whatever_the_slot_widths():
+    """TE's formula gives the identity for one rank; the twins used to fail on odd slots there."""
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for impl in ("auto", "numpy", "torch"):
+        assert partition_indices(cu, 8, 1, 0, impl=impl).tolist() == list(range(8))
+
+
+def test_unshard_rejects_shards_that_hold_other_tokens():
+    thd = thd_collate([P5, C1_SECOND])
+    shards = [shard(thd, 2, r) for r in range(2)]
+    short = dict(shards[1], labels=shards[1]["labels"][:-1])
+    with pytest.raises(
+        ValueError, match=r"labels of all shards together has 31 tokens but the THD layout holds 32 \(cu_seqlens_padded"
+    ):
+        unshard([shards[0], short], 2)

@@ -81,27 +81,36 @@ def test_a_cp_shard_carries_the_group_and_no_flash_kwargs(monkeypatch):
     assert "cu_seq_lens_q" not in kwargs
     assert kwargs["input_ids"].shape == (1, 6)
     assert kwargs["position_ids"].tolist() == [[1, 2, 2, 3, 4, 5]]  # chunks 1 and 2: global positions
-    assert kwargs[THD_KWARG]["cp_rank"] == 1
+    assert kwargs[THD_KWARG]["thd_meta"].cp_rank == 1  # the shard's record travels to the attention
+
+
+def test_kwargs_need_labels_to_include_them():
+    thd = _thd()
+    del thd["labels"]
+    with pytest.raises(ValueError, match=r"the THD batch lacks \['labels'\]"):
+        hf_packed_kwargs(thd, include_labels=True)
 
 
 @pytest.mark.parametrize(
-    ("case", "match"),
+    ("sharded", "group_size", "match"),
     [
-        ("shard without group", r"thd is CP rank 0's shard of cp_size=2; pass its cp_group"),
-        ("group without shard", r"cp_group was given but thd is not a CP shard"),
-        ("no labels", r"the THD batch lacks \['labels'\]"),
+        (True, None, "the THD batch is CP rank 0's shard of cp_size=2 but no cp_group was given"),
+        (False, 2, "the THD batch is not CP-sharded but this process is rank 0 of a cp_group of 2"),
     ],
 )
-def test_kwargs_errors(case, match):
-    thd = _thd(cp_multiple=4)
+def test_the_attention_checks_the_group_against_the_shard(monkeypatch, sharded, group_size, match):
+    """hf_packed_kwargs carries the group; thdpack's attention checks it, with ThdMeta's one message."""
+    import thdpack.models.hf_attention as hf
+
+    monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
+    group = None if group_size is None else object()  # stands in for a ProcessGroup of group_size ranks
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda g: group_size)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda g: 0)
+    thd = shard(_thd(cp_multiple=4), 2, 0) if sharded else _thd(cp_multiple=4)
+    kwargs = hf_packed_kwargs(thd, cp_group=group, model=_Model("thdpack"))  # type: ignore[arg-type]
+    query = torch.zeros(1, 2, thd["input_ids"].shape[0], 8)
     with pytest.raises(ValueError, match=match):
-        if case == "shard without group":
-            hf_packed_kwargs(shard(thd, 2, 0))
-        elif case == "group without shard":
-            hf_packed_kwargs(thd, cp_group=object())  # type: ignore[arg-type]
-        else:
-            del thd["labels"]
-            hf_packed_kwargs(thd, include_labels=True)
+        hf_attention_forward(_Layer(), query, query[:, :1], query[:, :1], None, **kwargs)
 
 
 class _Layer(torch.nn.Module):

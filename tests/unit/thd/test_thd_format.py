@@ -11,11 +11,17 @@ from thdpack.thd import thd_collate
 from thdpack.thd.format import validate_thd
 
 
-def test_accepts_batches_and_shards():
+def test_accepts_batches_and_shards_and_returns_their_record():
     thd = thd_collate([P5, C1_SECOND])
-    validate_thd(thd)
+    meta = validate_thd(thd)
+    assert meta is thd["thd_meta"]
+    assert (meta.lengths, meta.lengths_padded) == ((3, 5, 3, 2, 1), (4, 12, 4, 4, 8))
+    assert (meta.max_seqlen, meta.total_tokens, meta.cp_size) == (12, 32, 1)
     for rank in range(2):
-        validate_thd(shard(thd, 2, rank))
+        part = shard(thd, 2, rank)
+        local = validate_thd(part)
+        assert local is part["thd_meta"] and (local.cp_size, local.cp_rank, local.local_tokens) == (2, rank, 16)
+        assert local.lengths == meta.lengths  # the global layout, on every rank
 
 
 def _thd(**changes):
@@ -34,7 +40,7 @@ def _thd(**changes):
         (
             _thd(cu_seqlens=torch.tensor([0, 3, 8, 11, 13, 14])),
             TypeError,
-            r"cu_seqlens must be int32 \(what TE and flash-attn take\), got torch.int64",
+            r"cu_seqlens must be int32 \(what TE and FlashAttention kernels take\), got torch.int64; thdpack.to_thd ",
         ),
         (
             _thd(cu_seqlens_padded=torch.tensor([32], dtype=torch.int32)),
@@ -66,7 +72,7 @@ def _thd(**changes):
         (
             _thd(labels=torch.zeros(31, dtype=torch.long)),
             ValueError,
-            r"labels has shape \(31,\); per-token tensors need 32 rows",
+            r"labels has 31 tokens but the THD layout holds 32 \(cu_seqlens_padded\[-1\]=32\); every per-token tensor",
         ),
         (
             _thd(position_ids=torch.zeros(32)),
@@ -78,7 +84,7 @@ def _thd(**changes):
             TypeError,
             r"padding_mask must be a bool tensor \(True = padding\), got torch.int64",
         ),
-        (_thd(cp_size=0), ValueError, "cp_size must be an int >= 1, got 0"),
+        (_thd(cp_size=0), ValueError, "cp_size must be >= 1, got 0"),
         (_thd(cp_size=2, cp_rank=2), ValueError, r"cp_rank must be an int in \[0, 2\), got 2"),
         (
             _thd(cp_size=4, cp_rank=0),
@@ -88,7 +94,7 @@ def _thd(**changes):
         (
             _thd(cp_size=2, cp_rank=0),
             ValueError,
-            r"input_ids has shape \(32,\); per-token tensors need 16 rows \(T / cp_size = 32 / 2\)",
+            r"input_ids has 32 tokens but the THD layout holds 16 \(cu_seqlens_padded\[-1\]=32 / cp_size=2, on CP rank 0\)",
         ),
     ],
 )

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from _attention_cases import make_thd, shard_of
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thdpack.attention.backends.base import kernel_cu_seqlens
 from thdpack.cp import local_placement
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.meta import ThdMeta, thd_meta
 from thdpack.thd.tokens import global_placement
 
 CPU = torch.device("cpu")
@@ -67,15 +68,6 @@ def test_bad_metadata_is_rejected_with_the_fix(thd, error, message):
         thd_meta(thd)
 
 
-def test_metadata_is_read_once_per_batch():
-    thd = make_thd([3, 9], 2)
-    first = thd_meta(thd)
-    assert thd_meta(dict(thd)) is first  # same tensors: the cached metadata
-    assert thd_meta({**thd, "cp_size": 2, "cp_rank": 1}) is not first  # another shard
-    thd["cu_seqlens_padded"][2] += 0  # an in-place write bumps the version: validated again
-    assert thd_meta(thd) is not first
-
-
 def test_missing_fields_default_to_an_unpadded_unsharded_batch():
     meta = thd_meta({"cu_seqlens": _i32([0, 3, 7])})
     assert (meta.lengths, meta.lengths_padded, meta.max_seqlen, meta.cp_size) == ((3, 4), (3, 4), 4, 1)
@@ -111,17 +103,19 @@ def test_local_sides_describe_the_partition(lengths, cp_size, tail):
     assert torch.equal(global_placement(thd_meta(thd), CPU).valid_T, real)
 
 
-def test_kernel_cu_seqlens_requires_int32_on_the_device():
+def test_cu_tensor_is_int32_on_the_kernels_device():
     thd = {"cu_seqlens": torch.tensor([0, 4, 9]), "cu_seqlens_padded": _i32([0, 4, 10])}
+    meta = thd_meta(thd)
     with pytest.raises(
-        TypeError, match=r"cu_seqlens has dtype torch.int64, but the 'varlen' backend's kernels need int32"
+        TypeError,
+        match=r"cu_seqlens must be int32 \(what TE and FlashAttention kernels take\), got torch.int64; thdpack.to_thd",
     ):
-        kernel_cu_seqlens(thd, "cu_seqlens", "varlen", CPU)
-    assert kernel_cu_seqlens(thd, "cu_seqlens_padded", "flash", CPU) is thd["cu_seqlens_padded"]
+        meta.cu_tensor("cu_seqlens", CPU)
+    assert meta.cu_tensor("cu_seqlens_padded", CPU) is thd["cu_seqlens_padded"]
     with pytest.raises(ValueError, match="cu_seqlens_padded is on cpu but q/k/v are on meta"):
-        kernel_cu_seqlens(thd, "cu_seqlens_padded", "te", torch.device("meta"))
+        meta.cu_tensor("cu_seqlens_padded", torch.device("meta"))
     no_padding = {"cu_seqlens": _i32([0, 4])}
-    assert kernel_cu_seqlens(no_padding, "cu_seqlens_padded", "te", CPU) is no_padding["cu_seqlens"]
+    assert thd_meta(no_padding).cu_tensor("cu_seqlens_padded", CPU) is no_padding["cu_seqlens"]
 
 
 def _pack(seq_lens, seq_lens_padded):
@@ -133,48 +127,6 @@ def _pack(seq_lens, seq_lens_padded):
         "seq_lens": torch.tensor(seq_lens),
         "seq_lens_padded": torch.tensor(seq_lens_padded),
     }
-
-
-def test_the_record_is_built_once_where_the_batch_is_made(monkeypatch):
-    """thd_collate validates; shard, thd_to_device, masks, the loss and every attention layer of a
-    2-layer model look the record up instead of validating again."""
-    from thdpack.attention.masks import block_causal_mask
-    from thdpack.cp import shard
-    from thdpack.loss import loss_weights
-    from thdpack.models import ModelConfig, Transformer
-    from thdpack.thd import meta as meta_module
-    from thdpack.thd import thd_collate, thd_to_device
-
-    calls = []
-    real_from_lengths = meta_module.ThdMeta.from_lengths.__func__
-
-    def counting(cls, *args, **kwargs):
-        calls.append(kwargs.get("cp_size", 1))
-        return real_from_lengths(cls, *args, **kwargs)
-
-    monkeypatch.setattr(meta_module.ThdMeta, "from_lengths", classmethod(counting))
-    thd = thd_collate([_pack([3, 5], [4, 12]), _pack([2, 2, 8], [4, 4, 8])])
-    assert calls == [1]
-    local = thd_to_device(shard(thd, 2, 1), "cpu")
-    model = Transformer(ModelConfig.preset("tiny", n_layers=2, attention_backend="math"), seed=0)
-    model(thd_to_device(thd, "cpu"))
-    block_causal_mask(local)
-    loss_weights(thd["labels"], thd["cu_seqlens_padded"], reduction="token_mean")
-    assert calls == [1]  # nothing was validated a second time
-
-
-def test_a_replaced_or_modified_cu_seqlens_is_validated_again():
-    from thdpack.thd import thd_collate
-
-    thd = thd_collate([_pack([3, 5], [4, 12])])
-    made = thd_meta(thd)
-    assert thd_meta(dict(thd)) is made
-    whole = torch.tensor([0, 16], dtype=torch.int32)  # a planted fault: one sequence over the pack
-    replaced = thd_meta({**thd, "cu_seqlens": whole, "cu_seqlens_padded": whole, "max_seqlen": 16})
-    assert replaced.lengths == (16,) and replaced is not made
-    thd["cu_seqlens"][1] = 5  # in place: 5 real tokens in a slot of 4
-    with pytest.raises(ValueError, match="sequence 0 has 5 real tokens but a padded slot of 4"):
-        thd_meta(thd)
 
 
 def test_one_fault_one_message_at_every_entry_point():
@@ -209,3 +161,186 @@ def test_the_record_survives_pickling_without_its_cache():
     assert any(key[0] == "global placement" for key in meta._cache if isinstance(key, tuple))
     again = pickle.loads(pickle.dumps(meta))
     assert again._cache == {} and again == meta and not again.lengths_S.flags.writeable
+
+
+# ---- the record travels with its batch ----
+
+
+class _Validations:
+    """Counts the records built from lengths (every validation builds one), per cp_size."""
+
+    def __init__(self, monkeypatch):
+        from thdpack.thd import meta as meta_module
+
+        self.calls = []
+        real = meta_module.ThdMeta.from_lengths.__func__
+
+        def counting(cls, *args, **kwargs):
+            self.calls.append(kwargs.get("cp_size", 1))
+            return real(cls, *args, **kwargs)
+
+        monkeypatch.setattr(meta_module.ThdMeta, "from_lengths", classmethod(counting))
+
+
+def _two_packs():
+    from thdpack.thd import thd_collate
+
+    return thd_collate([_pack([3, 5], [4, 12]), _pack([2, 2, 8], [4, 4, 8])])
+
+
+def _use_everywhere(thd):
+    """Shard, move, attend (a 2-layer model, every layer), mask and weigh ``thd``; returns the shard."""
+    from thdpack.attention.masks import block_causal_mask
+    from thdpack.cp import shard
+    from thdpack.loss import loss_weights
+    from thdpack.models import ModelConfig, Transformer
+    from thdpack.thd import thd_to_device, validate_thd
+
+    local = thd_to_device(shard(thd, 2, 1), "cpu")
+    model = Transformer(ModelConfig.preset("tiny", n_layers=2, attention_backend="math"), seed=0)
+    model(thd_to_device(thd, "cpu"))
+    block_causal_mask(local)
+    validate_thd(local)
+    loss_weights(thd["labels"], thd_meta(thd), reduction="sequence_mean")
+    return local
+
+
+def test_the_record_is_built_once_where_the_batch_is_made(monkeypatch):
+    """thd_collate validates; shard, thd_to_device, masks, validate_thd, the loss and every attention
+    layer of a 2-layer model take the record from the batch instead of validating again."""
+    validations = _Validations(monkeypatch)
+    thd = _two_packs()
+    assert validations.calls == [1] and isinstance(thd["thd_meta"], ThdMeta)
+    local = _use_everywhere(thd)
+    assert validations.calls == [1]  # nothing was validated a second time
+    assert (local["thd_meta"].cp_size, local["thd_meta"].cp_rank) == (2, 1) and "cp_rank" not in local
+
+
+def test_the_record_moves_with_the_batch_and_reads_no_tensor_there(monkeypatch):
+    """On the meta device no tensor can be read back: thd_meta, shard and the placements still work,
+    because the moved batch carries its record (describing the moved tensors)."""
+    from thdpack.cp import local_placement, shard
+    from thdpack.thd import thd_to_device
+
+    thd = _two_packs()
+    validations = _Validations(monkeypatch)
+    moved = thd_to_device(thd, "meta")
+    assert moved["cu_seqlens"].is_meta and thd_meta(moved) == thd_meta(thd)
+    assert thd_meta(moved) is not thd_meta(thd)  # a twin that describes the moved tensors
+    part = shard(moved, 2, 0)
+    assert part["input_ids"].shape == (16,) and part["input_ids"].is_meta
+    assert local_placement(thd_meta(part), "cpu").num_rows == 16
+    assert validations.calls == []
+
+
+def test_the_record_survives_pickling_with_its_batch(monkeypatch):
+    import pickle
+
+    thd = _two_packs()
+    again = pickle.loads(pickle.dumps(thd))
+    assert again["cu_seqlens"] is not thd["cu_seqlens"]
+    validations = _Validations(monkeypatch)
+    assert thd_meta(again) is again["thd_meta"] and again["thd_meta"] == thd["thd_meta"]
+    _use_everywhere(again)
+    assert validations.calls == []
+
+
+def test_the_record_comes_out_of_a_dataloader_worker(monkeypatch):
+    """Built in the worker (thd_collate as collate_fn), used in this process without validating again."""
+    from torch.utils.data import DataLoader
+
+    from thdpack.thd import thd_collate
+
+    packs = [_pack([3, 5], [4, 12]), _pack([2, 2, 8], [4, 4, 8])]
+    loader = DataLoader(packs, batch_size=2, collate_fn=thd_collate, num_workers=1)
+    validations = _Validations(monkeypatch)  # counts in this process only: the worker's call is not here
+    (batch,) = list(loader)
+    assert thd_meta(batch) is batch["thd_meta"] and batch["thd_meta"].lengths == (3, 5, 2, 2, 8)
+    _use_everywhere(batch)
+    assert validations.calls == []
+
+
+def test_a_stale_record_is_never_used():
+    """Replaced cu_seqlens, changed in place, moved outside thdpack, or contradicted by the batch's keys:
+    the record no longer describes the batch, and thd_meta builds the batch's own (stored in its place)."""
+    thd = _two_packs()
+    made = thd["thd_meta"]
+    assert thd_meta(dict(thd)) is made and thd_meta({**thd, "loss_weights": thd["labels"]}) is made
+    whole = torch.tensor([0, 32], dtype=torch.int32)  # a planted fault: one sequence over both packs
+    replaced = {**thd, "cu_seqlens": whole, "cu_seqlens_padded": whole, "max_seqlen": 32}
+    assert thd_meta(replaced).lengths == (32,) and replaced["thd_meta"] is not made
+    moved = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in thd.items()}
+    assert thd_meta(moved) == made and moved["thd_meta"] is not made  # the same layout, its own tensors
+    relabelled = {**thd, "max_seqlen": 16}
+    assert thd_meta(relabelled).max_seqlen == 16
+    thd["cu_seqlens"][1] = 5  # in place: 5 real tokens in a slot of 4
+    with pytest.raises(ValueError, match="sequence 0 has 5 real tokens but a padded slot of 4"):
+        thd_meta(thd)
+    with pytest.raises(TypeError, match="thd\\['thd_meta'\\] must be a thdpack ThdMeta, got dict"):
+        thd_meta({**moved, "thd_meta": {}})
+
+
+def test_a_stale_shard_record_keeps_its_rank_unless_the_keys_say_otherwise():
+    """No tensor says which CP rank's shard a batch is: a rebuilt record keeps the stale one's
+    cp_size / cp_rank, and cp_size / cp_rank keys (a batch made elsewhere) override both."""
+    from thdpack.cp import shard
+
+    part = shard(_two_packs(), 2, 1)
+    moved = {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in part.items()}
+    assert (thd_meta(moved).cp_size, thd_meta(moved).cp_rank) == (2, 1) and moved["thd_meta"] is not part["thd_meta"]
+    claimed = {**part, "cp_rank": 0}  # verify's planted fault: another rank's tokens under this rank's name
+    assert thd_meta(claimed).cp_rank == 0 and thd_meta(claimed) is claimed["thd_meta"]
+
+
+def test_a_dict_made_elsewhere_is_validated_once(monkeypatch):
+    """NeMo's / TE's dicts carry no record: the first thd_meta validates and stores one in the dict."""
+    thd = make_thd([3, 9], 2)
+    assert "thd_meta" not in thd
+    validations = _Validations(monkeypatch)
+    first = thd_meta(thd)
+    assert thd["thd_meta"] is first and thd_meta(thd) is first and validations.calls == [1]
+    frozen = types.MappingProxyType(make_thd([3, 9], 2))  # a mapping it cannot store into: validated each time
+    assert thd_meta(frozen) == first and "thd_meta" not in frozen
+
+
+# ---- the checks of a layout, one method each ----
+
+
+def test_token_count_check_names_the_tensor_and_the_layout():
+    meta = ThdMeta.from_lengths([3, 5], [4, 12], cp_size=2, cp_rank=1)
+    meta.check_token_count(8, "input_ids")
+    with pytest.raises(
+        ValueError,
+        match=r"^input_ids has 16 tokens but the THD layout holds 8 \(cu_seqlens_padded\[-1\]=16 / cp_size=2, on CP "
+        r"rank 1\); every per-token tensor needs one row per token of the slots cu_seqlens_padded describes",
+    ):
+        meta.check_token_count(16, "input_ids")
+
+
+def test_the_cp_multiple_is_the_plan_rule():
+    from thdpack.format_rules import cp_multiple
+
+    for cp_size in (2, 3, 4):
+        ThdMeta.from_lengths([1], [cp_multiple(cp_size)], cp_size=cp_size)
+        with pytest.raises(ValueError, match=rf"not a multiple of 2\*cp_size={cp_multiple(cp_size)}"):
+            ThdMeta.from_lengths([1], [cp_multiple(cp_size) + 2], cp_size=cp_size)
+
+
+def test_local_placement_honours_the_rank_or_refuses_it():
+    meta = ThdMeta.from_lengths([3, 4], [4, 4], cp_size=2, cp_rank=0)
+    assert local_placement(meta, CPU, 1).pos_T.tolist() == [1, 2, 1, 2]
+    assert local_placement(meta, CPU).pos_T.tolist() == [0, 3, 0, 3]
+    whole = ThdMeta.from_lengths([3, 4], [4, 4])
+    assert local_placement(whole, CPU, 0) is local_placement(whole, CPU)
+    for rank in (1, -1):  # a global record has one rank: silently giving rank 0's rows would be wrong
+        with pytest.raises(ValueError, match=rf"cp_rank must be an int in \[0, 1\), got {rank}"):
+            local_placement(whole, CPU, rank)
+    with pytest.raises(ValueError, match=r"cp_rank must be an int in \[0, 2\), got 2"):
+        local_placement(meta, CPU, 2)
+
+
+def test_unsharded_and_for_rank_share_the_arrays():
+    whole = ThdMeta.from_lengths([3, 4], [4, 4])
+    part = whole.for_rank(2, 1)
+    assert part.unsharded() == whole and whole.unsharded() is whole
+    assert part.lengths_padded_S is whole.lengths_padded_S

@@ -30,9 +30,9 @@ from typing import Any, Literal, get_args
 import torch
 import torch.distributed as dist
 
-from thdpack.attention import flash_kernel
 from thdpack.attention.config import AttentionConfig, Backend, CpCommType
-from thdpack.cp import local_placement
+from thdpack.attention.flash_kernel import HALF_DTYPES, unavailable_reason
+from thdpack.cp.partition import local_placement
 from thdpack.thd.meta import ThdMeta
 
 CpAlgorithm = Literal["own", "ring_math", "ring_flash", "all_gather"]
@@ -61,11 +61,11 @@ class CallFacts:
 
     @property
     def cuda_half(self) -> bool:
-        return self.device.type == "cuda" and self.dtype in flash_kernel.HALF_DTYPES
+        return self.device.type == "cuda" and self.dtype in HALF_DTYPES
 
     def flash_problem(self) -> str | None:
         """Why FlashAttention-2 kernels cannot run this call (``flash_kernel.unavailable_reason``)."""
-        return flash_kernel.unavailable_reason(
+        return unavailable_reason(
             self.device, self.dtype, capability=self.capability, head_dim=self.head_dim, head_dim_v=self.head_dim_v
         )
 
@@ -103,7 +103,7 @@ class AttentionCall:
     thd: Mapping[str, Any]
     """The batch's metadata mapping (``cu_seqlens``, ``cu_seqlens_padded``, ...), for kernels and masks."""
     meta: ThdMeta
-    """Its validated host-side record."""
+    """Its validated record (which also holds its ``cu_seqlens`` tensors: :meth:`cu_seqlens`)."""
     config: AttentionConfig
     scale: float
     """The softmax scale (``config.softmax_scale`` or ``H ** -0.5``)."""
@@ -115,12 +115,12 @@ class AttentionCall:
     def causal(self) -> bool:
         return self.config.causal
 
-    def cu_seqlens(self, key: str, backend: str, device: torch.device) -> torch.Tensor:
-        """``thd[key]`` as a CUDA kernel reads it (int32, on ``device``), else the error naming the fix."""
-        return kernel_cu_seqlens(self.thd, key, backend, device)
+    def cu_seqlens(self, key: str, device: torch.device) -> torch.Tensor:
+        """The batch's ``key`` tensor as a kernel reads it (int32, on ``device``): ``ThdMeta.cu_tensor``."""
+        return self.meta.cu_tensor(key, device)
 
     def varlen_operands(
-        self, k_TNH: torch.Tensor, v_TNH: torch.Tensor, backend: str
+        self, k_TNH: torch.Tensor, v_TNH: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
         """``(k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for a varlen kernel.
 
@@ -130,11 +130,11 @@ class AttentionCall:
         because FlashAttention-style kernels cannot mask keys inside a sequence.
         """
         device = k_TNH.device
-        cu_q = self.cu_seqlens("cu_seqlens_padded", backend, device)
+        cu_q = self.cu_seqlens("cu_seqlens_padded", device)
         if self.causal or not self.meta.has_padding:
             return k_TNH, v_TNH, cu_q, cu_q, self.meta.max_seqlen, self.meta.max_seqlen
         keep = local_placement(self.meta, device).valid_index
-        cu_k = self.cu_seqlens("cu_seqlens", backend, device)
+        cu_k = self.cu_seqlens("cu_seqlens", device)
         return (
             k_TNH.index_select(0, keep),
             v_TNH.index_select(0, keep),
@@ -143,25 +143,6 @@ class AttentionCall:
             self.meta.max_seqlen,
             max(self.meta.lengths),
         )
-
-
-def kernel_cu_seqlens(thd: Mapping[str, Any], key: str, backend: str, device: torch.device) -> torch.Tensor:
-    """``thd[key]`` (``cu_seqlens_padded`` falls back to ``cu_seqlens``) checked for a CUDA kernel.
-
-    FlashAttention / cuDNN kernels read cu_seqlens as int32 on the tensors' device; anything else
-    is a ``TypeError`` / ``ValueError`` here rather than a kernel error (or silent misreads) later.
-    """
-    cu = thd.get(key)
-    if cu is None:
-        cu = thd["cu_seqlens"]
-    if cu.dtype != torch.int32:
-        raise TypeError(
-            f"{key} has dtype {cu.dtype}, but the {backend!r} backend's kernels need int32; "
-            "thdpack.to_thd produces int32 (or convert with .to(torch.int32))"
-        )
-    if cu.device != device:
-        raise ValueError(f"{key} is on {cu.device} but q/k/v are on {device}; move the batch to {device}")
-    return cu
 
 
 AttendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionCall], AttentionOutput]

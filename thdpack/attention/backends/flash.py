@@ -33,7 +33,7 @@ def kernel_problem(s: CallFacts) -> Exception | None:
 def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
     """``(out (T, Nq, H), lse (Nq, T) fp32 or None)``; the LSE is not differentiable (guarded)."""
     flash_attn = _optional.require("flash_attn", "the 'flash' attention backend")
-    k_TNH, v_TNH, cu_q, cu_k, max_q, max_k = call.varlen_operands(k_TNH, v_TNH, "flash")
+    k_TNH, v_TNH, cu_q, cu_k, max_q, max_k = call.varlen_operands(k_TNH, v_TNH)
     result = flash_attn.flash_attn_varlen_func(
         q_TNH, k_TNH, v_TNH, cu_q, cu_k, max_q, max_k,
         softmax_scale=call.scale, causal=call.causal, return_attn_probs=call.return_lse,

@@ -12,46 +12,52 @@ Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
-from thdpack.attention import math_kernel
+import thdpack.attention.math_kernel as math_kernel
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
-from thdpack.cp import local_placement
+from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
+from thdpack.cp.partition import local_placement
 from thdpack.thd.tokens import TokenPlacement
 
 
-class TiledAttention(torch.autograd.Function):
-    """``(out_TNH, lse_NT) = attention(q rows of side q -> k rows of side k)`` with exact gradients."""
+@dataclass(frozen=True)
+class Tiles:
+    """Rows of side ``q`` attend rows of side ``k``: :mod:`~thdpack.attention.math_kernel`'s tiles
+    (an :class:`~thdpack.attention.merge.LseAttention`)."""
 
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q_TNH: torch.Tensor,
-        k_TNH: torch.Tensor,
-        v_TNH: torch.Tensor,
-        q_side: TokenPlacement,
-        k_side: TokenPlacement,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out_TNH, lse_NT = math_kernel.tile_forward(q_TNH, k_TNH, v_TNH, q_side, k_side, causal=causal, scale=scale)
-        ctx.save_for_backward(q_TNH, k_TNH, v_TNH, out_TNH, lse_NT)
-        ctx.sides, ctx.causal, ctx.scale = (q_side, k_side), causal, scale
-        ctx.set_materialize_grads(False)
-        return out_TNH.to(q_TNH.dtype), lse_NT
+    q_side: TokenPlacement
+    k_side: TokenPlacement
+    causal: bool
+    scale: float
 
-    @staticmethod
-    def backward(ctx: Any, dout_TNH: torch.Tensor | None, dlse_NT: torch.Tensor | None) -> tuple[Any, ...]:
-        q_TNH, k_TNH, v_TNH, out_TNH, lse_NT = ctx.saved_tensors
-        delta_NT = math_kernel.softmax_delta(dout_TNH, out_TNH, dlse_NT)
-        if dout_TNH is None:
-            dout_TNH = torch.zeros_like(out_TNH)
-        dq, dk, dv = math_kernel.tile_backward(
-            dout_TNH, q_TNH, k_TNH, v_TNH, lse_NT, delta_NT, *ctx.sides, causal=ctx.causal, scale=ctx.scale
+    def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return math_kernel.tile_forward(
+            q_TNH, k_TNH, v_TNH, self.q_side, self.k_side, causal=self.causal, scale=self.scale
         )
-        return dq.to(q_TNH.dtype), dk.to(k_TNH.dtype), dv.to(v_TNH.dtype), None, None, None, None
+
+    def backward(self, saved: Saved, grads: OutputGrads) -> Gradients:
+        q_TNH, k_TNH, v_TNH, _, lse_NT = saved
+        return math_kernel.tile_backward(
+            grads.dout_TNH, q_TNH, k_TNH, v_TNH, lse_NT, grads.delta_NT, self.q_side, self.k_side,
+            causal=self.causal, scale=self.scale,
+        )  # fmt: skip
+
+
+def tiled_attention(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    q_side: TokenPlacement,
+    k_side: TokenPlacement,
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out_TNH, lse_NT)`` of ``q_side``'s rows attending ``k_side``'s rows, with exact gradients."""
+    return differentiable_attention(q_TNH, k_TNH, v_TNH, Tiles(q_side, k_side, causal, scale))
 
 
 def attend(
@@ -64,7 +70,7 @@ def attend(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention of one device's packed tokens (``side`` describes them); ``(out, lse)``."""
-    return TiledAttention.apply(q_TNH, k_TNH, v_TNH, side, side, causal, scale)
+    return tiled_attention(q_TNH, k_TNH, v_TNH, side, side, causal=causal, scale=scale)
 
 
 def kernel_problem(s: CallFacts) -> None:

@@ -81,8 +81,8 @@ def _module(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, **set
 
 def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: AttentionCall) -> AttentionOutput:
     """``(out (T, Nq, Hv), None)`` for this rank's tokens (TE does the CP exchange itself)."""
-    cu_seqlens = call.cu_seqlens("cu_seqlens", "te", q_TNH.device)
-    cu_seqlens_padded = call.cu_seqlens("cu_seqlens_padded", "te", q_TNH.device)
+    cu_seqlens = call.cu_seqlens("cu_seqlens", q_TNH.device)
+    cu_seqlens_padded = call.cu_seqlens("cu_seqlens_padded", q_TNH.device)
     mask_type = "padding_causal" if call.causal else "padding"
     dpa = _module(
         q_TNH, k_TNH, v_TNH, attn_mask_type=mask_type, softmax_scale=call.scale,

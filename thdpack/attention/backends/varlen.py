@@ -25,6 +25,7 @@ import torch
 
 from thdpack import _optional
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, needs_cuda_half
+from thdpack.attention.config import resolve_softmax_scale
 from thdpack.attention.merge import no_lse_gradient, normalize_lse
 
 
@@ -56,7 +57,7 @@ def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: 
         kwargs["is_causal"] = call.causal
     if "scale" in params:
         kwargs["scale"] = call.scale
-    elif call.scale != q_TNH.shape[-1] ** -0.5:
+    elif call.scale != resolve_softmax_scale(None, q_TNH.shape[-1]):
         raise ValueError(
             f"torch {torch.__version__}'s varlen_attn has no scale argument, so softmax_scale={call.scale} "
             "cannot apply; use the default scale, backend='flash' / 'math', or torch >= 2.11"
@@ -69,7 +70,7 @@ def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: 
             k_TNH, v_TNH = k_TNH.repeat_interleave(group, 1), v_TNH.repeat_interleave(group, 1)
     if call.return_lse:
         kwargs["return_aux"] = varlen.AuxRequest(lse=True)
-    k_TNH, v_TNH, cu_q, cu_k, max_q, max_k = call.varlen_operands(k_TNH, v_TNH, "varlen")
+    k_TNH, v_TNH, cu_q, cu_k, max_q, max_k = call.varlen_operands(k_TNH, v_TNH)
     result = varlen.varlen_attn(q_TNH, k_TNH, v_TNH, cu_q, cu_k, max_q, max_k, **kwargs)
     if not call.return_lse:
         return result, None
