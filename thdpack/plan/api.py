@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Literal
 
 import numpy as np
 
 from thdpack.plan.assignment import materialize
+from thdpack.plan.cp_cost import COST_MODELS, CostModel
 from thdpack.plan.histogram import plan_size_classes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Entries, Overflow, apply_overflow
@@ -27,6 +29,8 @@ from thdpack.plan.slots import check_pack_size, cp_multiple
 
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
+CpPlacementMode = Literal["te", "adaptive"]
+CP_PLACEMENTS: tuple[str, ...] = ("te", "adaptive")
 DEFAULT_WINDOW = 1024
 MAX_LENGTH = 2**40
 """The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""
@@ -82,6 +86,8 @@ def plan_packs(
     overflow: Overflow = "error",
     seed: int | None = None,
     window: int = DEFAULT_WINDOW,
+    cp_placement: CpPlacementMode = "te",
+    cost_model: CostModel = "tiles",
 ) -> PackPlan:
     """Plan packs of ``pack_size`` tokens for sequences of the given lengths.
 
@@ -100,6 +106,12 @@ def plan_packs(
         seed: None is deterministic; an integer reshuffles which equal-length sequences pair
             up (and bfd's ties between equally full packs) reproducibly.
         window: lookahead of the ``"window"`` algorithm (ignored by the others).
+        cp_placement: ``"te"`` (every sequence split over all ``cp_size`` ranks, Transformer
+            Engine's layout) or ``"adaptive"`` (short sequences whole on one rank, longer ones
+            split over a group of ranks, chosen per pack: ``thdpack.plan.adaptive``; the plan
+            carries the ``CpPlacement`` as ``plan.placement``). Ignored when ``cp_size == 1``.
+        cost_model: what the adaptive placement minimises on each pack's busiest rank:
+            ``"tiles"`` (128 x 128 kernel tiles) or ``"pairs"`` (causal query-key pairs).
 
     Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
     largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
@@ -116,6 +128,10 @@ def plan_packs(
         raise ValueError(f"unknown overflow policy {overflow!r}; valid: {', '.join(OVERFLOWS)}")
     if seed is not None:
         seed = _check_int("seed", seed, 0)
+    if cp_placement not in CP_PLACEMENTS:
+        raise ValueError(f"unknown cp_placement {cp_placement!r}; valid: {', '.join(CP_PLACEMENTS)}")
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
     check_pack_size(pack_size, cp_size)
     multiple = cp_multiple(cp_size)
 
@@ -131,7 +147,14 @@ def plan_packs(
 
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
-    if algorithm == "sequential":
+    placement = None
+    if cp_placement == "adaptive" and cp_size > 1:
+        from thdpack.plan.adaptive import plan_entries  # adaptive imports this module
+
+        ids, offsets, placement = plan_entries(
+            entries.length, pack_size, cp_size, algorithm=algorithm, window=window, rng=rng, cost_model=cost_model
+        )
+    elif algorithm == "sequential":
         offsets = next_fit(units, capacity)
         ids = np.arange(len(units), dtype=np.int64)
     elif algorithm == "window":
@@ -145,9 +168,13 @@ def plan_packs(
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
-    if distinct is None:
-        distinct = _distinct(units)
-    stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
+    if placement is not None:  # slots in tokens: whole entries take their length, split ones a 2g multiple
+        stats = _stats(len(lengths), entries, _distinct(placement.slots()), ids, offsets, None, algorithm, pack_size, 1)
+        stats = dataclasses.replace(stats, cp_size=cp_size)
+    else:
+        if distinct is None:
+            distinct = _distinct(units)
+        stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],
@@ -160,6 +187,8 @@ def plan_packs(
         stats=stats,
         entry_starts=entries.start[ids] if cut else None,
         entry_lengths=entries.length[ids] if cut else None,
+        placement=placement,
+        cost_model=cost_model if placement is not None else None,
     )
 
 
