@@ -42,9 +42,9 @@ packs; Llama-3-8B attention: 32 query and 8 KV heads of 128, bf16 activations):
 
 - ring (``te``, ``adaptive``): only split sequences' K/V travel, around their group: a rank
   receives ``(g - 1) * slot / g`` tokens of each split sequence of its groups, ``te`` the whole
-  local buffer (``L / W`` tokens, the tail padding included) of each of the ``W - 1`` others; per token: forward K/V (bf16), backward K/V again
-  and the travelling dK/dV (fp32): ``2 * 8 * 128 * (2 + 2 + 4)`` bytes. A pack with no split
-  sequence moves nothing;
+  local buffer (``L / W`` tokens, the tail padding included) of each of the ``W - 1`` others;
+  per token: forward K/V (bf16), backward K/V again and the travelling dK/dV (fp32):
+  ``2 * 8 * 128 * (2 + 2 + 4)`` bytes. A pack with no split sequence moves nothing;
 - ``a2a``: two all-to-alls per layer forward (Q, K, V in; O out) and two backward (dO in; dQ, dK,
   dV out), each sending ``(W - 1) / W`` of the rank's ``L / W`` tokens: per token
   ``(4 * 32 + 4 * max(8, W)) * 128 * 2`` bytes (bf16; KV heads replicated up to ``W`` when

@@ -13,25 +13,30 @@ than TE's layout costs every rank for it (tiles: 128 / 256 / 384 / 640 tokens at
 **Two-level plan** (``bfd`` / ``ffd``):
 
 1. The long sequences are packed as TE packs them (slot = TE slot, the same best-fit engine).
-   Each pack *template* (packs of equal content share one) gets a placement from
-   ``thdpack.plan.place``: whole, split over a power-of-2 group, or over all ranks; never worse
-   than all of them split. The planner credits a rank for the short sequences that will fill its
-   free room (``alpha`` = their cost per token, scaled by how much of the free room they fill).
+   Each pack *template* (the engine's packs of equal content share one) gets a placement from
+   ``thdpack.plan.place``: every sequence whole, split over a power-of-2 group, or over all ranks,
+   never worse than all of them split. The short sequences that will fill the pack's free room
+   count as evenly spread work (their cost per token, scaled by how much of the free room they
+   can fill), so a long sequence may stay whole where they will fill the other ranks.
 2. The short sequences are packed into *rank bins* of the remaining room: every rank of every
    long pack (room ``B`` minus what step 1 placed on it) and fresh ranks of ``B`` tokens, by the
    same best-fit engine over bins of unequal room (each bin opened by a marker item that leaves
    exactly its room; markers are larger than half the engine's capacity, so two never share a
-   bin). Fresh ranks are grouped ``cp_size`` at a time, in the engine's order, into packs.
+   bin). Fresh ranks are sorted by their cost and grouped ``cp_size`` at a time into packs (a pack
+   waits for its busiest rank: ranks of similar cost belong together).
 
-A short sequence thus never needs room it was not given: every pack is feasible by construction.
+A short sequence never needs room it was not given, a long one never more than its TE slot: every
+pack is feasible by construction.
 
 **Guarantees.**
 
 - *Never worse than TE's layout of the same sequences, per pack.* A short sequence on rank ``r``
-  costs ``r`` at most what TE's layout costs every rank for it, and step 1's long-sequence load is
-  checked against TE's; a pack where the credit of step 1 still made a rank costlier than TE's
-  layout of the pack's sequences is repaired: its long sequences are split over all ranks and its
-  short ones are packed again into fresh ranks.
+  costs ``r`` at most what TE's layout costs every rank for it (``whole_limit``), and step 1's
+  placement of the long ones costs no rank more than TE's layout of them (computed on TE slots,
+  an upper bound of every cost under tiles) unless the short ones that fill the other ranks lift
+  the pack above both. Those packs (and, under pairs, which TE slots overestimate, every long pack)
+  are checked after step 2; one that is costlier than TE's layout of its sequences is repaired:
+  its long sequences are split over all ranks and its short ones packed again into fresh ranks.
 - *Never more packs than ``te``.* When the two-level plan has more packs than the L2 lower bound
   of TE's slots, TE's plan is computed too, and used (each pack placed by ``place``, with every
   sequence reserving its TE slot) when it has fewer.
@@ -108,13 +113,15 @@ def place_packs(
     sizes: Sequence[int] | None = None,
     group_count: np.ndarray | None = None,
     fill_density: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Place every entry of packs whose entries reserve their TE slots.
 
-    Returns ``(group_size, group_start, tokens_PR)`` aligned with ``ids``. With ``group_count``
-    (packs of a group consecutive and of equal content in TE units), one placement per group is
-    computed on the TE slots and shared by its packs; otherwise each pack is placed on its own
-    lengths, ``ROW_CHUNK`` at a time.
+    Returns ``(group_size, group_start, tokens_PR, above_te_P)``: the groups aligned with ``ids``,
+    the tokens of each rank of each pack, and the packs whose busiest rank costs more than under
+    TE's layout (kept because the free room's work lifts every rank above both; see ``place_rows``).
+    With ``group_count`` (packs of a group consecutive and of equal content in TE units), one
+    placement per group is computed on the TE slots and shared by its packs; otherwise each pack
+    is placed on its own lengths, ``ROW_CHUNK`` at a time.
     """
     size_O, start_O = group_options(cp_size, sizes)
     budget = pack_size // cp_size
@@ -122,29 +129,30 @@ def place_packs(
     if group_count is not None:
         units_KM = _templates(slots_E // (2 * cp_size), ids, group_count, offsets)
         reserve_KM = units_KM * (2 * cp_size)
-        option_KM, tokens_KR, _ = place_rows(
+        option_KM, tokens_KR, cost_KR, te_cost_KR = place_rows(
             reserve_KM, reserve_KM, units_KM > 0, cp_size=cp_size, budget=budget, cost_model=cost_model,
             sizes=sizes, fill_density=fill_density,
         )  # fmt: skip
+        above_K = cost_KR.max(axis=1) > te_cost_KR.max(axis=1)
         row_P = np.repeat(np.arange(len(group_count)), group_count)
         option_E = option_KM[np.repeat(row_P, np.diff(offsets)), _positions(offsets)]
-        return size_O[option_E], start_O[option_E], tokens_KR[row_P]
+        return size_O[option_E], start_O[option_E], tokens_KR[row_P], above_K[row_P]
     num_packs = len(offsets) - 1
     option_E = np.empty(len(ids), dtype=np.int64)
     tokens_PR = np.empty((num_packs, cp_size), dtype=np.int64)
+    above_P = np.empty(num_packs, dtype=bool)
     position_E = _positions(offsets)
     for first in range(0, num_packs, ROW_CHUNK):
         last = min(first + ROW_CHUNK, num_packs)
         a, b = int(offsets[first]), int(offsets[last])
         counts = np.diff(offsets[first : last + 1])
-        width = int(counts.max())
         row_E = np.repeat(np.arange(last - first), counts)
-        lengths_KM = np.zeros((last - first, width), dtype=np.int64)
+        lengths_KM = np.zeros((last - first, int(counts.max())), dtype=np.int64)
         lengths_KM[row_E, position_E[a:b]] = lengths_E[ids[a:b]]
         # items costliest first within each pack (LPT); the order is undone below
         order_KM = np.argsort(-lengths_KM, axis=1, kind="stable")
         sorted_KM = np.take_along_axis(lengths_KM, order_KM, axis=1)
-        option_KM, tokens_KR, _ = place_rows(
+        option_KM, tokens_KR, cost_KR, te_cost_KR = place_rows(
             sorted_KM, te_slot(sorted_KM, cp_size), sorted_KM > 0, cp_size=cp_size, budget=budget,
             cost_model=cost_model, sizes=sizes, fill_density=fill_density,
         )  # fmt: skip
@@ -152,7 +160,8 @@ def place_packs(
         np.put_along_axis(unsorted_KM, order_KM, option_KM, axis=1)
         option_E[a:b] = unsorted_KM[row_E, position_E[a:b]]
         tokens_PR[first:last] = tokens_KR
-    return size_O[option_E], start_O[option_E], tokens_PR
+        above_P[first:last] = cost_KR.max(axis=1) > te_cost_KR.max(axis=1)
+    return size_O[option_E], start_O[option_E], tokens_PR, above_P
 
 
 def _fill_ranks(
@@ -244,7 +253,7 @@ def plan_adaptive(
         # scaled by how much of that room they can fill
         density = float(whole_cost(lengths_E[short_ids], cost_model).sum()) / max(short_tokens, 1)
         fill_density = density * min(1.0, short_tokens / free) if free > 0 else 0.0
-        size1, start1, used_QR = place_packs(
+        size1, start1, used_QR, above_Q = place_packs(
             long_units * unit, ids1, offsets1, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model,
             sizes=sizes, group_count=hp.group_count, fill_density=fill_density,
         )  # fmt: skip
@@ -254,6 +263,7 @@ def plan_adaptive(
         ids1, offsets1 = np.zeros(0, np.int64), np.zeros(1, np.int64)
         size1 = start1 = np.zeros(0, np.int64)
         used_QR = np.zeros((0, cp_size), np.int64)
+        above_Q = np.zeros(0, dtype=bool)
     num_long = len(offsets1) - 1
 
     # level 2: short entries whole, into the long packs' free room and fresh ranks
@@ -271,10 +281,11 @@ def plan_adaptive(
     group_size[pos[: len(ids1)]] = size1
     group_start[pos] = np.concatenate((start1, rank_W))
     plan = AdaptivePlan(ids=ids, offsets=offsets, group_size=group_size, group_start=group_start)
-    if num_long and (fill_density > 0 or cost_model == "pairs"):
-        # the long placement may trade the long packs' busiest rank for the short entries that
-        # fill them (or count real pairs, which TE slots overestimate): check against TE
-        plan = _repair(plan, lengths_E, pack_size, cp_size, cost_model, checked=num_long, fit=fit, rng=rng)
+    # a long pack whose long entries cost a rank more than TE's layout (kept for the short entries
+    # that fill the others), or any long pack under pairs (TE slots overestimate real pairs): check
+    checked = np.ones(num_long, dtype=bool) if cost_model == "pairs" else above_Q
+    if checked.any():
+        plan = _repair(plan, lengths_E, pack_size, cp_size, cost_model, checked=checked, fit=fit, rng=rng)
     return _no_more_than_te(plan, lengths_E, pack_size, cp_size, cost_model, sizes, fit=fit, rng=rng)
 
 
@@ -285,29 +296,30 @@ def _repair(
     cp_size: int,
     cost_model: CostModel,
     *,
-    checked: int,
+    checked: np.ndarray,
     fit: Fit,
     rng: np.random.Generator | None,
 ) -> AdaptivePlan:
-    """The first ``checked`` packs whose busiest rank costs more than under TE's layout of their
-    sequences get TE's layout: every entry split over all ranks where their TE slots fit the pack;
-    otherwise the long entries split over all ranks and the short ones moved to fresh ranks after
-    the last pack."""
+    """The packs among ``checked`` (a mask over the first packs) whose busiest rank costs more than
+    under TE's layout of their sequences get TE's layout: every entry split over all ranks where
+    their TE slots fit the pack; otherwise the long entries split over all ranks and the short ones
+    moved to fresh ranks after the last pack."""
     lengths = lengths_E[plan.ids]
-    end = int(plan.offsets[checked])
-    part = slice(0, end)
-    placed = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=plan.offsets[: checked + 1],
-                         lengths=lengths[part], group_size=plan.group_size[part],
-                         group_start=plan.group_start[part])  # fmt: skip
-    pack_E = placed.pack_of_entry()
-    te_slots = te_slot(lengths[part], cp_size)
+    num_packs = len(plan.offsets) - 1
+    sel = np.flatnonzero(checked)
+    counts = np.diff(plan.offsets)[sel]
+    sub_offsets = np.concatenate(([0], np.cumsum(counts)))
+    entry = np.repeat(plan.offsets[sel] - sub_offsets[:-1], counts) + np.arange(int(sub_offsets[-1]))
+    placed = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=sub_offsets, lengths=lengths[entry],
+                         group_size=plan.group_size[entry], group_start=plan.group_start[entry])  # fmt: skip
     if cost_model == "tiles":  # the same on every rank
-        te_busiest = np.bincount(pack_E, weights=split_tiles(te_slots, cp_size), minlength=checked)
+        te_tiles = split_tiles(te_slot(placed.lengths, cp_size), cp_size)
+        te_busiest = np.bincount(placed.pack_of_entry(), weights=te_tiles, minlength=len(sel))
     else:
-        te = CpPlacement.all_split(placed.offsets, placed.lengths, cp_size=cp_size, pack_size=pack_size)
+        te = CpPlacement.all_split(sub_offsets, placed.lengths, cp_size=cp_size, pack_size=pack_size)
         te_busiest = te.rank_costs(cost_model).max(axis=1)
-    worse_P = np.zeros(len(plan.offsets) - 1, dtype=bool)
-    worse_P[:checked] = placed.rank_costs(cost_model).max(axis=1) > te_busiest
+    worse_P = np.zeros(num_packs, dtype=bool)
+    worse_P[sel] = placed.rank_costs(cost_model).max(axis=1) > te_busiest
     if not worse_P.any():
         return plan
     pack_E = np.repeat(np.arange(len(worse_P)), np.diff(plan.offsets))
@@ -372,7 +384,7 @@ def _no_more_than_te(
     if hp.num_packs >= num_packs:
         return plan
     ids, offsets = materialize(hp, units, rng=rng)
-    group_size, group_start, _ = place_packs(
+    group_size, group_start, _, _ = place_packs(
         units * unit, ids, offsets, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model, sizes=sizes,
         group_count=hp.group_count,
     )  # fmt: skip
@@ -380,7 +392,8 @@ def _no_more_than_te(
     if cost_model == "tiles":  # the TE slots the templates were placed on bound every cost from above
         return te_plan
     # pairs count real tokens, which the TE slots overestimate: check per pack
-    return _repair(te_plan, lengths_E, pack_size, cp_size, cost_model, checked=len(offsets) - 1, fit=fit, rng=rng)
+    checked = np.ones(len(offsets) - 1, dtype=bool)
+    return _repair(te_plan, lengths_E, pack_size, cp_size, cost_model, checked=checked, fit=fit, rng=rng)
 
 
 def plan_entries(
@@ -406,7 +419,7 @@ def plan_entries(
             ids, offsets = np.arange(len(units), dtype=np.int64), next_fit(units, capacity)
         else:
             ids, offsets = window_best_fit(units, capacity, window)
-        group_size, group_start, _ = place_packs(
+        group_size, group_start, _, _ = place_packs(
             lengths_E, ids, offsets, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model, sizes=sizes
         )
     placement = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=offsets, lengths=lengths_E[ids],

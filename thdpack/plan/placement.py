@@ -411,9 +411,10 @@ class PackPlacement:
                         f"{len(lengths_S)} sequences (0..{len(lengths_S) - 1})"
                     )
                 if size_S[s]:
+                    first = f"{start_S[s]}..{start_S[s] + size_S[s] - 1}"
                     raise ValueError(
-                        f"sequence {s} of the pack is placed twice: on ranks {start_S[s]}..{start_S[s] + size_S[s] - 1} "
-                        f"and on ranks {start}..{start + size - 1}; place every sequence once"
+                        f"sequence {s} of the pack is placed twice: on ranks {first} and on ranks "
+                        f"{start}..{start + size - 1}; place every sequence once"
                     )
                 size_S[s], start_S[s] = size, start
         never = np.flatnonzero(size_S == 0)
