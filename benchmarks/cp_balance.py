@@ -254,6 +254,7 @@ def datasets(args: argparse.Namespace) -> list[tuple[str, np.ndarray, int]]:
         if ALPACA.exists():
             size = args.pack_size or 32768
             mix = np.concatenate((stdlib[stdlib <= size], np.load(ALPACA)))
+            mix = mix[np.random.default_rng(0).permutation(len(mix))]  # interleaved (--tiny takes a prefix)
             out.append(("long-tail mix (stdlib files <= L + alpaca)", mix, size))
     trimmed = []
     for name, lengths, size in out:

@@ -19,7 +19,7 @@ than TE's layout costs every rank for it (tiles: 128 / 256 / 384 / 640 tokens at
    count as evenly spread work (their cost per token, scaled by how much of the free room they
    can fill), so a long sequence may stay whole where they will fill the other ranks.
 2. The short sequences are packed into *rank bins* of the remaining room: every rank of every
-   long pack (room ``B`` minus what step 1 placed on it) and fresh ranks of ``B`` tokens, by the
+   long pack (room ``B`` minus the tokens step 1 placed on it) and fresh ranks of ``B`` tokens, by the
    same best-fit engine over bins of unequal room (each bin opened by a marker item that leaves
    exactly its room; markers are larger than half the engine's capacity, so two never share a
    bin). Fresh ranks are sorted by their cost and grouped ``cp_size`` at a time into packs (a pack
@@ -253,11 +253,14 @@ def plan_adaptive(
         # scaled by how much of that room they can fill
         density = float(whole_cost(lengths_E[short_ids], cost_model).sum()) / max(short_tokens, 1)
         fill_density = density * min(1.0, short_tokens / free) if free > 0 else 0.0
-        size1, start1, used_QR, above_Q = place_packs(
+        size1, start1, _, above_Q = place_packs(
             long_units * unit, ids1, offsets1, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model,
             sizes=sizes, group_count=hp.group_count, fill_density=fill_density,
         )  # fmt: skip
         ids1 = long_ids[ids1]
+        # the room each rank really has: the templates counted TE slots, a sequence takes less
+        used_QR = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=offsets1, lengths=lengths_E[ids1],
+                              group_size=size1, group_start=start1).rank_tokens()  # fmt: skip
     else:
         fill_density = 0.0
         ids1, offsets1 = np.zeros(0, np.int64), np.zeros(1, np.int64)
