@@ -3,6 +3,7 @@
     python benchmarks/cp_balance.py                      # Alpaca L 8192, stdlib + long-tail mix L 32768; cp 2-16
     python benchmarks/cp_balance.py --lengths my.npy --pack-size 16384 --cp-sizes 4 8 --json out.json
     python benchmarks/cp_balance.py --tiny               # the first 3,000 sequences of each, seconds (the tests)
+    python benchmarks/cp_balance.py --timing 1000000     # planner time, te vs adaptive, 1M web-like lengths
 
 For every pack of a dataset's plan and every CP rank it counts, exactly:
 
@@ -49,6 +50,11 @@ packs; Llama-3-8B attention: 32 query and 8 KV heads of 128, bf16 activations):
   dV out), each sending ``(W - 1) / W`` of the rank's ``L / W`` tokens: per token
   ``(4 * 32 + 4 * max(8, W)) * 128 * 2`` bytes (bf16; KV heads replicated up to ``W`` when
   ``W > 8``).
+
+``--timing N`` instead times ``plan_packs`` on N web-like lengths (``plan_bench.py``'s lognormal,
+mean 800, clipped to 4096) with ``cp_placement="te"`` and ``"adaptive"`` (best of 3 each), and the
+share of the adaptive planner spent placing the long packs' templates (``place_packs``) and
+checking packs against TE (``_repair``).
 
 GPU timings are not part of this script (it is CPU-only and exact by counting).
 """
@@ -237,6 +243,61 @@ def _table(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
+def timing(n: int, configs: list[tuple[int, int]], repeats: int = 3) -> list[dict[str, object]]:
+    """Seconds of plan_packs (te, adaptive) on n web-like lengths, and of the placement inside adaptive."""
+    from plan_bench import make_lengths
+
+    import thdpack.plan.adaptive as adaptive
+
+    spent = {"place_packs": 0.0, "_repair": 0.0}
+
+    def timed(name: str):
+        inner = getattr(adaptive, name)
+
+        def run(*args, **kwargs):
+            tick = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - tick
+
+        return inner, run
+
+    lengths, _ = make_lengths("web", n)
+    rows = []
+    originals = {name: timed(name) for name in spent}
+    try:
+        for name, (_, run) in originals.items():
+            setattr(adaptive, name, run)
+        for pack_size, cp_size in configs:
+            te = min(_seconds(lengths, pack_size, cp_size, "te") for _ in range(repeats))
+            best = None
+            for _ in range(repeats):
+                spent.update(place_packs=0.0, _repair=0.0)
+                plan_seconds = _seconds(lengths, pack_size, cp_size, "adaptive")
+                if best is None or plan_seconds < best[0]:
+                    best = (plan_seconds, spent["place_packs"], spent["_repair"])
+            row = {"n": n, "pack_size": pack_size, "cp_size": cp_size, "te_seconds": te, "adaptive_seconds": best[0],
+                   "placement_seconds": best[1], "repair_seconds": best[2]}  # fmt: skip
+            rows.append(row)
+            print(
+                f"n={n:,} L={pack_size} cp={cp_size}: plan_packs te {1e3 * te:.0f} ms, adaptive "
+                f"{1e3 * best[0]:.0f} ms (placing templates {1e3 * best[1]:.0f} ms, checking packs "
+                f"{1e3 * best[2]:.0f} ms)",
+                flush=True,
+            )
+    finally:
+        for name, (inner, _) in originals.items():
+            setattr(adaptive, name, inner)
+    return rows
+
+
+def _seconds(lengths: np.ndarray, pack_size: int, cp_size: int, cp_placement: str) -> float:
+    tick = time.perf_counter()
+    plan_packs(lengths, pack_size, cp_size=cp_size, cp_placement=cp_placement)
+    return time.perf_counter() - tick
+
+
 def datasets(args: argparse.Namespace) -> list[tuple[str, np.ndarray, int]]:
     """(name, lengths, pack size) of every dataset to measure; empty sequences left out."""
     out = []
@@ -274,8 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp-sizes", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--lengths", type=Path, default=None, help="a .npy or .txt of lengths: measure it alone")
     parser.add_argument("--tiny", action="store_true", help=f"the first {TINY_SEQUENCES:,} sequences of each dataset")
+    parser.add_argument("--timing", type=int, default=None, help="time the planners on this many lengths instead")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "cp_balance.json")
     args = parser.parse_args(argv)
+    if args.timing:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        rows = timing(args.timing, [(32768, 8), (8192, 4)])
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"machine": platform.platform(), "timing": rows}, indent=1))
+        return 0
     rows = []
     for data, lengths, pack_size in datasets(args):
         for cp_size in args.cp_sizes:
