@@ -74,7 +74,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from thdpack.plan import plan_packs
-from thdpack.plan.adaptive import plan_entries
+from thdpack.plan.adaptive import plan_adaptive
 from thdpack.plan.cp_cost import TILE, causal_tiles, full_tiles, pairs_below, split_cost, te_slot
 from thdpack.plan.overflow import apply_overflow
 from thdpack.plan.placement import CpPlacement, group_sizes, rank_sums
@@ -193,14 +193,17 @@ def measure(lengths: np.ndarray, pack_size: int, cp_size: int) -> dict[str, obje
     entries = apply_overflow(lengths, pack_size, "split").length
     for name, sizes in (("adaptive", None), ("adaptive_whole_or_all", (1, cp_size))):
         tick = time.perf_counter()
-        _, _, placement = plan_entries(
-            entries, pack_size, cp_size, algorithm="bfd", window=1, rng=None, cost_model="tiles", sizes=sizes
-        )
+        plan = plan_adaptive(entries, pack_size, cp_size, fit="bfd", rng=None, cost_model="tiles", sizes=sizes)
         seconds = time.perf_counter() - tick
+        placement = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=plan.offsets,
+                                lengths=entries[plan.ids], group_size=plan.group_size,
+                                group_start=plan.group_start)  # fmt: skip
         placement.validate()
         row[name] = _summary(_placed(placement), real, int(placement.slots().sum()), len(placement))
         row[name]["kv_bytes_per_pack"] = float(ring_bytes(placement).mean())
         row[name]["plan_seconds"] = seconds
+        row[name]["repaired_packs"] = plan.repaired_packs
+        row[name]["te_packs_used"] = plan.te_packs
         row[name]["split_sequences"] = int((placement.group_size > 1).sum())
         row[name]["group_size_counts"] = {str(g): int((placement.group_size == g).sum()) for g in group_sizes(cp_size)}
     a2a_plan = plan_packs(lengths, pack_size, overflow="split")

@@ -30,13 +30,12 @@ pack is feasible by construction.
 
 **Guarantees.**
 
-- *Never worse than TE's layout of the same sequences, per pack.* A short sequence on rank ``r``
-  costs ``r`` at most what TE's layout costs every rank for it (``whole_limit``), and step 1's
-  placement of the long ones costs no rank more than TE's layout of them (computed on TE slots,
-  an upper bound of every cost under tiles) unless the short ones that fill the other ranks lift
-  the pack above both. Those packs (and, under pairs, which TE slots overestimate, every long pack)
-  are checked after step 2; one that is costlier than TE's layout of its sequences is repaired:
-  its long sequences are split over all ranks and its short ones packed again into fresh ranks.
+- *Never worse than TE's layout of the same sequences, per pack* (tiles, by construction). A
+  short sequence on rank ``r`` costs ``r`` at most what TE's layout costs every rank for it
+  (``whole_limit``); step 1's placement of the long ones costs no rank more than TE's layout of
+  them costs every rank, computed on TE slots, an upper bound of every tile count of a shorter
+  sequence. Under pairs, which TE slots overestimate, there are no short sequences and each long
+  pack is checked on its real lengths after placement, taking TE's layout where that is cheaper.
 - *Never more packs than ``te``.* When the two-level plan has more packs than the L2 lower bound
   of TE's slots, TE's plan is computed too, and used (each pack placed by ``place``, with every
   sequence reserving its TE slot) when it has fewer.
@@ -58,7 +57,7 @@ import numpy as np
 from thdpack.plan.api import _distinct
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound_of_sizes
-from thdpack.plan.cp_cost import CostModel, split_tiles, te_slot, whole_cost, whole_limit
+from thdpack.plan.cp_cost import CostModel, te_slot, whole_cost, whole_limit
 from thdpack.plan.histogram import Fit, plan_size_classes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.place import place_rows
@@ -113,15 +112,11 @@ def place_packs(
     sizes: Sequence[int] | None = None,
     group_count: np.ndarray | None = None,
     fill_density: float = 0.0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Place every entry of packs whose entries reserve their TE slots.
-
-    Returns ``(group_size, group_start, tokens_PR, above_te_P)``: the groups aligned with ``ids``,
-    the tokens of each rank of each pack, and the packs whose busiest rank costs more than under
-    TE's layout (kept because the free room's work lifts every rank above both; see ``place_rows``).
-    With ``group_count`` (packs of a group consecutive and of equal content in TE units), one
-    placement per group is computed on the TE slots and shared by its packs; otherwise each pack
-    is placed on its own lengths, ``ROW_CHUNK`` at a time.
+) -> tuple[np.ndarray, np.ndarray]:
+    """Place every entry of packs whose entries reserve their TE slots: ``(group_size,
+    group_start)`` aligned with ``ids``. With ``group_count`` (packs of a group consecutive and of
+    equal content in TE units), one placement per group is computed on the TE slots and shared by
+    its packs; otherwise each pack is placed on its own lengths, ``ROW_CHUNK`` at a time.
     """
     size_O, start_O = group_options(cp_size, sizes)
     budget = pack_size // cp_size
@@ -129,18 +124,15 @@ def place_packs(
     if group_count is not None:
         units_KM = _templates(slots_E // (2 * cp_size), ids, group_count, offsets)
         reserve_KM = units_KM * (2 * cp_size)
-        option_KM, tokens_KR, cost_KR, te_cost_KR = place_rows(
+        option_KM = place_rows(
             reserve_KM, reserve_KM, units_KM > 0, cp_size=cp_size, budget=budget, cost_model=cost_model,
             sizes=sizes, fill_density=fill_density,
-        )  # fmt: skip
-        above_K = cost_KR.max(axis=1) > te_cost_KR.max(axis=1)
+        )[0]  # fmt: skip
         row_P = np.repeat(np.arange(len(group_count)), group_count)
         option_E = option_KM[np.repeat(row_P, np.diff(offsets)), _positions(offsets)]
-        return size_O[option_E], start_O[option_E], tokens_KR[row_P], above_K[row_P]
+        return size_O[option_E], start_O[option_E]
     num_packs = len(offsets) - 1
     option_E = np.empty(len(ids), dtype=np.int64)
-    tokens_PR = np.empty((num_packs, cp_size), dtype=np.int64)
-    above_P = np.empty(num_packs, dtype=bool)
     position_E = _positions(offsets)
     for first in range(0, num_packs, ROW_CHUNK):
         last = min(first + ROW_CHUNK, num_packs)
@@ -152,16 +144,14 @@ def place_packs(
         # items costliest first within each pack (LPT); the order is undone below
         order_KM = np.argsort(-lengths_KM, axis=1, kind="stable")
         sorted_KM = np.take_along_axis(lengths_KM, order_KM, axis=1)
-        option_KM, tokens_KR, cost_KR, te_cost_KR = place_rows(
+        option_KM = place_rows(
             sorted_KM, te_slot(sorted_KM, cp_size), sorted_KM > 0, cp_size=cp_size, budget=budget,
             cost_model=cost_model, sizes=sizes, fill_density=fill_density,
-        )  # fmt: skip
+        )[0]  # fmt: skip
         unsorted_KM = np.empty_like(option_KM)
         np.put_along_axis(unsorted_KM, order_KM, option_KM, axis=1)
         option_E[a:b] = unsorted_KM[row_E, position_E[a:b]]
-        tokens_PR[first:last] = tokens_KR
-        above_P[first:last] = cost_KR.max(axis=1) > te_cost_KR.max(axis=1)
-    return size_O[option_E], start_O[option_E], tokens_PR, above_P
+    return size_O[option_E], start_O[option_E]
 
 
 def _fill_ranks(
@@ -253,7 +243,7 @@ def plan_adaptive(
         # scaled by how much of that room they can fill
         density = float(whole_cost(lengths_E[short_ids], cost_model).sum()) / max(short_tokens, 1)
         fill_density = density * min(1.0, short_tokens / free) if free > 0 else 0.0
-        size1, start1, _, above_Q = place_packs(
+        size1, start1 = place_packs(
             long_units * unit, ids1, offsets1, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model,
             sizes=sizes, group_count=hp.group_count, fill_density=fill_density,
         )  # fmt: skip
@@ -266,7 +256,6 @@ def plan_adaptive(
         ids1, offsets1 = np.zeros(0, np.int64), np.zeros(1, np.int64)
         size1 = start1 = np.zeros(0, np.int64)
         used_QR = np.zeros((0, cp_size), np.int64)
-        above_Q = np.zeros(0, dtype=bool)
     num_long = len(offsets1) - 1
 
     # level 2: short entries whole, into the long packs' free room and fresh ranks
@@ -284,80 +273,34 @@ def plan_adaptive(
     group_size[pos[: len(ids1)]] = size1
     group_start[pos] = np.concatenate((start1, rank_W))
     plan = AdaptivePlan(ids=ids, offsets=offsets, group_size=group_size, group_start=group_start)
-    # a long pack whose long entries cost a rank more than TE's layout (kept for the short entries
-    # that fill the others), or any long pack under pairs (TE slots overestimate real pairs): check
-    checked = np.ones(num_long, dtype=bool) if cost_model == "pairs" else above_Q
-    if checked.any():
-        plan = _repair(plan, lengths_E, pack_size, cp_size, cost_model, checked=checked, fit=fit, rng=rng)
+    if cost_model == "pairs":  # the templates' TE slots overestimate real pairs: check every long pack
+        plan = _repair(plan, lengths_E, pack_size, cp_size, cost_model, packs=num_long)
     return _no_more_than_te(plan, lengths_E, pack_size, cp_size, cost_model, sizes, fit=fit, rng=rng)
 
 
 def _repair(
-    plan: AdaptivePlan,
-    lengths_E: np.ndarray,
-    pack_size: int,
-    cp_size: int,
-    cost_model: CostModel,
-    *,
-    checked: np.ndarray,
-    fit: Fit,
-    rng: np.random.Generator | None,
+    plan: AdaptivePlan, lengths_E: np.ndarray, pack_size: int, cp_size: int, cost_model: CostModel, *, packs: int
 ) -> AdaptivePlan:
-    """The packs among ``checked`` (a mask over the first packs) whose busiest rank costs more than
-    under TE's layout of their sequences get TE's layout: every entry split over all ranks where
-    their TE slots fit the pack; otherwise the long entries split over all ranks and the short ones
-    moved to fresh ranks after the last pack."""
-    lengths = lengths_E[plan.ids]
-    num_packs = len(plan.offsets) - 1
-    sel = np.flatnonzero(checked)
-    counts = np.diff(plan.offsets)[sel]
-    sub_offsets = np.concatenate(([0], np.cumsum(counts)))
-    entry = np.repeat(plan.offsets[sel] - sub_offsets[:-1], counts) + np.arange(int(sub_offsets[-1]))
-    placed = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=sub_offsets, lengths=lengths[entry],
-                         group_size=plan.group_size[entry], group_start=plan.group_start[entry])  # fmt: skip
-    if cost_model == "tiles":  # the same on every rank
-        te_tiles = split_tiles(te_slot(placed.lengths, cp_size), cp_size)
-        te_busiest = np.bincount(placed.pack_of_entry(), weights=te_tiles, minlength=len(sel))
-    else:
-        te = CpPlacement.all_split(sub_offsets, placed.lengths, cp_size=cp_size, pack_size=pack_size)
-        te_busiest = te.rank_costs(cost_model).max(axis=1)
-    worse_P = np.zeros(num_packs, dtype=bool)
-    worse_P[sel] = placed.rank_costs(cost_model).max(axis=1) > te_busiest
+    """The first ``packs`` packs (whose entries all reserve their TE slots) get TE's layout where
+    their busiest rank costs more than under it."""
+    end = int(plan.offsets[packs])
+    lengths = lengths_E[plan.ids[:end]]
+    placed = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=plan.offsets[: packs + 1], lengths=lengths,
+                         group_size=plan.group_size[:end], group_start=plan.group_start[:end])  # fmt: skip
+    te = CpPlacement.all_split(placed.offsets, lengths, cp_size=cp_size, pack_size=pack_size)
+    worse_P = placed.rank_costs(cost_model).max(axis=1) > te.rank_costs(cost_model).max(axis=1)
     if not worse_P.any():
         return plan
-    pack_E = np.repeat(np.arange(len(worse_P)), np.diff(plan.offsets))
-    te_fits_P = np.bincount(pack_E, weights=te_slot(lengths, cp_size), minlength=len(worse_P)) <= pack_size
-    moved = (worse_P & ~te_fits_P)[pack_E] & (lengths <= _short_limit(cp_size, pack_size, cost_model))
-    kept = ~moved
-    to_te = worse_P[pack_E] & kept
-    group_size = np.where(to_te, cp_size, plan.group_size)
-    group_start = np.where(to_te, 0, plan.group_start)
-    if not moved.any():
-        return AdaptivePlan(ids=plan.ids, offsets=plan.offsets, group_size=group_size, group_start=group_start,
-                            repaired_packs=int(worse_P.sum()), te_packs=plan.te_packs)  # fmt: skip
-    # the kept entries stay in their packs (renumbered without the packs left empty); the moved
-    # ones fill fresh ranks after them
-    kept_pack = pack_E[kept]
-    alive = np.unique(kept_pack)
-    renumber = np.full(len(worse_P), -1, dtype=np.int64)
-    renumber[alive] = np.arange(len(alive))
-    moved_idx = np.flatnonzero(moved)
-    moved_lengths = lengths[moved_idx]
-    order_W, pack_W, rank_W = _fill_ranks(
-        moved_lengths, whole_cost(moved_lengths, cost_model), np.zeros((0, cp_size), np.int64), pack_size // cp_size,
-        fit=fit, rng=rng,
-    )  # fmt: skip
-    num_packs = len(alive) + int(pack_W.max()) + 1
-    pos, offsets = _concat_packs(renumber[kept_pack], pack_W + len(alive), num_packs)
-    src = np.concatenate((np.flatnonzero(kept), moved_idx[order_W]))
-    ids = np.empty_like(plan.ids)
-    new_size = np.empty_like(group_size)
-    new_start = np.empty_like(group_start)
-    ids[pos] = plan.ids[src]
-    new_size[pos] = np.concatenate((group_size[kept], np.ones(len(order_W), np.int64)))
-    new_start[pos] = np.concatenate((group_start[kept], rank_W))
-    return AdaptivePlan(ids=ids, offsets=offsets, group_size=new_size, group_start=new_start,
-                        repaired_packs=int(worse_P.sum()))  # fmt: skip
+    to_te = np.zeros(len(plan.ids), dtype=bool)
+    to_te[:end] = worse_P[placed.pack_of_entry()]
+    return AdaptivePlan(
+        ids=plan.ids,
+        offsets=plan.offsets,
+        group_size=np.where(to_te, cp_size, plan.group_size),
+        group_start=np.where(to_te, 0, plan.group_start),
+        repaired_packs=int(worse_P.sum()),
+        te_packs=plan.te_packs,
+    )
 
 
 def _short_limit(cp_size: int, pack_size: int, cost_model: CostModel) -> int:
@@ -387,7 +330,7 @@ def _no_more_than_te(
     if hp.num_packs >= num_packs:
         return plan
     ids, offsets = materialize(hp, units, rng=rng)
-    group_size, group_start, _, _ = place_packs(
+    group_size, group_start = place_packs(
         units * unit, ids, offsets, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model, sizes=sizes,
         group_count=hp.group_count,
     )  # fmt: skip
@@ -395,8 +338,7 @@ def _no_more_than_te(
     if cost_model == "tiles":  # the TE slots the templates were placed on bound every cost from above
         return te_plan
     # pairs count real tokens, which the TE slots overestimate: check per pack
-    checked = np.ones(len(offsets) - 1, dtype=bool)
-    return _repair(te_plan, lengths_E, pack_size, cp_size, cost_model, checked=checked, fit=fit, rng=rng)
+    return _repair(te_plan, lengths_E, pack_size, cp_size, cost_model, packs=len(offsets) - 1)
 
 
 def plan_entries(
@@ -422,7 +364,7 @@ def plan_entries(
             ids, offsets = np.arange(len(units), dtype=np.int64), next_fit(units, capacity)
         else:
             ids, offsets = window_best_fit(units, capacity, window)
-        group_size, group_start, _, _ = place_packs(
+        group_size, group_start = place_packs(
             lengths_E, ids, offsets, cp_size=cp_size, pack_size=pack_size, cost_model=cost_model, sizes=sizes
         )
     placement = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=offsets, lengths=lengths_E[ids],

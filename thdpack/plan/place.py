@@ -8,7 +8,8 @@ balanced: a lower bound of the busiest rank) count as the level, so every option
 it is as good as any other there. Ties go to the option with less total work, then the smaller
 group (less communication), then the least-loaded ranks (longest-processing-time order), then the
 ranks left with the fewest tokens, then the lower option index. Every row is then compared with
-Transformer Engine's layout (every item split over all ranks) and takes it where that is cheaper.
+Transformer Engine's layout (every item split over all ranks) and takes it where that makes the
+busiest rank cheaper: no row's busiest rank costs more than under TE's layout.
 
 Room: each item reserves a slot (its TE slot, a multiple of ``2*cp_size``), and the reserves of
 a row fit its ranks' budgets split over all ranks. The search first places items wherever they
@@ -65,7 +66,8 @@ def place_rows(
         cost_model: what a rank's load counts (``thdpack.plan.cp_cost``).
         sizes: the group sizes to use (default: all allowed; ``cp_size`` is always used).
         fill_density: cost per token of the work that will fill each row's free room
-            (``cp_size * budget`` minus its reserves) after this placement: it raises the level.
+            (``cp_size * budget`` minus its reserves) after this placement: it raises the level
+            the search treats as free.
 
     Returns:
         option_KM: (K, M) int64 index into ``group_options(cp_size, sizes)``; -1 where invalid.
@@ -100,12 +102,9 @@ def place_rows(
         back_off *= 4
     assert (tokens_KR <= budget).all(), "a placed row holds no rank over its budget"
     te_option_KM, te_tokens_KR, te_cost_KR = search.all_split()
-    # never worse than TE's layout of the same items, where the row's level is above both (ties
-    # keep the search's: less work, less communication); with work to fill the free room every
-    # rank ends at least at the level, and the caller checks the filled packs
-    if fill_density == 0:
-        level_K = np.zeros(num_rows, dtype=np.int64)
-    worse_K = np.maximum(cost_KR.max(axis=1), level_K) > np.maximum(te_cost_KR.max(axis=1), level_K)
+    # never worse than TE's layout of the same items (ties keep the search's: less work, less
+    # communication)
+    worse_K = cost_KR.max(axis=1) > te_cost_KR.max(axis=1)
     option_KM[worse_K], tokens_KR[worse_K], cost_KR[worse_K] = (
         te_option_KM[worse_K],
         te_tokens_KR[worse_K],
