@@ -217,7 +217,7 @@ class _Search:
             fits_KO[:, self.all_split_option] |= in_tail_K | stuck  # the reserved items split always fit
             choice_KO = _first_min(np.maximum(busiest_KO, level_K[:k, None]), fits_KO)
             choice_KO = _first_min(total_KO, choice_KO)
-            choice_KO = _first_min(np.broadcast_to(size_O, choice_KO.shape), choice_KO)
+            choice_KO = _first_min(size_O[None, :], choice_KO)
             choice_KO = _first_min(lightest_KO, choice_KO)
             choice_KO = _first_min(peak_KO, choice_KO)
             chosen_K = np.argmax(choice_KO, axis=1)
