@@ -204,8 +204,9 @@ def _fill_ranks(
 
 
 def _concat_packs(pack_A: np.ndarray, pack_B: np.ndarray, num_packs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Interleave two entry lists (each already grouped by pack, in order) pack by pack, A's entries
-    first: ``(positions of A, positions of B)`` in the merged list, and the merged offsets."""
+    """Merge two entry lists, each grouped by pack in ascending order, pack by pack with A's entries
+    first: ``(positions, offsets)``, where every entry of A and then of B goes in the merged list,
+    and the merged pack boundaries."""
     count_A = np.bincount(pack_A, minlength=num_packs)
     count_B = np.bincount(pack_B, minlength=num_packs)
     offsets = np.concatenate(([0], np.cumsum(count_A + count_B)))
