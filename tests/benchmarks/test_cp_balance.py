@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from thdpack.cp import partition_indices
 from thdpack.format_rules import round_up_to_cp
+from thdpack.plan.placement import PackPlacement
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_balance.py"
 spec = importlib.util.spec_from_file_location("cp_balance", SCRIPT)
@@ -58,8 +60,39 @@ def test_tiles_of_one_long_sequence():
     assert te["tokens"].tolist() == [512, 512]
 
 
+def test_ring_bytes_count_only_split_sequences_within_their_group():
+    placement = PackPlacement.from_groups([100, 60, 8], {(0, 4): [0], (2, 2): [1], (0, 1): [2]}, cp_size=4,
+                                          pack_size=256).as_plan()  # fmt: skip
+    # ranks 2, 3 receive 3/4 of the 104-token slot and 1/2 of the 60-token one
+    per_token = cp_balance.RING_BYTES_PER_TOKEN
+    assert cp_balance.ring_bytes(placement).tolist() == [(78 + 30) * per_token]
+    whole = PackPlacement.from_groups([100, 60], {(0, 1): [0], (1, 1): [1]}, cp_size=4, pack_size=512).as_plan()
+    assert cp_balance.ring_bytes(whole).tolist() == [0]  # a pack with no split sequence moves nothing
+
+
 @pytest.mark.slow
 def test_tiny_mode_runs(tmp_path, capsys):
     assert cp_balance.main(["--tiny", "--cp-sizes", "2", "4", "--json", str(tmp_path / "out.json")]) == 0
     out = capsys.readouterr().out
-    assert "| te |" in out and (tmp_path / "out.json").exists()
+    assert "| te |" in out and "| adaptive |" in out and "| a2a |" in out
+    rows = json.loads((tmp_path / "out.json").read_text())["rows"]
+    assert {row["data"] for row in rows} >= {"stdlib (long documents)"}
+    for row in rows:
+        for mode in cp_balance.MODES:
+            assert row[mode]["busiest_rank_tiles"] > 0
+        assert row["adaptive"]["busiest_rank_tiles"] <= row["te"]["busiest_rank_tiles"]
+        assert row["adaptive"]["packs"] <= row["te"]["packs"]
+        assert row["adaptive"]["kv_bytes_per_pack"] * row["adaptive"]["packs"] <= (
+            row["te"]["kv_bytes_per_pack"] * row["te"]["packs"]
+        )
+
+
+def test_lengths_file_is_measured_alone(tmp_path, capsys):
+    path = tmp_path / "mine.txt"
+    path.write_text("\n".join(map(str, np.random.default_rng(0).integers(1, 900, 300))))
+    out_json = tmp_path / "out.json"
+    assert cp_balance.main(["--lengths", str(path), "--pack-size", "2048", "--cp-sizes", "4", "--json",
+                            str(out_json)]) == 0  # fmt: skip
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(row["data"], row["pack_size"], row["cp_size"]) for row in rows] == [("mine.txt", 2048, 4)]
+    assert rows[0]["adaptive"]["tiles_vs_te"] <= 1.0

@@ -43,7 +43,8 @@ from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
 from thdpack.format_rules import check_pack_size
-from thdpack.plan.config import ALGORITHMS, DEFAULT_WINDOW, PlanConfig
+from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, PlanConfig
+from thdpack.plan.cp_cost import COST_MODELS
 from thdpack.plan.overflow import OVERFLOWS
 
 
@@ -78,6 +79,19 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=0,
         help="base seed, as the trainer's packing.seed: epoch 0 plans with a seed derived from it (default: 0)",
+    )
+    parser.add_argument(
+        "--cp-placement",
+        default="te",
+        choices=CP_PLACEMENTS,
+        help="under --cp-size > 1: every sequence split over all CP ranks (te), or short sequences whole on "
+        "one rank and long ones split over a group (adaptive) (default: te)",
+    )
+    parser.add_argument(
+        "--cost-model",
+        default="tiles",
+        choices=COST_MODELS,
+        help="what --cp-placement adaptive balances over the ranks: kernel tiles or causal pairs (default: tiles)",
     )
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--format", default="auto", choices=["auto", *SOURCE_FORMATS], help="input format")

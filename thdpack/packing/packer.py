@@ -183,6 +183,11 @@ def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int,
     >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
     ([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [5, 3], [8, 4])
     """
+    if plan.placement is not None:
+        raise ValueError(
+            "this plan was made with cp_placement='adaptive', whose packs thdpack cannot lay out yet; "
+            "plan with cp_placement='te' (the default)"
+        )
     return pack_from_segments(
         samples,
         plan.segments(index),

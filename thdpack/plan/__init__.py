@@ -2,7 +2,9 @@
 
 ``plan_packs`` is the entry point (``plan_with`` takes its settings as one ``PlanConfig``);
 ``plan_size_classes`` (or ``plan_histogram``) + ``materialize`` are the length-class engine
-underneath it, usable on their own for datasets known only by histogram.
+underneath it, usable on their own for datasets known only by histogram. With
+``cp_placement="adaptive"`` a plan also carries a ``CpPlacement``: which CP ranks each sequence
+runs on (docs/design/cp_placement.md).
 """
 
 from __future__ import annotations
@@ -10,24 +12,34 @@ from __future__ import annotations
 from thdpack.plan.api import as_lengths, plan_packs, plan_with
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
-from thdpack.plan.config import ALGORITHMS, DEFAULT_WINDOW, Algorithm, PlanConfig
+from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, Algorithm, CpPlacementMode, PlanConfig
+from thdpack.plan.cp_cost import COST_MODELS, CostModel
 from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram, plan_size_classes
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.plan.packing_stats import PackingStats
 from thdpack.plan.packplan import PackPlan
+from thdpack.plan.placement import CpLayout, CpPlacement, PackPlacement, group_sizes
 
 __all__ = [
     "ALGORITHMS",
+    "COST_MODELS",
+    "CP_PLACEMENTS",
     "DEFAULT_WINDOW",
     "FITS",
     "OVERFLOWS",
     "Algorithm",
+    "CostModel",
+    "CpLayout",
+    "CpPlacement",
+    "CpPlacementMode",
     "HistogramPlan",
     "Overflow",
+    "PackPlacement",
     "PackPlan",
     "PackingStats",
     "PlanConfig",
     "as_lengths",
+    "group_sizes",
     "l2_lower_bound",
     "materialize",
     "plan_histogram",

@@ -12,12 +12,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from thdpack.format_rules import check_cp_size, check_pack_size, cp_multiple
+from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
-from thdpack.plan.config import DEFAULT_WINDOW, MAX_LENGTH, Algorithm, PlanConfig
-from thdpack.plan.histogram import plan_size_classes
+from thdpack.plan.config import DEFAULT_WINDOW, MAX_LENGTH, Algorithm, CpPlacementMode, PlanConfig
+from thdpack.plan.cp_cost import CostModel
+from thdpack.plan.histogram import distinct_sizes, plan_size_classes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOW_COUNTS, Entries, Overflow, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
@@ -66,6 +70,8 @@ def plan_packs(
     overflow: Overflow = "error",
     seed: int | None = None,
     window: int = DEFAULT_WINDOW,
+    cp_placement: CpPlacementMode = "te",
+    cost_model: CostModel = "tiles",
 ) -> PackPlan:
     """Plan packs of ``pack_size`` tokens for sequences of the given lengths.
 
@@ -84,11 +90,25 @@ def plan_packs(
         seed: None is deterministic; an integer reshuffles which equal-length sequences pair
             up (and bfd's ties between equally full packs) reproducibly.
         window: lookahead of the ``"window"`` algorithm (ignored by the others).
+        cp_placement: ``"te"`` (every sequence split over all ``cp_size`` ranks, Transformer
+            Engine's layout) or ``"adaptive"`` (short sequences whole on one rank, longer ones
+            split over a group of ranks, chosen per pack: ``thdpack.plan.adaptive``; the plan
+            carries the ``CpPlacement`` as ``plan.placement``). Ignored when ``cp_size == 1``.
+        cost_model: what the adaptive placement minimises on each pack's busiest rank:
+            ``"tiles"`` (128 x 128 kernel tiles) or ``"pairs"`` (causal query-key pairs).
 
     Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
     largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
     """
-    config = PlanConfig(pack_size=pack_size, algorithm=algorithm, overflow=overflow, window=window, seed=seed)
+    config = PlanConfig(
+        pack_size=pack_size,
+        algorithm=algorithm,
+        overflow=overflow,
+        window=window,
+        seed=seed,
+        cp_placement=cp_placement,
+        cost_model=cost_model,
+    )
     return plan_with(lengths, config, cp_size=cp_size)
 
 
@@ -104,6 +124,7 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
     cp_size = check_cp_size(cp_size)
     check_pack_size(config.pack_size, cp_size)
     pack_size, algorithm, seed = config.pack_size, config.algorithm, config.seed
+    cp_placement, cost_model = config.cp_placement, config.cost_model
     multiple = cp_multiple(cp_size)
 
     entries = apply_overflow(lengths, pack_size, config.overflow)
@@ -118,7 +139,18 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
 
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
-    if algorithm == "sequential":
+    placement = None
+    if cp_placement == "adaptive" and cp_size > 1:
+        ids, offsets, placement = plan_entries(
+            entries.length,
+            pack_size,
+            cp_size,
+            algorithm=algorithm,
+            window=config.window,
+            rng=rng,
+            cost_model=cost_model,
+        )
+    elif algorithm == "sequential":
         offsets = next_fit(units, capacity)
         ids = np.arange(len(units), dtype=np.int64)
     elif algorithm == "window":
@@ -126,15 +158,21 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
     else:
         # the engine works on the distinct sizes (memory and time follow them and the
         # sequences, whatever pack_size is)
-        distinct = _distinct(units)
+        distinct = distinct_sizes(units)
         hp = plan_size_classes(*distinct, capacity, fit=algorithm, rng=rng)
         ids, offsets = materialize(hp, units, rng=rng)
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
-    if distinct is None:
-        distinct = _distinct(units)
-    stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
+    if placement is not None:  # slots in tokens: whole entries take their length, split ones a 2g multiple
+        stats = _stats(
+            len(lengths), entries, distinct_sizes(placement.slots()), ids, offsets, None, algorithm, pack_size, 1
+        )
+        stats = dataclasses.replace(stats, cp_size=cp_size)
+    else:
+        if distinct is None:
+            distinct = distinct_sizes(units)
+        stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],
@@ -147,6 +185,8 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
         stats=stats,
         entry_starts=entries.start[ids] if cut else None,
         entry_lengths=entries.length[ids] if cut else None,
+        placement=placement,
+        cost_model=cost_model if placement is not None else None,
     )
 
 
@@ -179,14 +219,3 @@ def _stats(
         max_sequences_per_pack=int(np.diff(offsets).max()) if num_packs else 0,
         overflow={key: getattr(entries, key) for key in OVERFLOW_COUNTS},
     )
-
-
-def _distinct(units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(distinct sizes, their counts): a histogram while the largest size is small next to the
-    number of items (O(n), the common case), else a sort (no array sized by the largest value)."""
-    largest = int(units.max())
-    if largest <= 4 * len(units) + (1 << 16):
-        counts = np.bincount(units)
-        sizes = np.flatnonzero(counts)
-        return sizes, counts[sizes]
-    return np.unique(units, return_counts=True)

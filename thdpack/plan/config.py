@@ -5,8 +5,9 @@ prepare``'s arguments and a prepared store's ``manifest.json["plan"]`` are all t
 The context-parallel size is not one of its settings: it comes from the run (the process group),
 so it is passed beside the config (``plan_with(lengths, config, cp_size=...)``).
 
->>> PlanConfig(pack_size=2048, algorithm="window").fingerprint()
-{'pack_size': 2048, 'algorithm': 'window', 'overflow': 'error', 'window': 1024, 'seed': None}
+>>> PlanConfig(pack_size=2048, algorithm="window").fingerprint()  # doctest: +NORMALIZE_WHITESPACE
+{'pack_size': 2048, 'algorithm': 'window', 'overflow': 'error', 'window': 1024, 'seed': None,
+ 'cp_placement': 'te', 'cost_model': 'tiles'}
 >>> PlanConfig(pack_size=2048.0)
 Traceback (most recent call last):
 ...
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 from thdpack._settings import Settings, check_choice, check_int
+from thdpack.plan.cp_cost import COST_MODELS, CostModel
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
+CpPlacementMode = Literal["te", "adaptive"]
+CP_PLACEMENTS: tuple[str, ...] = ("te", "adaptive")
 DEFAULT_WINDOW = 1024
 MAX_LENGTH = 2**40
 """The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""
@@ -52,6 +56,13 @@ class PlanConfig(Settings):
     seed: int | None = None
     """None plans deterministically; an integer reshuffles ties and pairings reproducibly. A dataset
     plans epoch e with a seed derived from (seed, e) (``thdpack.packing.dealing``)."""
+    cp_placement: CpPlacementMode = "te"
+    """Under context parallelism: "te" (every sequence split over all CP ranks, Transformer Engine's
+    layout) or "adaptive" (short sequences whole on one rank, long ones split over a group of ranks,
+    chosen per pack: ``thdpack.plan.adaptive``). Ignored when cp_size == 1."""
+    cost_model: CostModel = "tiles"
+    """What the adaptive placement minimises on each pack's busiest rank: "tiles" (128 x 128 kernel
+    tiles) or "pairs" (causal query-key pairs)."""
 
     def __post_init__(self) -> None:
         self.normalize("pack_size", pack_size_setting(self.pack_size))
@@ -60,3 +71,5 @@ class PlanConfig(Settings):
         self.normalize("window", check_int("window", self.window, 1))
         if self.seed is not None:
             self.normalize("seed", check_int("seed", self.seed, 0))
+        check_choice("cp_placement", self.cp_placement, CP_PLACEMENTS)
+        check_choice("cost_model", self.cost_model, COST_MODELS)

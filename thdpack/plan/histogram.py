@@ -320,3 +320,14 @@ def _first_fit(classes: list[tuple[int, int]], capacity: int) -> HistogramPlan:
     n = runs.n
     # FFD's natural order: by opening time
     return _finish(capacity, nodes, runs.node[:n], runs.packs[:n], np.argsort(runs.first[:n], kind="stable"))
+
+
+def distinct_sizes(units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct sizes, their counts): a histogram while the largest size is small next to the
+    number of items (O(n), the common case), else a sort (no array sized by the largest value)."""
+    largest = int(units.max())
+    if largest <= 4 * len(units) + (1 << 16):
+        counts = np.bincount(units)
+        sizes = np.flatnonzero(counts)
+        return sizes, counts[sizes]
+    return np.unique(units, return_counts=True)

@@ -22,7 +22,8 @@ class PackingStats:
     pack_size: int
     """Tokens per pack."""
     cp_size: int
-    """Context-parallel size the slots were rounded for (each sequence a multiple of 2*cp_size)."""
+    """Context-parallel size the slots were rounded for (each sequence a multiple of 2*cp_size; under
+    an adaptive CP placement, a whole sequence takes its length and a split one a multiple of 2*g)."""
     num_packs: int
     """Packs in the plan."""
     num_sequences: int
@@ -32,7 +33,8 @@ class PackingStats:
     real_tokens: int
     """Tokens of the placed pieces (after truncation)."""
     cp_padding_tokens: int
-    """Padding added so every piece is a multiple of 2*cp_size."""
+    """Padding inside the slots: every piece rounded to a multiple of 2*cp_size (2*g for a piece
+    split over a group of g ranks, none for one placed whole)."""
     capacity_tokens: int
     """num_packs * pack_size."""
     lower_bound_packs: int

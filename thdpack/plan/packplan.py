@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack.plan.packing_stats import PackingStats
+from thdpack.plan.placement import CpPlacement
 
 FORMAT = "thdpack.PackPlan/1"
 
@@ -54,6 +55,8 @@ class PackPlan:
         stats: PackingStats | None,
         entry_starts: np.ndarray | None = None,
         entry_lengths: np.ndarray | None = None,
+        placement: CpPlacement | None = None,
+        cost_model: str | None = None,
     ) -> None:
         self.indices = np.asarray(indices, dtype=np.int64)
         """(E,) sequence index of every entry, pack by pack."""
@@ -70,8 +73,27 @@ class PackPlan:
         self.algorithm = algorithm
         self.seed = seed
         self.stats = stats
+        self.placement = placement
+        """The CP placement of every entry (``cp_placement="adaptive"``), or None: TE's layout,
+        every entry split over all ``cp_size`` ranks."""
+        self.cost_model = cost_model
+        """The cost model the placement minimised, or None without a placement."""
         if len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.indices):
             raise ValueError("offsets must start at 0 and end at len(indices)")
+        if placement is not None and (
+            placement.cp_size != self.cp_size
+            or placement.pack_size != self.pack_size
+            or not np.array_equal(placement.offsets, self.offsets)
+        ):
+            raise ValueError(
+                f"the placement ({placement!r}) does not describe this plan's packs ({len(self)} packs of "
+                f"{self.pack_size} tokens, cp_size={self.cp_size})"
+            )
+
+    @property
+    def cp_placement(self) -> str:
+        """``"adaptive"`` when the plan carries a placement, else ``"te"``."""
+        return "te" if self.placement is None else "adaptive"
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -90,7 +112,8 @@ class PackPlan:
     def __repr__(self) -> str:
         return (
             f"PackPlan({len(self):,} packs of {self.pack_size:,} tokens, {len(self.indices):,} entries, "
-            f"algorithm={self.algorithm!r}, cp_size={self.cp_size})"
+            f"algorithm={self.algorithm!r}, cp_size={self.cp_size}"
+            + (f", cp_placement='adaptive', cost_model={self.cost_model!r})" if self.placement is not None else ")")
         )
 
     def segments(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -112,6 +135,8 @@ class PackPlan:
             "algorithm": self.algorithm,
             "seed": self.seed,
             "stats": None if self.stats is None else self.stats.to_dict(),
+            "cp_placement": self.cp_placement,
+            "cost_model": self.cost_model,
         }
         arrays = {
             "indices": _compact(self.indices),
@@ -123,6 +148,8 @@ class PackPlan:
             arrays["entry_starts"] = _compact(self.entry_starts)
         if self.entry_lengths is not None:
             arrays["entry_lengths"] = _compact(self.entry_lengths)
+        if self.placement is not None:
+            arrays.update({key: _compact(value) for key, value in self.placement.to_arrays().items()})
         with open(path, "wb") as f:  # a file object keeps np.savez from appending ".npz"
             np.savez(f, **arrays)
 
@@ -138,7 +165,7 @@ class PackPlan:
                 fields = {k: v for k, v in meta["stats"].items() if k in PackingStats.__dataclass_fields__}
                 fields["fullness_percentiles"] = {int(k): v for k, v in fields["fullness_percentiles"].items()}
                 stats = PackingStats(**fields)
-            return cls(
+            plan = cls(
                 data["indices"],
                 data["offsets"],
                 sequence_lengths=data["sequence_lengths"],
@@ -150,3 +177,14 @@ class PackPlan:
                 entry_starts=data.get("entry_starts"),
                 entry_lengths=data.get("entry_lengths"),
             )
+            if meta.get("cp_placement", "te") == "adaptive":
+                plan.placement = CpPlacement.from_arrays(
+                    data, offsets=plan.offsets, lengths=plan.entry_lengths_flat(), cp_size=plan.cp_size,
+                    pack_size=plan.pack_size,
+                )  # fmt: skip
+                plan.cost_model = meta["cost_model"]
+            return plan
+
+    def entry_lengths_flat(self) -> np.ndarray:
+        """(E,) int64 tokens of every entry, pack by pack."""
+        return self.sequence_lengths[self.indices] if self.entry_lengths is None else self.entry_lengths

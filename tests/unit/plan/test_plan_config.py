@@ -67,5 +67,13 @@ def test_settings_are_plain_values():
     import numpy as np
 
     config = PlanConfig(pack_size=np.int64(64), window=np.int32(8), seed=np.int64(3))
-    assert config.fingerprint() == {"pack_size": 64, "algorithm": "bfd", "overflow": "error", "window": 8, "seed": 3}
+    assert config.fingerprint() == {
+        "pack_size": 64,
+        "algorithm": "bfd",
+        "overflow": "error",
+        "window": 8,
+        "seed": 3,
+        "cp_placement": "te",
+        "cost_model": "tiles",
+    }
     assert all(type(v) in (int, str) for v in config.fingerprint().values())

@@ -1,0 +1,129 @@
+"""Attention cost of a sequence on its context-parallel ranks: the cost models the CP placement
+minimises (numpy only).
+
+Two models, a closed set:
+
+- ``"tiles"`` (the default): FlashAttention-style kernel tiles of ``TILE x TILE`` (128 x 128)
+  that a rank's kernels launch for a sequence, padding rows included (varlen kernels tile each
+  sequence on its own). A sequence placed whole runs one causal block: the lower block triangle of
+  ``ceil(n / 128)`` blocks. A sequence split over a group of ``g`` ranks in Transformer Engine's
+  dual-chunk layout (slot ``s``, a multiple of ``2g``, chunk ``c = s / 2g``) runs the ring
+  schedule (``thdpack.attention.ring``) on every rank of the group: at step 0 a causal
+  ``2c x 2c`` tile, at each of the ``g - 1`` later steps a full ``2c x c`` or ``c x 2c`` tile;
+- ``"pairs"``: causal (query, key) pairs of real tokens whose query the rank owns, the work an
+  ideal kernel does.
+
+>>> whole_cost(np.array([100, 300]), "tiles").tolist()     # 1 block; 3 blocks: 6 tiles
+[1, 6]
+>>> split_cost(np.array([1024]), np.array([1024]), 2, "tiles").tolist()   # 10 + 8 on each rank
+[[18, 18]]
+>>> split_cost(np.array([3]), np.array([4]), 2, "pairs").tolist()   # rank 0: tokens 0 (and pad 3)
+[[1, 5]]
+
+Legend: ``S`` sequences (or entries), ``G`` ranks of a group.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+CostModel = Literal["tiles", "pairs"]
+COST_MODELS: tuple[str, ...] = ("tiles", "pairs")
+TILE = 128
+"""Rows and columns of one kernel tile (FlashAttention-2's block on current GPUs)."""
+
+
+def check_cost_model(cost_model: str) -> None:
+    """Raise ``ValueError`` listing the valid models unless ``cost_model`` is one."""
+    if cost_model not in COST_MODELS:
+        raise ValueError(f"unknown cost_model {cost_model!r}; valid: {', '.join(COST_MODELS)}")
+
+
+def causal_tiles(n: np.ndarray) -> np.ndarray:
+    """Kernel tiles of a causal ``n x n`` block: the lower triangle of ``ceil(n / TILE)`` blocks."""
+    blocks = -(-np.asarray(n, dtype=np.int64) // TILE)
+    return blocks * (blocks + 1) // 2
+
+
+def full_tiles(rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Kernel tiles of a full ``rows x cols`` block, elementwise."""
+    return -(-np.asarray(rows, dtype=np.int64) // TILE) * (-(-np.asarray(cols, dtype=np.int64) // TILE))
+
+
+def pairs_below(x: np.ndarray) -> np.ndarray:
+    """Causal pairs of the queries at positions ``0 .. x-1`` of one sequence: ``sum(p + 1)``."""
+    x = np.asarray(x, dtype=np.int64)
+    return x * (x + 1) // 2
+
+
+def whole_cost(lengths_S: np.ndarray, cost_model: CostModel) -> np.ndarray:
+    """(S,) int64 cost of each sequence placed whole on one rank (no CP padding)."""
+    if cost_model == "tiles":
+        return causal_tiles(lengths_S)
+    return pairs_below(lengths_S)
+
+
+def split_cost(lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int, cost_model: CostModel) -> np.ndarray:
+    """(S, G) int64 cost on each rank ``j`` of a group of ``G = group_size`` ranks of every
+    sequence split over it in the dual-chunk layout: rank ``j`` holds chunks ``j`` and
+    ``2G-1-j`` of the sequence's slot.
+
+    Args:
+        lengths_S: (S,) real tokens of each sequence.
+        slots_S: (S,) padded slot of each sequence, a multiple of ``2 * group_size``, ``>= lengths_S``.
+        group_size: ranks of the group (>= 1).
+        cost_model: ``"tiles"`` (the same on every rank of the group) or ``"pairs"``.
+    """
+    lengths_S = np.asarray(lengths_S, dtype=np.int64)
+    if cost_model == "tiles":
+        return np.repeat(split_tiles(slots_S, group_size)[:, None], group_size, axis=1)
+    chunk_S = np.asarray(slots_S, dtype=np.int64) // (2 * group_size)
+    ranks_G = np.arange(group_size)
+    cost_SG = np.zeros((len(lengths_S), group_size), dtype=np.int64)
+    for first_SG in (ranks_G * chunk_S[:, None], (2 * group_size - 1 - ranks_G) * chunk_S[:, None]):
+        start_SG = np.minimum(first_SG, lengths_S[:, None])
+        stop_SG = np.minimum(first_SG + chunk_S[:, None], lengths_S[:, None])
+        cost_SG += pairs_below(stop_SG) - pairs_below(start_SG)
+    return cost_SG
+
+
+def split_tiles(slots_S: np.ndarray, group_size_S: np.ndarray | int) -> np.ndarray:
+    """(S,) int64 tiles every rank of a sequence's group runs for it under the ring schedule
+    (``split_cost``'s tiles, one value per sequence; group sizes may differ per sequence)."""
+    group_size_S = np.asarray(group_size_S, dtype=np.int64)
+    chunk_S = np.asarray(slots_S, dtype=np.int64) // (2 * group_size_S)
+    return causal_tiles(2 * chunk_S) + (group_size_S - 1) * full_tiles(2 * chunk_S, chunk_S)
+
+
+def te_slot(lengths_S: np.ndarray, cp_size: int) -> np.ndarray:
+    """(S,) slots of Transformer Engine's layout: each length rounded up to a multiple of ``2*cp_size``."""
+    step = 2 * cp_size
+    return -(-np.asarray(lengths_S, dtype=np.int64) // step) * step
+
+
+def whole_limit(cp_size: int, cost_model: CostModel) -> int:
+    """The longest length ``m`` such that every sequence of at most ``m`` tokens costs no more
+    placed whole on one rank than on ANY rank under Transformer Engine's layout over ``cp_size``
+    ranks (0 when no length qualifies).
+
+    Sequences this short are never split by the adaptive planner and take no CP padding, and a
+    rank's whole sequences of this kind then cost it no more than TE's layout of the same sequences
+    costs every rank (the per-pack guarantee of ``thdpack.plan.adaptive`` rests on it). Tiles: a
+    split sequence costs every rank at least one tile per ring step (``cp_size`` tiles), so the
+    limit is the longest length whose causal block triangle has at most ``cp_size`` tiles while its
+    chunks stay within one tile; pairs: 0 (a rank that owns none of a short sequence's tokens
+    under TE pays nothing for it).
+
+    >>> [whole_limit(cp, "tiles") for cp in (1, 2, 3, 4, 8, 16)]
+    [0, 128, 256, 256, 384, 640]
+    >>> whole_limit(8, "pairs")
+    0
+    """
+    if cp_size < 2:
+        return 0
+    m = np.arange(1, 2 * TILE * cp_size + 1, dtype=np.int64)
+    te_min = split_cost(m, te_slot(m, cp_size), cp_size, cost_model).min(axis=1)
+    worse = whole_cost(m, cost_model) > te_min
+    return int(np.argmax(worse)) if worse.any() else int(m[-1])

@@ -1,0 +1,255 @@
+"""Choose each sequence's CP group within a pack: greedy, vectorised over many packs at once.
+
+For every pack (a row of the inputs) the items are taken in the order given (costliest first)
+and each goes to the option that keeps the pack's busiest rank cheapest, among the options that
+leave room: whole on one rank (``g = 1``) or split over an aligned group of ``g`` ranks. Loads
+below the row's *level* (every item whole and the work that will fill the free room, perfectly
+balanced: a lower bound of the busiest rank) count as the level, so every option that stays below
+it is as good as any other there. Ties go to the option with less total work, then the smaller
+group (less communication), then the least-loaded ranks (longest-processing-time order), then the
+ranks left with the fewest tokens, then the lower option index. Every row is then compared with
+Transformer Engine's layout (every item split over all ranks) and takes it where that makes the
+busiest rank cheaper: no row's busiest rank costs more than under TE's layout.
+
+Room: each item reserves a slot (its TE slot, a multiple of ``2*cp_size``), and the reserves of
+a row fit its ranks' budgets split over all ranks. The search first places items wherever they
+fit. A row where an item then fits nowhere is searched again with its items from a little before
+that one *reserved*: every rank keeps room for all of them split over all ranks. Splitting a
+reserved item over all ranks keeps that invariant, so a row only gets stuck before its reserved
+items; the reserved part grows until the row is placed (at worst from the first item: then the
+search always completes).
+
+The rows are processed together, one item position at a time; rows are sorted by item count so a
+step only touches the rows that still have items. Costs are integers, so ties are exact and the
+result is deterministic. With the tiles model a split item costs every rank of its group the same,
+so a step works on ``(rows, options)`` arrays (per-group maxima of the rank loads); with pairs, on
+``(rows, options, ranks)``.
+
+Legend: ``K`` rows (packs or pack templates), ``M`` item positions, ``O`` group options,
+``R`` ranks, ``C`` columns of a cost table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from thdpack.plan.cp_cost import CostModel, split_cost, te_slot, whole_cost
+from thdpack.plan.placement import group_options
+
+_BIG = np.iinfo(np.int64).max
+
+
+def place_rows(
+    lengths_KM: np.ndarray,
+    reserve_KM: np.ndarray,
+    valid_KM: np.ndarray,
+    *,
+    cp_size: int,
+    budget: int,
+    cost_model: CostModel,
+    sizes: Sequence[int] | None = None,
+    fill_density: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Place every row's items; return ``(option_KM, tokens_KR, cost_KR, te_cost_KR)``.
+
+    Args:
+        lengths_KM: (K, M) int64 tokens of each item (a whole item takes exactly this many).
+        reserve_KM: (K, M) int64 the slot each item reserves: its TE slot (a multiple of
+            ``2*cp_size``, ``>= lengths_KM``).
+        valid_KM: (K, M) bool, which positions hold an item; a row's items come first, costliest
+            first.
+        cp_size: ranks.
+        budget: tokens per rank (``pack_size / cp_size``); each row's reserves must sum to at most
+            ``cp_size * budget``.
+        cost_model: what a rank's load counts (``thdpack.plan.cp_cost``).
+        sizes: the group sizes to use (default: all allowed; ``cp_size`` is always used).
+        fill_density: cost per token of the work that will fill each row's free room
+            (``cp_size * budget`` minus its reserves) after this placement: it raises the level
+            the search treats as free.
+
+    Returns:
+        option_KM: (K, M) int64 index into ``group_options(cp_size, sizes)``; -1 where invalid.
+        tokens_KR: (K, R) int64 tokens each rank holds.
+        cost_KR: (K, R) int64 each rank's cost.
+        te_cost_KR: (K, R) int64 each rank's cost under TE's layout of the row's items.
+
+    >>> opt, tok, cost, te = place_rows(np.array([[200, 100, 100, 50]]), np.array([[200, 104, 104, 56]]),
+    ...                                 np.ones((1, 4), bool), cp_size=4, budget=128, cost_model="tiles")
+    >>> group_options(4)[0][opt[0]].tolist()   # 200 on ranks 0-1, the 100s whole on 2 and 3, 50 on 2-3
+    [2, 1, 1, 2]
+    >>> tok.tolist(), cost.tolist(), te.tolist()
+    ([[100, 100, 126, 126]], [[2, 2, 3, 3]], [[16, 16, 16, 16]])
+    """
+    sizes = tuple(sorted({*(sizes or group_options(cp_size)[0].tolist()), cp_size}))
+    valid_KM = np.asarray(valid_KM, dtype=bool)
+    count_K = valid_KM.sum(axis=1)
+    lengths_KM = np.where(valid_KM, lengths_KM, 0).astype(np.int64)
+    reserve_KM = np.where(valid_KM, reserve_KM, 0).astype(np.int64)
+    num_rows, num_items = lengths_KM.shape
+    # rows with more items first: at item position m only a prefix of the rows is active
+    order_K = np.argsort(-count_K, kind="stable")
+    search = _Search(lengths_KM[order_K], reserve_KM[order_K], count_K[order_K], cp_size, budget, cost_model, sizes)
+    level_K = search.level(fill_density)
+    rows = np.arange(num_rows)
+    option_KM, tokens_KR, cost_KR, stuck_K = search.run(rows, np.full(num_rows, num_items), level_K)
+    back_off = 1
+    while (stuck_K >= 0).any():
+        rows, stuck_K = rows[stuck_K >= 0], stuck_K[stuck_K >= 0]
+        placed = search.run(rows, np.maximum(stuck_K - back_off, 0), level_K[rows])
+        option_KM[rows], tokens_KR[rows], cost_KR[rows], stuck_K = placed
+        back_off *= 4
+    assert (tokens_KR <= budget).all(), "a placed row holds no rank over its budget"
+    te_option_KM, te_tokens_KR, te_cost_KR = search.all_split()
+    # never worse than TE's layout of the same items (ties keep the search's: less work, less
+    # communication)
+    worse_K = cost_KR.max(axis=1) > te_cost_KR.max(axis=1)
+    option_KM[worse_K], tokens_KR[worse_K], cost_KR[worse_K] = (
+        te_option_KM[worse_K],
+        te_tokens_KR[worse_K],
+        te_cost_KR[worse_K],
+    )
+    back_K = np.empty_like(order_K)
+    back_K[order_K] = np.arange(num_rows)
+    return option_KM[back_K], tokens_KR[back_K], cost_KR[back_K], te_cost_KR[back_K]
+
+
+def _first_min(key_KO: np.ndarray, allowed_KO: np.ndarray) -> np.ndarray:
+    """Narrow ``allowed_KO`` to the options whose ``key`` is the row's smallest allowed value."""
+    best_K = np.where(allowed_KO, key_KO, _BIG).min(axis=1)
+    return allowed_KO & (key_KO == best_K[:, None])
+
+
+class _Search:
+    """The greedy over rows sorted by item count (descending), run on any subset of them."""
+
+    def __init__(
+        self,
+        lengths_KM: np.ndarray,
+        reserve_KM: np.ndarray,
+        count_K: np.ndarray,
+        cp_size: int,
+        budget: int,
+        cost_model: CostModel,
+        sizes: tuple[int, ...],
+    ) -> None:
+        self.lengths_KM, self.reserve_KM, self.count_K = lengths_KM, reserve_KM, count_K
+        self.cp_size, self.budget, self.cost_model = cp_size, budget, cost_model
+        self.size_O, start_O = group_options(cp_size, sizes)
+        self.sizes_desc = tuple(dict.fromkeys(self.size_O.tolist()))
+        self.all_split_option = int(np.flatnonzero(self.size_O == cp_size)[0])
+        ranks_R = np.arange(cp_size)
+        self.member_OR = (start_O[:, None] <= ranks_R) & (ranks_R < (start_O + self.size_O)[:, None])
+        self.local_OR = np.where(self.member_OR, ranks_R - start_O[:, None], 0)
+        # per item and group size: the cost on each group rank and the tokens each group rank holds
+        self.size_index_O = np.array([self.sizes_desc.index(g) for g in self.size_O.tolist()])
+        costs, shares = [], []
+        for g in self.sizes_desc:
+            if g == 1:
+                cost_KMJ, share_KM = whole_cost(lengths_KM, cost_model)[..., None], lengths_KM
+            else:
+                slot_KM = -(-lengths_KM // (2 * g)) * (2 * g)
+                cost_KMJ = split_cost(lengths_KM.reshape(-1), slot_KM.reshape(-1), g, cost_model)
+                cost_KMJ, share_KM = cost_KMJ.reshape(*lengths_KM.shape, g), slot_KM // g
+            costs.append(cost_KMJ)
+            shares.append(share_KM)
+        self.uniform = cost_model == "tiles"  # a split item costs every rank of its group the same
+        self.cost_KMG = np.stack([c[..., 0] for c in costs], axis=2)
+        self.share_KMG = np.stack(shares, axis=2)
+        self.cost_per_rank = costs  # [(K, M, g)] per size, for the pairs model
+
+    def level(self, fill_density: float) -> np.ndarray:
+        """(K,) a lower bound of each row's busiest rank: every item whole and the work filling the
+        free room (``fill_density`` per token), perfectly balanced."""
+        whole_K = whole_cost(self.lengths_KM, self.cost_model).sum(axis=1)
+        free_K = self.cp_size * self.budget - self.reserve_KM.sum(axis=1)
+        return (whole_K + np.floor(fill_density * free_K).astype(np.int64)) // self.cp_size
+
+    def _group_max(self, x_KR: np.ndarray) -> np.ndarray:
+        """(K, O) the largest of ``x_KR`` over each option's ranks."""
+        k = len(x_KR)
+        return np.concatenate([x_KR.reshape(k, self.cp_size // g, g).max(axis=2) for g in self.sizes_desc], axis=1)
+
+    def run(
+        self, rows_K: np.ndarray, tail_K: np.ndarray, level_K: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``(option_KM, tokens_KR, cost_KR, stuck_K)`` of ``rows_K`` (ascending), their items from
+        ``tail_K`` on reserved. ``stuck_K``: the position of the item that fit nowhere (-1 when the
+        row was placed); such a row is finished with its items split over all ranks and is invalid."""
+        cp_size, budget = self.cp_size, self.budget
+        num_rows, num_items = len(rows_K), self.lengths_KM.shape[1]
+        count_K = self.count_K[rows_K]
+        option_KM = np.full((num_rows, num_items), -1, dtype=np.int64)
+        tokens_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
+        cost_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
+        stuck_K = np.full(num_rows, -1, dtype=np.int64)
+        share_KM = self.reserve_KM[rows_K] // cp_size
+        # room every rank keeps after item m: the reserved items after m (all of them before the tail)
+        after_KM = np.cumsum(share_KM[:, ::-1], axis=1)[:, ::-1] - share_KM
+        suffix_KM = np.concatenate((after_KM + share_KM, np.zeros((num_rows, 1), np.int64)), axis=1)
+        tail_share_K = np.take_along_axis(suffix_KM, tail_K[:, None], axis=1)[:, 0]
+        size_O = self.size_O
+        for m in range(num_items):
+            k = int(np.searchsorted(-count_K, -m, side="left"))  # rows with more than m items
+            if k == 0:
+                break
+            rows = rows_K[:k]
+            share_KO = self.share_KMG[rows, m][:, self.size_index_O]
+            in_tail_K = m >= tail_K[:k]
+            keep_K = np.where(in_tail_K, after_KM[:k, m], tail_share_K[:k])
+            lightest_KO = self._group_max(cost_KR[:k])
+            peak_KO = self._group_max(tokens_KR[:k]) + share_KO
+            if self.uniform:
+                add_KO = self.cost_KMG[rows, m][:, self.size_index_O]
+                busiest_KO = np.maximum(lightest_KO + add_KO, cost_KR[:k].max(axis=1)[:, None])
+                total_KO = add_KO * size_O
+            else:
+                add_KOR = self._per_rank_cost(rows, m)
+                busiest_KO = (cost_KR[:k, None, :] + add_KOR).max(axis=2)
+                total_KO = add_KOR.sum(axis=2)
+            # every rank, not only the option's, must keep room for the reserved items
+            fullest_K = tokens_KR[:k].max(axis=1)
+            fits_KO = np.maximum(peak_KO, fullest_K[:, None]) + keep_K[:, None] <= budget
+            fits_KO &= (stuck_K[:k] < 0)[:, None]
+            stuck = ~fits_KO.any(axis=1)
+            stuck_K[:k][stuck & (stuck_K[:k] < 0)] = m
+            fits_KO[:, self.all_split_option] |= in_tail_K | stuck  # the reserved items split always fit
+            choice_KO = _first_min(np.maximum(busiest_KO, level_K[:k, None]), fits_KO)
+            choice_KO = _first_min(total_KO, choice_KO)
+            choice_KO = _first_min(size_O[None, :], choice_KO)
+            choice_KO = _first_min(lightest_KO, choice_KO)
+            choice_KO = _first_min(peak_KO, choice_KO)
+            chosen_K = np.argmax(choice_KO, axis=1)
+            at = np.arange(k)
+            option_KM[:k, m] = chosen_K
+            member_KR = self.member_OR[chosen_K]
+            tokens_KR[:k] += member_KR * share_KO[at, chosen_K][:, None]
+            if self.uniform:
+                cost_KR[:k] += member_KR * add_KO[at, chosen_K][:, None]
+            else:
+                cost_KR[:k] += add_KOR[at, chosen_K]
+        return option_KM, tokens_KR, cost_KR, stuck_K
+
+    def _per_rank_cost(self, rows: np.ndarray, m: int) -> np.ndarray:
+        """(k, O, R) cost of item ``m`` of ``rows`` on every rank of every option (pairs model)."""
+        out = np.zeros((len(rows), len(self.size_O), self.cp_size), dtype=np.int64)
+        for i, cost_KMJ in enumerate(self.cost_per_rank):
+            of_g = self.size_index_O == i
+            cost_KJ = cost_KMJ[rows, m]  # (k, g)
+            out[:, of_g] = np.where(self.member_OR[of_g], cost_KJ[:, self.local_OR[of_g]], 0)
+        return out
+
+    def all_split(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(option_KM, tokens_KR, cost_KR)`` of TE's layout: every item on all ranks."""
+        cp_size = self.cp_size
+        num_rows, num_items = self.lengths_KM.shape
+        valid_KM = np.arange(num_items) < self.count_K[:, None]
+        option_KM = np.where(valid_KM, self.all_split_option, -1)
+        tokens_KR = np.repeat((self.reserve_KM.sum(axis=1) // cp_size)[:, None], cp_size, axis=1)
+        rows, items = np.nonzero(valid_KM)
+        lengths = self.lengths_KM[rows, items]
+        cost_IR = split_cost(lengths, te_slot(lengths, cp_size), cp_size, self.cost_model)
+        cost_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
+        np.add.at(cost_KR, rows, cost_IR)
+        return option_KM, tokens_KR, cost_KR
