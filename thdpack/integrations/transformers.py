@@ -38,7 +38,8 @@ What the trainer does instead of the Trainer's own batches and loss:
 
 Refused, each with the reason: an attention implementation that is not exact on a packed row or
 CP shard; softcapping, sliding windows shorter than a sequence and chunked layers under CP
-(thdpack's attention has neither); tensor / sequence parallelism, DeepSpeed and ``nn.DataParallel``;
+(thdpack's attention has neither); tensor / sequence parallelism, DeepSpeed, ``nn.DataParallel``
+and ``model_init``;
 label smoothing and ``compute_loss_func`` (the loss is thdpack's); evaluation (no packed eval
 loop yet); a custom ``data_collator`` (thdpack builds the batches).
 
@@ -90,6 +91,7 @@ from thdpack.plan import ALGORITHMS, DEFAULT_WINDOW, OVERFLOWS, Algorithm, Overf
 from thdpack.thd.batch import thd_collate
 
 transformers = require("transformers", "thdpack.integrations.transformers")
+require("accelerate", "thdpack.integrations.transformers")  # the Trainer's own dependency: name the extra
 from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint  # noqa: E402
 
@@ -263,6 +265,7 @@ class ThdpackTrainerMixin:
         refusals = {
             "nn.DataParallel (several GPUs in one process): launch with torchrun": args.n_gpu > 1,
             "DeepSpeed: use DDP or FSDP through accelerate": self.is_deepspeed_enabled,
+            "model_init (hyperparameter search): pass the model": self.model_init is not None,
             f"label_smoothing_factor > 0: {loss}": self.label_smoother is not None,
             f"compute_loss_func: {loss}": self.compute_loss_func is not None,
             "evaluation (eval_dataset / eval_strategy): thdpack has no packed evaluation loop yet; evaluate with a "
