@@ -89,6 +89,11 @@ class HFSamples(Sequence[dict[str, np.ndarray]]):
     """
 
     def __init__(self, dataset: Any) -> None:
+        if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ValueError(
+                f"the training dataset is a {type(dataset).__name__}; thdpack plans packs over every example's "
+                "length up front: pass a map-style dataset (a datasets.Dataset or a list of examples), not a stream"
+            )
         columns = getattr(dataset, "column_names", None)
         if columns is not None:
             if "input_ids" not in columns:
@@ -105,10 +110,15 @@ class HFSamples(Sequence[dict[str, np.ndarray]]):
         return thdpack_sample(self.dataset[int(index)], int(index))
 
     def lengths(self) -> np.ndarray:
-        """(N,) int64 token counts of every example (one pass over ``input_ids``)."""
-        columns = getattr(self.dataset, "column_names", None)
-        ids = self.dataset["input_ids"] if columns is not None else (ex["input_ids"] for ex in self.dataset)
-        return np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(self.dataset))
+        """(N,) int64 token counts of every example: from the Arrow column's list lengths for a
+        ``datasets.Dataset`` (in its row order, a shuffle's included; nothing decoded), else one
+        pass over the examples."""
+        if hasattr(self.dataset, "with_format"):
+            import pyarrow.compute as pc
+
+            column = self.dataset.with_format("arrow")["input_ids"]
+            return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        return np.fromiter((len(ex["input_ids"]) for ex in self.dataset), dtype=np.int64, count=len(self.dataset))
 
 
 class StepSource(Dataset):

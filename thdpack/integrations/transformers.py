@@ -228,6 +228,7 @@ class ThdpackTrainerMixin:
         self.model_accepts_loss_kwargs = False
         samples = HFSamples(self.train_dataset)
         lengths = samples.lengths()
+        self._num_examples = len(samples)
         args = self.args
         self.packed_dataset = PackedDataset(
             samples,
@@ -250,14 +251,25 @@ class ThdpackTrainerMixin:
         self._step_loss: StepLoss | None = None
         self._resume_state: dict[str, Any] | None = None
         self.add_callback(StreamCheckpoint())
+        stats = self.packed_dataset.stats
         if self.accelerator.is_main_process:
             log.info(
                 "thdpack: dp %d x cp %d, %s attention; packing plan of epoch 0:\n%s",
                 self.layout.dp_size,
                 self.layout.cp_size,
                 model.config._attn_implementation,
-                self.packed_dataset.stats,
+                stats,
             )
+            if stats.dropped_sequences or stats.truncated_tokens:
+                log.warning(
+                    "thdpack: overflow=%r: %d sequences dropped (%d tokens), %d tokens truncated, of sequences longer "
+                    "than pack_size=%d; overflow='split' keeps every token",
+                    overflow,
+                    stats.dropped_sequences,
+                    stats.dropped_tokens,
+                    stats.truncated_tokens,
+                    pack_size,
+                )
 
     def _check_arguments(self) -> None:
         args = self.args
@@ -292,7 +304,7 @@ class ThdpackTrainerMixin:
             cp_size=self.layout.cp_size,
             cp_rank=self.layout.cp_rank,
             device=args.device,
-            num_examples=len(self.packed_dataset.samples),
+            num_examples=self._num_examples,
         )
         if self._resume_state is not None:
             source.load_state_dict(self._resume_state)

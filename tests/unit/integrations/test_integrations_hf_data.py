@@ -45,9 +45,22 @@ def test_a_datasets_dataset_is_read_by_its_token_columns():
     samples = HFSamples(data)
     assert samples.dataset.column_names == ["input_ids", "labels"]
     assert samples.lengths().tolist() == [3, 2]
+    shuffled = HFSamples(data.select([1, 0]))  # an indices mapping over the Arrow table
+    assert shuffled.lengths().tolist() == [2, 3] == [len(shuffled[i]["input_ids"]) for i in (0, 1)]
     assert samples[0]["labels"].tolist() == [2, 3, -100]
     with pytest.raises(ValueError, match="the training dataset has no 'input_ids' column"):
         HFSamples(datasets.Dataset.from_dict({"text": ["a"]}))
+
+
+def test_a_list_of_examples_is_read_as_it_is():
+    samples = HFSamples([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4]}])
+    assert samples.lengths().tolist() == [3, 1]
+    assert samples[0]["labels"].tolist() == [2, 3, -100] and set(samples[1]) == {"input_ids"}
+
+
+def test_a_stream_is_refused():
+    with pytest.raises(ValueError, match="the training dataset is a generator; thdpack plans packs over every"):
+        HFSamples(example for example in [{"input_ids": [1]}])
 
 
 def _source(**kwargs) -> StepSource:

@@ -179,3 +179,13 @@ def test_the_model_is_called_with_the_packed_kwargs(tmp_path):
     assert kwargs["use_cache"] is False and "cu_seq_lens_q" in kwargs
     with torch.no_grad():
         assert trainer.model(**kwargs).logits.shape == (1, 64, 97)
+
+
+def test_truncation_is_reported(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="thdpack.integrations.transformers"):
+        trainer = _trainer(tmp_path, packing=PackingArguments(pack_size=8, overflow="truncate"))
+    cut = trainer.packed_dataset.stats.truncated_tokens
+    assert cut == sum(max(0, n - 8) for n in (13, 1, 4, 9, 2, 15, 8, 6, 3, 11, 5, 7, 12, 10))
+    assert (
+        f"0 sequences dropped (0 tokens), {cut} tokens truncated, of sequences longer than pack_size=8" in caplog.text
+    )
