@@ -275,7 +275,7 @@ def accelerate_layout(rank: int, world: int) -> dict:
     FSDP2 on accelerators, so a stand-in accelerator carries the real ParallelismConfig and mesh)."""
     from accelerate import ParallelismConfig
 
-    from thdpack.integrations.transformers import parallel_layout
+    from thdpack.integrations.parallel import parallel_layout
 
     config = ParallelismConfig(dp_shard_size=world // CP, cp_size=CP)
     accelerator = SimpleNamespace(

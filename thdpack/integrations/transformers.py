@@ -39,9 +39,8 @@ What the trainer does instead of the Trainer's own batches and loss:
 Refused, each with the reason: an attention implementation that is not exact on a packed row or
 CP shard; softcapping, sliding windows shorter than a sequence and chunked layers under CP
 (thdpack's attention has neither); tensor / sequence parallelism, DeepSpeed, ``nn.DataParallel``
-and ``model_init``;
-label smoothing and ``compute_loss_func`` (the loss is thdpack's); evaluation (no packed eval
-loop yet); a custom ``data_collator`` (thdpack builds the batches).
+and ``model_init``; label smoothing and ``compute_loss_func`` (the loss is thdpack's); evaluation
+(no packed eval loop yet); a custom ``data_collator`` (thdpack builds the batches).
 
 Private Trainer internals this relies on (transformers 5.24): ``Trainer._prepare_context_parallel_inputs``
 (overridden to keep accelerate's CP off the packed batches) and the Trainer calling ``set_epoch``
@@ -51,12 +50,9 @@ on its train loader, or on the batch sampler inside accelerate's ``skip_first_ba
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import json
 import logging
 import math
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,7 +60,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from thdpack._optional import require
 from thdpack.attention.config import AttentionConfig
@@ -76,6 +71,8 @@ from thdpack.integrations.hf_data import (
     StepSource,
     packed_step_loader,
 )
+from thdpack.integrations.parallel import ParallelLayout, parallel_layout
+from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.loss import StepLoss
 from thdpack.models.hf_attention import (
     ATTENTION_CONFIG_KWARG,
@@ -95,12 +92,23 @@ require("accelerate", "thdpack.integrations.transformers")  # the Trainer's own 
 from transformers import Trainer, TrainerCallback  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint  # noqa: E402
 
+__all__ = [
+    "ATTENTION_NAME",
+    "STATE_FILE",
+    "PackingArguments",
+    "ParallelLayout",
+    "StreamCheckpoint",
+    "ThdpackTrainer",
+    "ThdpackTrainerMixin",
+    "parallel_layout",
+    "read_stream_state",
+    "write_stream_state",
+]
+
 log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "thdpack"
 """The ``attn_implementation`` name thdpack's attention is registered under."""
-STATE_FILE = "thdpack_stream.json"
-"""The pack stream's state in each Trainer checkpoint folder."""
 _ORDER_KEEPING = ("sequential", "window")
 
 
@@ -151,59 +159,6 @@ class PackingArguments:
     @property
     def shuffle_packs(self) -> bool:
         return self.algorithm not in _ORDER_KEEPING if self.shuffle is None else self.shuffle
-
-
-@dataclass(frozen=True)
-class ParallelLayout:
-    """This process's place in dp x cp: rank ``r`` is CP rank ``r % cp_size`` of DP replica ``r // cp_size``."""
-
-    dp_size: int
-    dp_rank: int
-    cp_size: int
-    cp_rank: int
-    cp_group: dist.ProcessGroup | None
-    """The ranks that share packs (None without CP)."""
-    grad_average_size: int
-    """Ranks DDP / FSDP average gradients over: all of them (``StepLoss``'s G)."""
-
-
-def parallel_layout(accelerator: Any, cp_size: int | None) -> ParallelLayout:
-    """The dp x cp layout from accelerate's ``ParallelismConfig`` (its ``"cp"`` mesh dimension) or
-    ``cp_size``; raises ``ValueError`` for sizes that disagree or parallelisms thdpack cannot serve."""
-    world, rank = accelerator.num_processes, accelerator.process_index
-    config = accelerator.parallelism_config
-    if config is not None and (config.tp_size > 1 or config.sp_size > 1):
-        raise ValueError(
-            f"ParallelismConfig has tp_size={config.tp_size}, sp_size={config.sp_size}: thdpack's packed batches "
-            "support data and context parallelism only; set both to 1"
-        )
-    accelerate_cp = config.cp_size if config is not None else 1
-    if cp_size is not None and accelerate_cp > 1 and cp_size != accelerate_cp:
-        raise ValueError(
-            f"PackingArguments(cp_size={cp_size}) disagrees with ParallelismConfig(cp_size={accelerate_cp}); set one"
-        )
-    size = accelerate_cp if accelerate_cp > 1 else (cp_size or 1)
-    if world % size:
-        raise ValueError(f"cp_size={size} does not divide the {world} processes; launch a multiple of it")
-    group = None
-    if accelerate_cp > 1:
-        cp_mesh = accelerator.torch_device_mesh["cp"]
-        group = cp_mesh.get_group()
-        if cp_mesh.get_local_rank() != rank % size:
-            raise AssertionError("accelerate's cp mesh does not place rank r at r % cp_size")
-    elif size > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(accelerator.device.type, (world // size, size), mesh_dim_names=("dp", "cp"))
-        group = mesh.get_group("cp")
-    return ParallelLayout(
-        dp_size=world // size,
-        dp_rank=rank // size,
-        cp_size=size,
-        cp_rank=rank % size,
-        cp_group=group,
-        grad_average_size=world,
-    )
 
 
 class ThdpackTrainerMixin:
@@ -406,36 +361,6 @@ class StreamCheckpoint(TrainerCallback):
         if args.should_save:
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             write_stream_state(folder, source.state_dict())
-
-
-def write_stream_state(folder: Path, state: Mapping[str, Any]) -> Path:
-    """``folder/STATE_FILE``: ``state`` with its sha256, written atomically."""
-    payload = json.dumps(state, sort_keys=True)
-    record = {"state": state, "sha256": hashlib.sha256(payload.encode()).hexdigest()}
-    path = folder / STATE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path
-
-
-def read_stream_state(folder: Path) -> dict[str, Any]:
-    """The stream state saved in a checkpoint folder; ``ValueError`` when it is missing or damaged."""
-    path = folder / STATE_FILE
-    if not path.is_file():
-        raise ValueError(
-            f"{folder} has no {STATE_FILE}: it was not written by thdpack's trainer, so the pack stream's position "
-            "is unknown; resume from a checkpoint of this trainer"
-        )
-    try:
-        record = json.loads(path.read_text())
-        state = record["state"]
-        ok = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest() == record["sha256"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is damaged ({err}); resume from another checkpoint") from err
-    if not ok:
-        raise ValueError(f"{path} is damaged (its checksum does not match); resume from another checkpoint")
-    return state
 
 
 def _pad_id(model: torch.nn.Module) -> int:

@@ -25,14 +25,9 @@ from _trainer_cases import (
 )
 from transformers import TrainingArguments
 
-from thdpack.integrations.transformers import (
-    STATE_FILE,
-    PackingArguments,
-    ThdpackTrainer,
-    parallel_layout,
-    read_stream_state,
-    write_stream_state,
-)
+from thdpack.integrations.parallel import parallel_layout
+from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
+from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
