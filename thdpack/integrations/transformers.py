@@ -84,7 +84,8 @@ from thdpack.models.hf_attention import (
 )
 from thdpack.packing.dataset import BALANCES, Balance, PackedDataset
 from thdpack.packing.packer import build_pack
-from thdpack.plan import ALGORITHMS, DEFAULT_WINDOW, OVERFLOWS, Algorithm, Overflow
+from thdpack.plan.api import ALGORITHMS, DEFAULT_WINDOW, Algorithm
+from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.thd.batch import thd_collate
 
 transformers = require("transformers", "thdpack.integrations.transformers")
