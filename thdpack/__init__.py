@@ -77,7 +77,20 @@ _EXPORTS = {
     "SampleEncoder": "thdpack.data.encode",
 }
 # modules reachable as attributes: thdpack.cp.shard(...), thdpack.compat.nemo...
-_SUBMODULES = ("attention", "compat", "cp", "data", "layout", "models", "packing", "plan", "thd", "train", "verify")
+_SUBMODULES = (
+    "attention",
+    "compat",
+    "cp",
+    "data",
+    "integrations",
+    "layout",
+    "models",
+    "packing",
+    "plan",
+    "thd",
+    "train",
+    "verify",
+)
 
 # Names that were public before the package was split by pipeline stage, still reachable:
 # old module paths (``import thdpack.packer``) and internals that left the top level.
