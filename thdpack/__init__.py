@@ -75,7 +75,19 @@ _EXPORTS = {
     "SampleEncoder": "thdpack.data.encode",
 }
 # modules reachable as attributes: thdpack.cp.shard(...), thdpack.compat.nemo...
-_SUBMODULES = ("attention", "compat", "cp", "data", "models", "packing", "plan", "thd", "train", "verify")
+_SUBMODULES = (
+    "attention",
+    "compat",
+    "cp",
+    "data",
+    "integrations",
+    "models",
+    "packing",
+    "plan",
+    "thd",
+    "train",
+    "verify",
+)
 
 __all__ = ["__version__", *sorted(_EXPORTS), *_SUBMODULES]
 

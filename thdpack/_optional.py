@@ -28,6 +28,8 @@ _EXTRA_FOR = {
     "tokenizers": "hf",
     "pyarrow": "hf",
     "transformers": "hf",
+    "trl": "trl",
+    "accelerate": "trl",
     "matplotlib": "train",
     "tqdm": "train",
 }

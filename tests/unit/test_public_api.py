@@ -16,7 +16,13 @@ import thdpack
 
 PACKAGE_DIR = Path(thdpack.__file__).parent
 # modules that need an optional extra to import at all
-OPTIONAL = {"thdpack.train.__main__": "hydra", "thdpack.verify.__main__": "runs the command"}
+OPTIONAL = {
+    "thdpack.train.__main__": "hydra",
+    "thdpack.verify.__main__": "runs the command",
+    # import transformers' Trainer / TRL when they load (the trl extra; ~6 s each, once per session)
+    "thdpack.integrations.transformers": "trl",
+    "thdpack.integrations.trl": "trl",
+}
 
 
 def _modules() -> list[str]:

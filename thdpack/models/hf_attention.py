@@ -179,7 +179,8 @@ def hf_attention_forward(
             ``thdpack_attention``, an ``AttentionConfig`` for the backend and the CP exchange.
 
     Returns:
-        ``(out, None)``: out (1, T, Nq, H) in query's dtype, no attention weights.
+        ``(out, None)``: out (1, T, Nq, H) in query's dtype (under autocast: the autocast dtype, as
+        sdpa computes there), no attention weights.
     """
     if attention_mask is not None:
         raise ValueError(
@@ -198,6 +199,12 @@ def hf_attention_forward(
     if sliding_window is not None:
         _check_window(sliding_window, thd)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # what sdpa does under autocast: RoPE leaves q, k in float32 (its cos / sin are float32)
+        # while v comes out of the autocast projection, so all three run in the autocast dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
     q_TNH, k_TNH, v_TNH = (t[0].transpose(0, 1) for t in (query, key, value))
     base = kwargs.get(ATTENTION_CONFIG_KWARG) or AttentionConfig()
     config = dataclasses.replace(base, causal=causal, softmax_scale=scaling)

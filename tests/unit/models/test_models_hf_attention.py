@@ -136,6 +136,18 @@ def test_attention_function_equals_thd_attention(route):
     torch.testing.assert_close(out[0][real], want[real], rtol=0, atol=1e-12)
 
 
+def test_attention_function_under_autocast_computes_in_the_autocast_dtype():
+    """Under autocast RoPE leaves q and k in float32 while v comes out of the bf16 projection;
+    like sdpa, the attention runs in bf16 (before: "q, k, v must share one dtype")."""
+    kwargs = hf_packed_kwargs(_thd())
+    q, k, v = (_bhtd(seed, 2).float() for seed in (0, 1, 2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = hf_attention_forward(_Layer(), q, k, v.bfloat16(), None, **kwargs)
+    want, _ = hf_attention_forward(_Layer(), q, k, v, None, **kwargs)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=0.05)
+
+
 def test_attention_function_honours_is_causal():
     kwargs = hf_packed_kwargs(_thd())
     q, k, v = _bhtd(0, 2), _bhtd(1, 2), _bhtd(2, 2)

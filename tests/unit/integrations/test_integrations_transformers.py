@@ -1,0 +1,186 @@
+"""ThdpackTrainer in one process (no CP): its settings, its refusals, the pack stream's checkpoint
+file, and one exact training step with transformers' own sdpa kept on packed rows. The CP runs
+(2 and 4 processes) are in tests/distributed/test_integrations_distributed.py."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("trl", reason="the Trainer integration is tested with thdpack[trl] (transformers, trl, accelerate)")
+
+import torch
+from _hf_cases import keep_float64
+from _trainer_cases import (
+    RecordLosses,
+    max_difference,
+    reference_run,
+    sgd,
+    step_examples,
+    tiny_llama,
+    token_examples,
+    weights,
+)
+from transformers import TrainingArguments
+
+from thdpack.integrations.parallel import parallel_layout
+from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
+from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer
+
+
+def _args(tmp_path, **overrides) -> TrainingArguments:
+    settings = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        max_grad_norm=1.0,
+    )
+    return TrainingArguments(str(tmp_path), **{**settings, **overrides})
+
+
+def _trainer(tmp_path, model=None, packing=None, args=None, **kwargs) -> ThdpackTrainer:
+    return ThdpackTrainer(
+        model=model or tiny_llama(),
+        args=args or _args(tmp_path),
+        train_dataset=token_examples(),
+        packing=packing or PackingArguments(pack_size=32),
+        **kwargs,
+    )
+
+
+def test_packing_arguments():
+    assert PackingArguments().shuffle_packs and not PackingArguments(algorithm="sequential").shuffle_packs
+    assert PackingArguments(algorithm="window", shuffle=True).shuffle_packs
+    with pytest.raises(ValueError, match="pack_size must be an integer >= 1"):
+        PackingArguments(pack_size=0)
+    with pytest.raises(ValueError, match="unknown overflow 'wrap'; valid: error, drop, truncate, split"):
+        PackingArguments(overflow="wrap")
+
+
+class Recording(RecordLosses, ThdpackTrainer):
+    pass
+
+
+def test_one_process_step_equals_unpacked_training_with_sdpa_kept(tmp_path):
+    """No CP: transformers' sdpa stays (exact on packed rows from the position ids); two packs per
+    micro-batch, two micro-batches, clipping: the loss and the updated weights equal unpacked
+    training of the step's examples."""
+    model = tiny_llama(implementation="sdpa")
+    trainer = Recording(
+        model=model,
+        args=_args(tmp_path),
+        train_dataset=token_examples(),
+        optimizers=sgd(model),
+        packing=PackingArguments(pack_size=32),
+    )
+    initial = weights(model)
+    with keep_float64():
+        trainer.train()
+    assert model.config._attn_implementation == "sdpa"
+    reference = tiny_llama()
+    reference.load_state_dict(initial, strict=False)
+    ref_losses, ref_weights = reference_run(reference, token_examples(), step_examples(trainer.packed_dataset, 4, 1))
+    assert abs(float(sum(trainer.micro_losses)) - ref_losses[0]) <= 1e-10
+    assert max_difference(weights(model), ref_weights) <= 1e-10
+    assert max_difference(weights(model), initial) > 1e-3
+
+
+def custom_attention(*args, **kwargs):
+    raise AssertionError("never called: the trainer refuses the model first")
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("no pack size", r"ThdpackTrainer needs packing=PackingArguments\(pack_size=...\)"),
+        ("collator", "data_collator would never be called: thdpack builds the packed batches"),
+        ("eval", "cannot train with evaluation .eval_dataset / eval_strategy."),
+        ("label smoothing", "cannot train with label_smoothing_factor > 0: the loss is thdpack's"),
+        ("cp in one process", "cp_size=2 does not divide the 1 processes"),
+        ("pack too small", "sequence 0 has 13 tokens, over pack_size=8 .6 sequences in total.; use overflow="),
+        ("custom attention", "the model's attention 'my_attention' is not known to be exact on a packed row"),
+    ],
+)
+def test_refusals(tmp_path, case, match):
+    import transformers
+
+    transformers.AttentionInterface.register("my_attention", custom_attention)
+    kwargs = {
+        "no pack size": dict(packing=PackingArguments()),
+        "collator": dict(data_collator=lambda batch: batch),
+        "eval": dict(eval_dataset=token_examples()),
+        "label smoothing": dict(args=_args(tmp_path, label_smoothing_factor=0.1)),
+        "cp in one process": dict(packing=PackingArguments(pack_size=32, cp_size=2)),
+        "pack too small": dict(packing=PackingArguments(pack_size=8)),
+        "custom attention": dict(model=tiny_llama(implementation="my_attention")),
+    }[case]
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path, **kwargs)
+
+
+def test_tensor_parallelism_is_refused():
+    accelerator = SimpleNamespace(
+        num_processes=2, process_index=0, parallelism_config=SimpleNamespace(tp_size=2, sp_size=1, cp_size=1)
+    )
+    with pytest.raises(ValueError, match="ParallelismConfig has tp_size=2, sp_size=1: thdpack's packed batches"):
+        parallel_layout(accelerator, None)
+
+
+def test_evaluate_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="has no packed evaluation loop yet"):
+        _trainer(tmp_path).evaluate()
+
+
+def test_the_stream_state_file_round_trips_and_damage_is_detected(tmp_path):
+    state = {"steps_done": 3, "stream": {"epoch": 1, "position": 2, "packs_per_step": 4}}
+    path = write_stream_state(tmp_path, state)
+    assert path.name == STATE_FILE and read_stream_state(tmp_path) == state
+    record = json.loads(path.read_text())
+    record["state"]["stream"]["position"] = 3
+    path.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"is damaged .its checksum does not match."):
+        read_stream_state(tmp_path)
+    path.write_text("{")
+    with pytest.raises(ValueError, match="is damaged"):
+        read_stream_state(tmp_path)
+    with pytest.raises(ValueError, match=r"has no thdpack_stream\.json: it was not written by thdpack's trainer"):
+        read_stream_state(tmp_path / "elsewhere")
+
+
+def test_resuming_with_ignore_data_skip_is_refused(tmp_path):
+    trainer = _trainer(tmp_path, args=_args(tmp_path, ignore_data_skip=True))
+    with pytest.raises(ValueError, match="ignore_data_skip=True would retrain the packs the checkpoint already"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+def test_a_checkpoint_from_another_trainer_is_refused(tmp_path):
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    with pytest.raises(ValueError, match=r"has no thdpack_stream\.json"):
+        _trainer(tmp_path).train(resume_from_checkpoint=str(folder))
+
+
+def test_the_model_is_called_with_the_packed_kwargs(tmp_path):
+    trainer = _trainer(tmp_path, model=tiny_llama(implementation="sdpa"))
+    micro = next(iter(trainer.get_train_dataloader()))
+    kwargs = trainer.model_kwargs(micro)
+    assert kwargs["input_ids"].shape == (1, 64)  # two packs of 32
+    assert kwargs["use_cache"] is False and "cu_seq_lens_q" in kwargs
+    with torch.no_grad():
+        assert trainer.model(**kwargs).logits.shape == (1, 64, 97)
+
+
+def test_truncation_is_reported(tmp_path, caplog):
+    with caplog.at_level("WARNING", logger="thdpack.integrations.transformers"):
+        trainer = _trainer(tmp_path, packing=PackingArguments(pack_size=8, overflow="truncate"))
+    cut = trainer.packed_dataset.stats.truncated_tokens
+    assert cut == sum(max(0, n - 8) for n in (13, 1, 4, 9, 2, 15, 8, 6, 3, 11, 5, 7, 12, 10))
+    assert (
+        f"0 sequences dropped (0 tokens), {cut} tokens truncated, of sequences longer than pack_size=8" in caplog.text
+    )

@@ -1,0 +1,233 @@
+"""Hugging Face examples as thdpack samples, and the loader that gives a ``Trainer`` this rank's
+CP shard of every micro-batch of thdpack's step stream.
+
+Labels. Hugging Face datasets (and TRL's prepared ones) keep ``labels`` aligned with
+``input_ids``: ``labels[t]`` is token ``t`` itself or -100, and the model's loss shifts them, so
+position ``t`` predicts ``labels[t+1]``. thdpack's samples hold the shifted target of each
+position (``labels[t]`` is what ``input_ids[t]`` predicts). :func:`thdpack_sample` converts one
+into the other; the last token of every example predicts nothing, as in the unpacked loss.
+
+Micro-batches. ``Trainer`` pulls ``gradient_accumulation_steps`` micro-batches per optimizer
+step from its train data loader. :func:`packed_step_loader` serves them from
+``PackedDataset.step_stream``: micro-batch ``m`` of step ``k`` is the ``thd_collate`` of this data
+parallel rank's packs, CP-sharded with ``cp.shard`` for this CP rank, on the device, plus the
+step's labels (for ``StepLoss``'s one collective per step). The batch sampler yields only the
+references ``(k, m)``; the stream builds step ``k`` when its first micro-batch is fetched. So
+when the Trainer resumes mid-epoch and skips the micro-batches it already trained on (accelerate's
+``skip_first_batches`` drops the sampler's first references), nothing is built for them: the
+stream was restored from the checkpoint at exactly the step that comes next.
+
+Legend: ``T`` tokens of a micro-batch on this rank (a CP shard).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from thdpack.cp.partition import shard
+from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.packing.steps import StepStream
+from thdpack.thd.batch import thd_collate, thd_to_device
+from thdpack.thd.format import THDBatch
+
+STEP_KEY = "thdpack_step"
+"""Micro-batch key: the index ``k`` of its optimizer step in the stream (0-based)."""
+MICRO_BATCH_KEY = "thdpack_micro_batch"
+"""Micro-batch key: its index ``m`` within the step."""
+STEP_LABELS_KEY = "thdpack_step_labels"
+"""Micro-batch key: this rank's (T,) labels of every micro-batch of the step, for ``StepLoss.begin``."""
+
+
+def thdpack_sample(example: Mapping[str, Any], index: int) -> dict[str, np.ndarray]:
+    """A Hugging Face example (``input_ids``, optional unshifted ``labels``) as a thdpack sample.
+
+    Args:
+        example: ``input_ids`` (L,) integers; ``labels`` (L,) integers aligned with them, -100 on
+            tokens that are no target (prompt, user turns); without ``labels`` every next token is
+            a target. An ``attention_mask`` must be all ones (one unpadded example per row).
+        index: the example's index, named in errors.
+
+    Returns:
+        ``{"input_ids": (L,) int64, "labels": (L,) int64}`` with ``labels[t]`` the target of
+        ``input_ids[t]``; without ``labels`` only ``input_ids`` (thdpack derives the targets).
+
+    >>> thdpack_sample({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, 0)["labels"].tolist()
+    [-100, 7, 8, -100]
+    """
+    input_ids = np.asarray(example["input_ids"], dtype=np.int64)
+    mask = example.get("attention_mask")
+    if mask is not None and not np.all(np.asarray(mask) == 1):
+        zeros = int(np.sum(np.asarray(mask) == 0))
+        raise ValueError(
+            f"example {index} has {zeros} padding tokens (attention_mask == 0); thdpack packs unpadded examples: "
+            "tokenize without padding"
+        )
+    labels = example.get("labels")
+    if labels is None:
+        return {"input_ids": input_ids}
+    labels = np.asarray(labels, dtype=np.int64)
+    if labels.shape != input_ids.shape:
+        raise ValueError(
+            f"example {index}: labels has {labels.size} tokens but input_ids has {input_ids.size}; Hugging Face "
+            "labels are aligned with input_ids (the loss shifts them)"
+        )
+    shifted = np.full_like(labels, IGNORE_INDEX)
+    shifted[:-1] = labels[1:]
+    return {"input_ids": input_ids, "labels": shifted}
+
+
+class HFSamples(Sequence[dict[str, np.ndarray]]):
+    """A read-only view of a Hugging Face dataset (or any sequence of examples) as thdpack samples.
+
+    ``datasets.Dataset`` columns other than ``input_ids``, ``labels`` and ``attention_mask`` are
+    not read. Nothing is copied up front: ``samples[i]`` converts example ``i`` when a pack needs it.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+            raise ValueError(
+                f"the training dataset is a {type(dataset).__name__}; thdpack plans packs over every example's "
+                "length up front: pass a map-style dataset (a datasets.Dataset or a list of examples), not a stream"
+            )
+        columns = getattr(dataset, "column_names", None)
+        if columns is not None:
+            if "input_ids" not in columns:
+                raise ValueError(
+                    f"the training dataset has no 'input_ids' column (columns: {columns}); tokenize it first"
+                )
+            dataset = dataset.select_columns([c for c in ("input_ids", "labels", "attention_mask") if c in columns])
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:  # type: ignore[override]
+        return thdpack_sample(self.dataset[int(index)], int(index))
+
+    def lengths(self) -> np.ndarray:
+        """(N,) int64 token counts of every example: from the Arrow column's list lengths for a
+        ``datasets.Dataset`` (in its row order, a shuffle's included; nothing decoded), else one
+        pass over the examples."""
+        if hasattr(self.dataset, "with_format"):
+            import pyarrow.compute as pc
+
+            column = self.dataset.with_format("arrow")["input_ids"]
+            return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        return np.fromiter((len(ex["input_ids"]) for ex in self.dataset), dtype=np.int64, count=len(self.dataset))
+
+
+class StepSource(Dataset):
+    """Micro-batch ``(k, m)`` of the stream: this rank's CP shard of micro-batch ``m`` of step ``k``.
+
+    Steps are built in order, each once, when their first micro-batch is asked for; asking for any
+    other step than the current or the next one raises (the Trainer and the stream disagree about
+    where training stands). ``len()`` is the number of examples (the Trainer logs it).
+    """
+
+    def __init__(
+        self,
+        stream: StepStream,
+        *,
+        cp_size: int,
+        cp_rank: int,
+        device: torch.device,
+        num_examples: int,
+        steps_done: int = 0,
+    ) -> None:
+        self.stream = stream
+        self.cp_size, self.cp_rank, self.device = cp_size, cp_rank, device
+        self.num_examples = num_examples
+        self.steps_done = steps_done
+        """Steps the stream has built: the index of the next one."""
+        self._micro: list[THDBatch] = []
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+    def __getitem__(self, ref: tuple[int, int]) -> THDBatch:  # type: ignore[override]
+        step, micro = ref
+        if step == self.steps_done:
+            self._build_next()
+        elif step != self.steps_done - 1 or not self._micro:
+            raise RuntimeError(
+                f"the Trainer asked for micro-batch {micro} of step {step}, but thdpack's pack stream has built "
+                f"{self.steps_done} steps; resume from the checkpoint the stream state was saved with, and leave "
+                "ignore_data_skip at False"
+            )
+        return self._micro[micro]
+
+    def _build_next(self) -> None:
+        step = self.stream.next_step()
+        shards = [
+            thd_to_device(shard(thd_collate(packs), self.cp_size, self.cp_rank), self.device)
+            for packs in step.micro_batches
+        ]
+        labels = [mb["labels"] for mb in shards]
+        k = self.steps_done
+        self._micro = [{**mb, STEP_KEY: k, MICRO_BATCH_KEY: m, STEP_LABELS_KEY: labels} for m, mb in enumerate(shards)]
+        self.steps_done += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Steps built and the stream's state after them (what a checkpoint saves)."""
+        return {"steps_done": self.steps_done, "stream": self.stream.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after ``state["steps_done"]`` steps; raises when the stream's settings differ."""
+        self.stream.load_state_dict(dict(state["stream"]))
+        self.steps_done = int(state["steps_done"])
+        self._micro = []
+
+
+class StepSampler(Sampler[list[tuple[int, int]]]):
+    """Trainer epoch ``e``: the references ``[(k, m)]`` of steps ``e*S .. e*S + S - 1``, ``m < micro_batches``.
+
+    >>> sampler = StepSampler(steps_per_epoch=2, micro_batches=2)
+    >>> sampler.set_epoch(1)
+    >>> list(sampler)
+    [[(2, 0)], [(2, 1)], [(3, 0)], [(3, 1)]]
+    """
+
+    def __init__(self, *, steps_per_epoch: int, micro_batches: int, epoch: int = 0) -> None:
+        self.steps_per_epoch, self.micro_batches, self.epoch = steps_per_epoch, micro_batches, epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.micro_batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        first = self.epoch * self.steps_per_epoch
+        for k in range(first, first + self.steps_per_epoch):
+            for m in range(self.micro_batches):
+                yield [(k, m)]
+
+
+class PackedStepLoader(DataLoader):
+    """The Trainer's train data loader over a :class:`StepSource` (batches of one reference)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        """Called by the Trainer at each epoch: which steps of the stream the epoch covers."""
+        self.batch_sampler.set_epoch(epoch)
+
+
+def _single(batch: list[THDBatch]) -> THDBatch:
+    return batch[0]
+
+
+def packed_step_loader(source: StepSource, *, steps_per_epoch: int, micro_batches: int) -> PackedStepLoader:
+    """A data loader of ``steps_per_epoch * micro_batches`` micro-batches per Trainer epoch.
+
+    Built in the training process (no workers): a step's packs are built once, in order, and the
+    stream's position is the one the Trainer saves with its checkpoint. A resumed ``source``
+    starts the sampler at the epoch its next step belongs to.
+    """
+    sampler = StepSampler(
+        steps_per_epoch=steps_per_epoch, micro_batches=micro_batches, epoch=source.steps_done // steps_per_epoch
+    )
+    return PackedStepLoader(source, batch_sampler=sampler, collate_fn=_single, num_workers=0)

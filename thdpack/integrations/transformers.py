@@ -1,0 +1,389 @@
+"""transformers' ``Trainer`` with thdpack's packing, context parallelism and exact loss.
+
+One class changes (``ThdpackTrainer`` for ``Trainer``; ``thdpack.integrations.trl.SFTTrainer`` for
+TRL's)::
+
+    from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer
+
+    args = TrainingArguments("out", per_device_train_batch_size=1, gradient_accumulation_steps=4,
+                             parallelism_config=ParallelismConfig(cp_size=2))   # or PackingArguments(cp_size=2)
+    trainer = ThdpackTrainer(model=model, args=args, train_dataset=tokenized,
+                             packing=PackingArguments(pack_size=8192))
+    trainer.train()          # torchrun --nproc-per-node 4 train.py   (dp 2 x cp 2)
+
+What the trainer does instead of the Trainer's own batches and loss:
+
+- Packs. ``train_dataset`` (``input_ids``, optional unshifted ``labels``) is planned by
+  ``PackedDataset`` (CP-aware BFD by default, or ``window`` to keep the order), re-planned and
+  shuffled every thdpack epoch. Each optimizer step takes the next ``dp x gradient_accumulation_steps
+  x per_device_train_batch_size`` packs of the stream (``PackedDataset.step_stream``), dealt to the
+  DP ranks with balanced attention work; ranks of one CP group get the same packs, each its
+  ``cp.shard`` (Transformer Engine's layout). ``per_device_train_batch_size`` counts packs. A
+  Trainer epoch is ``ceil(packs of epoch 0 / packs per step)`` steps; the stream runs on through
+  thdpack's epochs without dropping or repeating a pack.
+- Attention. Under CP the model runs thdpack's attention (registered with transformers as
+  ``"thdpack"``; a model loaded with transformers' eager / sdpa / flash / flex is switched to it),
+  with the CP group passed through the model call. Without CP the model's own attention is kept
+  when it is exact on packed rows (``check_hf_attention``).
+- Loss. ``StepLoss``: the sum of token losses over DP x CP x gradient accumulation divided by the
+  step's global number of loss tokens (one all-reduce per step), times the ranks DDP / FSDP average
+  the gradients over (every rank: CP ranks hold the same weights), so the step's gradient and the
+  logged loss are those of the unpacked token mean. ``loss_is_scaled_for_ga = True`` stops the
+  Trainer's own division by the accumulation steps, and no ``num_items_in_batch`` is counted.
+- Accelerate's CP. With ``ParallelismConfig(cp_size=N)`` thdpack takes its place: the CP group is
+  accelerate's mesh dimension ``"cp"``, and accelerate's ``context_parallel`` hook (which would
+  replace every layer's mask with plain causal attention over the whole packed row) never runs.
+- Resume. Each checkpoint holds ``thdpack_stream.json`` (the stream's position and settings,
+  with a checksum); ``train(resume_from_checkpoint=...)`` continues with the very next step's packs.
+
+Refused, each with the reason: an attention implementation that is not exact on a packed row or
+CP shard; softcapping, sliding windows shorter than a sequence and chunked layers under CP
+(thdpack's attention has neither); tensor / sequence parallelism, DeepSpeed, ``nn.DataParallel``
+and ``model_init``; label smoothing and ``compute_loss_func`` (the loss is thdpack's); evaluation
+(no packed eval loop yet); a custom ``data_collator`` (thdpack builds the batches).
+
+Private Trainer internals this relies on (transformers 5.24): ``Trainer._prepare_context_parallel_inputs``
+(overridden to keep accelerate's CP off the packed batches) and the Trainer calling ``set_epoch``
+on its train loader, or on the batch sampler inside accelerate's ``skip_first_batches`` loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from thdpack._optional import require
+from thdpack.attention.config import AttentionConfig
+from thdpack.cp.partition import shard
+from thdpack.integrations.hf_data import (
+    MICRO_BATCH_KEY,
+    STEP_LABELS_KEY,
+    HFSamples,
+    StepSource,
+    packed_step_loader,
+)
+from thdpack.integrations.parallel import ParallelLayout, parallel_layout
+from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
+from thdpack.loss import StepLoss
+from thdpack.models.hf_attention import (
+    ATTENTION_CONFIG_KWARG,
+    POSITION_MASKED,
+    VARLEN,
+    check_hf_attention,
+    hf_packed_kwargs,
+    register_hf_attention,
+)
+from thdpack.packing.dataset import BALANCES, Balance, PackedDataset
+from thdpack.packing.packer import pack_from_segments
+from thdpack.plan.config import ALGORITHMS, DEFAULT_WINDOW, Algorithm
+from thdpack.plan.overflow import OVERFLOWS, Overflow
+from thdpack.thd.batch import thd_collate
+
+transformers = require("transformers", "thdpack.integrations.transformers")
+require("accelerate", "thdpack.integrations.transformers")  # the Trainer's own dependency: name the extra
+from transformers import Trainer, TrainerCallback  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint  # noqa: E402
+
+__all__ = [
+    "ATTENTION_NAME",
+    "STATE_FILE",
+    "PackingArguments",
+    "ParallelLayout",
+    "StreamCheckpoint",
+    "ThdpackTrainer",
+    "ThdpackTrainerMixin",
+    "parallel_layout",
+    "read_stream_state",
+    "write_stream_state",
+]
+
+log = logging.getLogger(__name__)
+
+ATTENTION_NAME = "thdpack"
+"""The ``attn_implementation`` name thdpack's attention is registered under."""
+_ORDER_KEEPING = ("sequential", "window")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackingArguments:
+    """thdpack's settings for ``ThdpackTrainer`` / ``thdpack.integrations.trl.SFTTrainer``.
+
+    >>> PackingArguments(pack_size=4096, algorithm="window").shuffle_packs
+    False
+    >>> PackingArguments(algorithm="first_fit")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown algorithm 'first_fit'; valid: bfd, ffd, sequential, window
+    """
+
+    pack_size: int | None = None
+    """Tokens per pack, a multiple of 2*cp_size. None: ``SFTConfig.max_length`` (TRL); ThdpackTrainer needs one."""
+    cp_size: int | None = None
+    """Context-parallel size. None: accelerate's ``ParallelismConfig.cp_size`` (1 without one); when
+    both are set they must agree."""
+    algorithm: Algorithm = "bfd"
+    """Planner: "bfd" / "ffd" (CP-aware), or "window" / "sequential" to keep the dataset's order."""
+    overflow: Overflow | None = None
+    """Sequences longer than pack_size: "error", "drop", "truncate" or "split" (counted in the stats).
+    None: "error" (ThdpackTrainer); TRL: "split" for ``packing_strategy="bfd_split"``, else "truncate"."""
+    window: int = DEFAULT_WINDOW
+    """Lookahead of algorithm="window"."""
+    balance: Balance = "attention"
+    """How each step's packs are dealt to the DP ranks: "attention", "tokens" or "none"."""
+    shuffle: bool | None = None
+    """Shuffle the pack order of every epoch. None: yes, except for "window" / "sequential"."""
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    """Backend and CP exchange of thdpack's attention."""
+
+    def __post_init__(self) -> None:
+        for name in ("pack_size", "cp_size", "window"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
+        for name, value, valid in (
+            ("algorithm", self.algorithm, ALGORITHMS),
+            ("overflow", self.overflow, (*OVERFLOWS, None)),
+            ("balance", self.balance, BALANCES),
+        ):
+            if value not in valid:
+                raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(str(v) for v in valid if v)}")
+
+    @property
+    def shuffle_packs(self) -> bool:
+        return self.algorithm not in _ORDER_KEEPING if self.shuffle is None else self.shuffle
+
+
+class ThdpackTrainerMixin:
+    """What ``ThdpackTrainer`` and the TRL ``SFTTrainer`` add to a ``transformers.Trainer`` (module docstring).
+
+    A subclass calls ``_setup_packing`` at the end of its ``__init__``."""
+
+    loss_is_scaled_for_ga = True
+    """``StepLoss`` normalises over the whole step: the Trainer must not divide by the accumulation steps."""
+
+    def _setup_packing(self, packing: PackingArguments, *, pack_size: int, overflow: Overflow) -> None:
+        if not hasattr(Trainer, "loss_is_scaled_for_ga") or not hasattr(Trainer, "_prepare_context_parallel_inputs"):
+            raise ImportError(
+                f"transformers {transformers.__version__} lacks Trainer.loss_is_scaled_for_ga or "
+                "Trainer._prepare_context_parallel_inputs, which thdpack's Trainer integration relies on "
+                "(tested with transformers 5.24)"
+            )
+        self._check_arguments()
+        self.packing = packing
+        self.layout = parallel_layout(self.accelerator, packing.cp_size)
+        # the loss is StepLoss's: counting num_items_in_batch would cost a collective for nothing
+        self.model_accepts_loss_kwargs = False
+        samples = HFSamples(self.train_dataset)
+        lengths = samples.lengths()
+        self._num_examples = len(samples)
+        args = self.args
+        self.packed_dataset = PackedDataset(
+            samples,
+            pack_size,
+            cp_size=self.layout.cp_size,
+            algorithm=packing.algorithm,
+            overflow=overflow,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            pad_id=_pad_id(self.model),
+            lengths=lengths,
+            shuffle=packing.shuffle_packs,
+            rank=self.layout.dp_rank,
+            world_size=self.layout.dp_size,
+            window=packing.window,
+            balance=packing.balance,
+        )
+        model = self.accelerator.unwrap_model(self.model)
+        _use_thdpack_attention(model, self.layout.cp_size)
+        _check_model(model, int(min(lengths.max(initial=1), pack_size)), pack_size, self.layout)
+        self._step_loss: StepLoss | None = None
+        self._resume_state: dict[str, Any] | None = None
+        self.add_callback(StreamCheckpoint())
+        stats = self.packed_dataset.stats
+        if self.accelerator.is_main_process:
+            log.info(
+                "thdpack: dp %d x cp %d, %s attention; packing plan of epoch 0:\n%s",
+                self.layout.dp_size,
+                self.layout.cp_size,
+                model.config._attn_implementation,
+                stats,
+            )
+            if stats.dropped_sequences or stats.truncated_tokens:
+                log.warning(
+                    "thdpack: overflow=%r: %d sequences dropped (%d tokens), %d tokens truncated, of sequences longer "
+                    "than pack_size=%d; overflow='split' keeps every token",
+                    overflow,
+                    stats.dropped_sequences,
+                    stats.dropped_tokens,
+                    stats.truncated_tokens,
+                    pack_size,
+                )
+
+    def _check_arguments(self) -> None:
+        args = self.args
+        loss = "the loss is thdpack's token-mean cross-entropy"
+        refusals = {
+            "nn.DataParallel (several GPUs in one process): launch with torchrun": args.n_gpu > 1,
+            "DeepSpeed: use DDP or FSDP through accelerate": self.is_deepspeed_enabled,
+            "model_init (hyperparameter search): pass the model": self.model_init is not None,
+            f"label_smoothing_factor > 0: {loss}": self.label_smoother is not None,
+            f"compute_loss_func: {loss}": self.compute_loss_func is not None,
+            "evaluation (eval_dataset / eval_strategy): thdpack has no packed evaluation loop yet; evaluate with a "
+            "plain Trainer on the saved model": self.eval_dataset is not None or args.eval_strategy != "no",
+        }
+        refused = [reason for reason, applies in refusals.items() if applies]
+        if refused:
+            raise ValueError(f"{type(self).__name__} cannot train with {'; '.join(refused)}")
+        if args.dataloader_num_workers:
+            log.warning(
+                "dataloader_num_workers=%d is not used: thdpack builds each step's packs in the training process, "
+                "in order, so that the checkpoint records the stream's exact position",
+                args.dataloader_num_workers,
+            )
+
+    # -- data --------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        args = self.args
+        stream = self.packed_dataset.step_stream(
+            micro_batches=args.gradient_accumulation_steps, packs_per_micro_batch=args.per_device_train_batch_size
+        )
+        source = StepSource(
+            stream,
+            cp_size=self.layout.cp_size,
+            cp_rank=self.layout.cp_rank,
+            device=args.device,
+            num_examples=self._num_examples,
+        )
+        if self._resume_state is not None:
+            source.load_state_dict(self._resume_state)
+        steps_per_epoch = max(1, math.ceil(self.packed_dataset.stats.num_packs / stream.packs_per_step))
+        return packed_step_loader(
+            source, steps_per_epoch=steps_per_epoch, micro_batches=args.gradient_accumulation_steps
+        )
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; a resumed run first restores the pack stream saved in the checkpoint."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        self._resume_state = None
+        if isinstance(checkpoint, str):
+            if self.args.ignore_data_skip:
+                raise ValueError(
+                    "ignore_data_skip=True would retrain the packs the checkpoint already trained on; thdpack resumes "
+                    "the pack stream exactly where the checkpoint left it: leave ignore_data_skip=False"
+                )
+            self._resume_state = read_stream_state(Path(checkpoint))
+        return super().train(checkpoint if checkpoint is not None else resume_from_checkpoint, *args, **kwargs)
+
+    # -- loss --------------------------------------------------------------------------------
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: Any = None,
+    ) -> Any:
+        """This rank's share of the step's global token-mean loss (``StepLoss``), ready for backward."""
+        if STEP_LABELS_KEY not in inputs:
+            raise ValueError(
+                f"{type(self).__name__} computes the loss of thdpack's packed micro-batches only; got a batch with "
+                f"keys {sorted(inputs)}"
+            )
+        if inputs[MICRO_BATCH_KEY] == 0:  # one collective per step: the global count of loss tokens
+            self._step_loss = StepLoss.begin(inputs[STEP_LABELS_KEY], grad_average_size=self.layout.grad_average_size)
+        assert self._step_loss is not None, "micro-batch 0 of every step comes first"
+        outputs = model(**self.model_kwargs(inputs))
+        loss = self._step_loss(outputs.logits[0], inputs["labels"])
+        return (loss, outputs) if return_outputs else loss
+
+    def model_kwargs(self, thd: Mapping[str, Any]) -> dict[str, Any]:
+        """The model call for a micro-batch (``hf_packed_kwargs``: ids, positions, THD metadata, CP group)."""
+        hf_model = self.accelerator.unwrap_model(self.model)
+        kwargs = hf_packed_kwargs(thd, cp_group=self.layout.cp_group, model=hf_model)
+        kwargs[ATTENTION_CONFIG_KWARG] = self.packing.attention
+        return kwargs
+
+    def _prepare_context_parallel_inputs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Callable, Any]:
+        # thdpack takes the place of accelerate's CP: the micro-batch already is this rank's shard, in
+        # TE's layout, and accelerate's context_parallel would re-split it and attend across documents
+        return contextlib.nullcontext, inputs
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        raise ValueError(
+            f"{type(self).__name__} has no packed evaluation loop yet; evaluate the saved model with a plain Trainer"
+        )
+
+
+class ThdpackTrainer(ThdpackTrainerMixin, Trainer):
+    """``transformers.Trainer`` with thdpack's packing, CP and loss (module docstring).
+
+    Takes the Trainer's arguments, plus ``packing`` (a :class:`PackingArguments` with ``pack_size``).
+    """
+
+    def __init__(self, *args: Any, packing: PackingArguments | None = None, **kwargs: Any) -> None:
+        refuse_data_collator(Trainer.__init__, args, kwargs)
+        super().__init__(*args, **kwargs)
+        packing = packing or PackingArguments()
+        if packing.pack_size is None:
+            raise ValueError("ThdpackTrainer needs packing=PackingArguments(pack_size=...), the tokens per pack")
+        self._setup_packing(packing, pack_size=packing.pack_size, overflow=packing.overflow or "error")
+
+
+def refuse_data_collator(init: Callable, args: tuple, kwargs: dict[str, Any]) -> None:
+    """Raise when the trainer's arguments include a ``data_collator``: thdpack builds the batches."""
+    bound = inspect.signature(init).bind_partial(None, *args, **kwargs)
+    if bound.arguments.get("data_collator") is not None:
+        raise ValueError(
+            "data_collator would never be called: thdpack builds the packed batches (collate, CP shard); drop it"
+        )
+
+
+class StreamCheckpoint(TrainerCallback):
+    """Writes the pack stream's state into every checkpoint folder (``STATE_FILE``)."""
+
+    def on_save(self, args: Any, state: Any, control: Any, train_dataloader: Any = None, **kwargs: Any) -> None:
+        source = getattr(train_dataloader, "dataset", None)
+        if not isinstance(source, StepSource):
+            raise RuntimeError("StreamCheckpoint saves thdpack's pack stream; the Trainer's loader is not thdpack's")
+        if source.steps_done != state.global_step:
+            raise RuntimeError(
+                f"the pack stream built {source.steps_done} steps but the Trainer is at step {state.global_step}: "
+                "the checkpoint would resume elsewhere"
+            )
+        if args.should_save:
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            write_stream_state(folder, source.state_dict())
+
+
+def _pad_id(model: torch.nn.Module) -> int:
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def _use_thdpack_attention(model: torch.nn.Module, cp_size: int) -> None:
+    """Under CP, switch transformers' own implementations to thdpack's registered attention (the
+    same function: causal softmax attention, computed across the CP ranks); others stay and are
+    checked by ``check_hf_attention``."""
+    register_hf_attention(ATTENTION_NAME)
+    current = model.config._attn_implementation
+    if cp_size > 1 and current in (*POSITION_MASKED, *VARLEN, None):
+        model.set_attn_implementation(ATTENTION_NAME)
+        log.info("thdpack: attention %r -> %r (CP %d needs it)", current, ATTENTION_NAME, cp_size)
+
+
+def _check_model(model: torch.nn.Module, longest: int, pack_size: int, layout: ParallelLayout) -> None:
+    """``check_hf_attention`` on a pack holding the longest sequence, before any training: an
+    attention implementation, softcap, window or layer kind that cannot be exact is refused now."""
+    sample = {"input_ids": np.zeros(longest, dtype=np.int64)}
+    pack = pack_from_segments([sample], ([0], [0], [longest]), pack_size, cp_size=layout.cp_size)
+    thd = shard(thd_collate([pack]), layout.cp_size, layout.cp_rank)
+    check_hf_attention(model, thd)
