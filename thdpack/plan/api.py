@@ -82,6 +82,7 @@ def plan_packs(
     overflow: Overflow = "error",
     seed: int | None = None,
     window: int = DEFAULT_WINDOW,
+    improve: bool = True,
 ) -> PackPlan:
     """Plan packs of ``pack_size`` tokens for sequences of the given lengths.
 
@@ -100,6 +101,10 @@ def plan_packs(
         seed: None is deterministic; an integer reshuffles which equal-length sequences pair
             up (and bfd's ties between equally full packs) reproducibly.
         window: lookahead of the ``"window"`` algorithm (ignored by the others).
+        improve: after ``"bfd"`` / ``"ffd"``, re-pack the packs that are not full with exact
+            fills (``thdpack.plan.improve``) unless the fit already reaches the lower bound;
+            never adds a pack (``plan.stats.fit_packs``: the fit's own count when it saved some).
+            ``"sequential"`` and ``"window"`` keep their order and ignore it.
 
     Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
     largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
@@ -130,6 +135,7 @@ def plan_packs(
     rng = None if seed is None else np.random.default_rng(seed)
 
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
+    fit_packs = None  # the decreasing fit's packs when the improvement phase saved some
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
     if algorithm == "sequential":
         offsets = next_fit(units, capacity)
@@ -140,14 +146,15 @@ def plan_packs(
         # the engine works on the distinct sizes (memory and time follow them and the
         # sequences, whatever pack_size is)
         distinct = _distinct(units)
-        hp = plan_size_classes(*distinct, capacity, fit=algorithm, rng=rng)
+        hp = plan_size_classes(*distinct, capacity, fit=algorithm, rng=rng, improve=improve)
+        fit_packs = hp.fit_packs
         ids, offsets = materialize(hp, units, rng=rng)
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
     if distinct is None:
         distinct = _distinct(units)
-    stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
+    stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size, fit_packs)
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],
@@ -173,6 +180,7 @@ def _stats(
     algorithm: str,
     pack_size: int,
     cp_size: int,
+    fit_packs: int | None,
 ) -> PackingStats:
     num_packs = len(offsets) - 1
     if pack_loads is None:
@@ -191,6 +199,7 @@ def _stats(
         pack_loads=pack_loads,
         max_sequences_per_pack=int(np.diff(offsets).max()) if num_packs else 0,
         overflow={key: getattr(entries, key) for key in OVERFLOW_COUNTS},
+        fit_packs=fit_packs,
     )
 
 
