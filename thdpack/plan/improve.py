@@ -24,10 +24,10 @@ the inexact last packs and the ``END_GAME_PACKS`` packs made before them again, 
 time, each taking of every size about its share of the pool (the proportion that lets the last
 pack close as well as the first); it is kept if it needs fewer packs.
 
-When that still leaves the plan more than one pack over ``target``, the fit's full packs join
-the pool and everything is packed again the same way (uniform lengths need that: BFD's full packs
-hold the complements the others lack). The result is used only when it has fewer packs than the
-fit's: the phase never adds a pack.
+The result is used only when it has fewer packs than the fit's: the phase never adds a pack.
+(Re-packing the fit's full packs too was tried: on uniform lengths, where the packs that are not
+full lack complements that full ones hold, it saved packs on some draws, lost on others and cost
+10x the fit's time, so the phase leaves full packs alone.)
 
 >>> from thdpack.plan.histogram import plan_histogram
 >>> counts = np.bincount([4, 4, 3, 3, 3, 3], minlength=11)   # BFD: [4,4] [3,3,3] [3]
@@ -48,8 +48,9 @@ MAX_SUBSET_SUM_BITS = 1 << 16
 """Largest pack (slot units) for which the phase builds subset-sum bitsets and a dense count
 array of the pool (2**16 slots: 64k tokens at cp_size 1, 512k at cp_size 4); larger packs are
 filled greedily only, so nothing the phase allocates follows the pack size."""
-END_GAME_PACKS = 64
-"""Packs made just before the inexact end of the re-packing that the end game pools again."""
+END_GAME_PACKS = 128
+"""The last packs of the re-packing that the end game packs again (at most this many subset
+sums: its cost does not grow with the data)."""
 
 Pattern = tuple[tuple[int, int], ...]
 """One pack's content: ``((size, reps), ...)``, sizes decreasing."""
@@ -69,21 +70,11 @@ def improve(hp: HistogramPlan, *, target: int) -> HistogramPlan:
     capacity = hp.capacity
     full = hp.node_load()[hp.group_node] == capacity
     kept = int(hp.group_count[full].sum())
-    best_keep, best = full, _repack_with_end_game(_pool_of(hp, ~full), capacity, goal=target - kept)
-    best_packs = kept + sum(m for _, m in best)
-    if best_packs - target > 1:  # more than one pack short: the fit's full packs go back too
-        everything = np.zeros_like(full)
-        patterns = _repack_with_end_game(_pool_of(hp, ~everything), capacity, goal=target)
-        if sum(m for _, m in patterns) < best_packs:
-            best_keep, best = everything, patterns
-            best_packs = sum(m for _, m in patterns)
-    if best_packs >= hp.num_packs:
+    patterns = repack(_pool_of(hp, ~full), capacity)
+    patterns = _end_game(patterns, capacity, goal=target - kept)
+    if kept + sum(m for _, m in patterns) >= hp.num_packs:
         return hp
-    return _with_patterns(hp, best_keep, best)
-
-
-def _repack_with_end_game(pool: dict[int, int], capacity: int, *, goal: int) -> list[tuple[Pattern, int]]:
-    return _end_game(repack(pool, capacity), capacity, goal=goal)
+    return _with_patterns(hp, full, patterns)
 
 
 def repack(pool: dict[int, int], capacity: int, *, balanced: bool = False) -> list[tuple[Pattern, int]]:
@@ -291,25 +282,27 @@ def _move(counts: dict[int, int], size: int, k: int) -> None:
 
 
 def _end_game(patterns: list[tuple[Pattern, int]], capacity: int, *, goal: int) -> list[tuple[Pattern, int]]:
-    """Pack the pool of the inexact last packs and the ``END_GAME_PACKS`` made before them
-    once more with balanced fills; keep whichever of the two has fewer packs."""
+    """Pack the last ``END_GAME_PACKS`` packs once more with balanced fills (a pattern repeated
+    across the boundary is split); keep whichever of the two has fewer packs."""
     if sum(m for _, m in patterns) <= max(goal, 0):
         return patterns
-    last_exact = len(patterns)
-    while last_exact and _load(patterns[last_exact - 1][0]) < capacity:
-        last_exact -= 1
-    start, reopened = last_exact, 0
+    start, reopened = len(patterns), 0
     while start and reopened < END_GAME_PACKS:
         start -= 1
         reopened += patterns[start][1]
+    head = patterns[:start]
     tail = patterns[start:]
+    if reopened > END_GAME_PACKS:  # the boundary pattern: keep its first copies, re-open the rest
+        pattern, m = tail[0]
+        head = [*head, (pattern, reopened - END_GAME_PACKS)]
+        tail = [(pattern, m - (reopened - END_GAME_PACKS)), *tail[1:]]
     pool: dict[int, int] = {}
     for pattern, m in tail:
         for s, k in pattern:
             pool[s] = pool.get(s, 0) + k * m
     again = repack(pool, capacity, balanced=True)
     if sum(m for _, m in again) < sum(m for _, m in tail):
-        return patterns[:start] + again
+        return head + again
     return patterns
 
 
