@@ -87,7 +87,7 @@ def repack(pool: dict[int, int], capacity: int, *, balanced: bool = False) -> li
     >>> repack({6: 2, 4: 2, 3: 2, 2: 2}, 10)
     [(((6, 1), (4, 1)), 2), (((3, 2), (2, 2)), 1)]
     """
-    left = _Pool(pool, capacity)
+    left = SizePool(pool, capacity)
     out: list[tuple[Pattern, int]] = []
     while left.present:
         used = left.balanced_fill() if balanced else left.fill()
@@ -97,9 +97,20 @@ def repack(pool: dict[int, int], capacity: int, *, balanced: bool = False) -> li
     return out
 
 
-class _Pool:
-    """The items not packed yet: ``avail`` (size -> count), the sorted sizes ``present``, their
-    ``volume``, and (rooms up to ``MAX_SUBSET_SUM_BITS``) a dense count array for pair searches."""
+class SizePool:
+    """Items by size not packed yet and the exact-fill rules that choose a pack from them: what
+    the phase re-packs, and ``StreamingPacker``'s buffer (``thdpack.packing.streaming``).
+
+    ``avail`` (size -> count), the sorted sizes ``present``, their ``volume``, and (packs up to
+    ``MAX_SUBSET_SUM_BITS`` slots) a dense count array for pair searches. A fill's result does
+    not depend on the order in which items were added (a resumed stream packs as the original).
+
+    >>> pool = SizePool({5: 1, 4: 1, 3: 2}, capacity=10)
+    >>> pool.fill(4)          # a pack that must hold a 4: greedy 4 + 5 leaves 1; 5 -> 3 + 3 closes it
+    {4: 1, 3: 2}
+    >>> pool.take({4: 1, 3: 2}); pool.add(5); pool.avail
+    {5: 2}
+    """
 
     def __init__(self, counts: dict[int, int], capacity: int) -> None:
         self.capacity = capacity
@@ -111,7 +122,16 @@ class _Pool:
             self.dense = np.zeros(capacity + 1, dtype=np.int64)
             self.dense[self.present] = [self.avail[s] for s in self.present]
 
-    def take(self, used: dict[int, int], packs: int) -> None:
+    def add(self, size: int, count: int = 1) -> None:
+        """Put ``count`` items of ``size`` (in ``[1, capacity]``) into the pool."""
+        if size not in self.avail:
+            bisect.insort(self.present, size)
+        self.avail[size] = self.avail.get(size, 0) + count
+        if self.dense is not None:
+            self.dense[size] += count
+        self.volume += size * count
+
+    def take(self, used: dict[int, int], packs: int = 1) -> None:
         """Remove ``packs`` copies of the pack ``used`` from the pool."""
         for s, k in used.items():
             left = self.avail[s] - k * packs
@@ -124,17 +144,18 @@ class _Pool:
                 self.dense[s] = left
             self.volume -= s * k * packs
 
-    def fill(self) -> dict[int, int]:
-        """One pack: the largest size left, then its room filled greedily, then closed by a pair
+    def fill(self, first: int | None = None) -> dict[int, int]:
+        """One pack (size -> count, not yet taken from the pool): ``first`` (default: the largest
+        size left; it must be in the pool), then its room filled greedily, then closed by a pair
         swap or a subset sum (module docstring, steps 1-4)."""
-        first = self.present[-1]
+        first = self.present[-1] if first is None else first
         used = {first: 1}
-        room = self.greedy(used, self.capacity - first)
-        if room and not self.pair_swap(used, room, first):
-            used = self.subset_sum_fill(used, room, first)
+        room = self._greedy(used, self.capacity - first)
+        if room and not self._pair_swap(used, room, first):
+            used = self._subset_sum_fill(used, room, first)
         return used
 
-    def greedy(self, used: dict[int, int], room: int) -> int:
+    def _greedy(self, used: dict[int, int], room: int) -> int:
         """Add the largest sizes that fit to ``used`` (as many copies as fit at once); the room left."""
         present, avail = self.present, self.avail
         i = bisect.bisect_right(present, room) - 1
@@ -148,7 +169,7 @@ class _Pool:
             i = bisect.bisect_right(present, room, 0, i) - 1
         return room
 
-    def pair_swap(self, used: dict[int, int], room: int, first: int) -> bool:
+    def _pair_swap(self, used: dict[int, int], room: int, first: int) -> bool:
         """Close ``room`` by exchanging one chosen item of size ``s`` (not the opening one) for two,
         ``a + b = s + room`` (the largest ``a`` that has a partner; vectorised over the dense counts)."""
         dense = self.dense
@@ -181,7 +202,7 @@ class _Pool:
             for s, k in chosen:
                 dense[s] += k
 
-    def subset_sum_fill(self, used: dict[int, int], room: int, first: int) -> dict[int, int]:
+    def _subset_sum_fill(self, used: dict[int, int], room: int, first: int) -> dict[int, int]:
         """Re-choose the pack's smallest items by subset sum over the pool, widening the re-chosen
         part (up to a room of 64 or 4x the gap, then 8x more each time, then everything but
         ``first``) until the pack is exact; the fullest pack found."""
@@ -199,7 +220,7 @@ class _Pool:
                 if self.dense is None:
                     return best
                 tried = target
-                fill = self.subset_sum(keep, target, share=None)
+                fill = self._subset_sum(keep, target, share=None)
                 fill_room = target - sum(s * k for s, k in fill.items())
                 if fill_room < best_room:
                     best = dict(keep)
@@ -219,14 +240,14 @@ class _Pool:
         used = {first: 1}
         room = self.capacity - first
         if self.dense is None:
-            self.greedy(used, room)
+            self._greedy(used, room)
             return used
         share = self.capacity / self.volume if self.volume else 0.0
-        for s, k in self.subset_sum(used, room, share=share).items():
+        for s, k in self._subset_sum(used, room, share=share).items():
             _move(used, s, k)
         return used
 
-    def subset_sum(self, taken: dict[int, int], target: int, *, share: float | None) -> dict[int, int]:
+    def _subset_sum(self, taken: dict[int, int], target: int, *, share: float | None) -> dict[int, int]:
         """Items of the pool (less ``taken``) with the largest sum <= ``target``: bounded subset sum
         on a bitset (bit ``v`` set: some choice sums to ``v``), one size class at a time.
 
