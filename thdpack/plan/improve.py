@@ -87,7 +87,7 @@ def repack(pool: dict[int, int], capacity: int, *, balanced: bool = False) -> li
     >>> repack({6: 2, 4: 2, 3: 2, 2: 2}, 10)
     [(((6, 1), (4, 1)), 2), (((3, 2), (2, 2)), 1)]
     """
-    left = SizePool(pool, capacity)
+    left = SizePool(pool, capacity, shrinking=True)
     out: list[tuple[Pattern, int]] = []
     while left.present:
         used = left.balanced_fill() if balanced else left.fill()
@@ -112,8 +112,14 @@ class SizePool:
     {5: 2}
     """
 
-    def __init__(self, counts: dict[int, int], capacity: int) -> None:
+    def __init__(self, counts: dict[int, int], capacity: int, *, shrinking: bool = False) -> None:
         self.capacity = capacity
+        self.shrinking = shrinking
+        """True when items are only taken, never added (``repack``): then the sums the pool
+        reaches only shrink, and ``_reachable`` (computed once, refreshed after a miss) rules out
+        targets no fill can reach without a subset sum or a pair search each time."""
+        self._reachable: int | None = None
+        self._taken_since = 0  # takes since ``_reachable`` was computed
         self.avail = {s: c for s, c in counts.items() if c}
         self.present = sorted(self.avail)
         self.volume = sum(s * c for s, c in self.avail.items())
@@ -124,6 +130,8 @@ class SizePool:
 
     def add(self, size: int, count: int = 1) -> None:
         """Put ``count`` items of ``size`` (in ``[1, capacity]``) into the pool."""
+        if self.shrinking:
+            raise ValueError("items cannot be added to a shrinking pool")
         if size not in self.avail:
             bisect.insort(self.present, size)
         self.avail[size] = self.avail.get(size, 0) + count
@@ -133,6 +141,7 @@ class SizePool:
 
     def take(self, used: dict[int, int], packs: int = 1) -> None:
         """Remove ``packs`` copies of the pack ``used`` from the pool."""
+        self._taken_since += 1
         for s, k in used.items():
             left = self.avail[s] - k * packs
             if left:
@@ -185,7 +194,7 @@ class SizePool:
                 total = s + room
                 high = min(total - 1, self.capacity)
                 low = (total + 1) // 2
-                if low > high:
+                if low > high or not self._may_reach(total):
                     continue
                 dense[s] += 1
                 a = np.arange(high, low - 1, -1)
@@ -216,7 +225,7 @@ class SizePool:
                 s, k = movable.pop(0)
                 _move(keep, s, -k)
                 target += s * k
-            if target != tried:
+            if target != tried and self._may_reach(target):
                 if self.dense is None:
                     return best
                 tried = target
@@ -229,9 +238,38 @@ class SizePool:
                     best_room = fill_room
                     if not best_room:
                         return best
+                self._missed()
             if not movable:
                 return best
             limit *= 8
+
+    def _may_reach(self, total: int) -> bool:
+        """False only when no choice of the pool's items sums to ``total`` (shrinking pools)."""
+        if not self.shrinking or self.dense is None:
+            return True
+        if self._reachable is None:
+            self._reachable = self._reach_all()
+            self._taken_since = 0
+        return bool(self._reachable >> total & 1)
+
+    def _missed(self) -> None:
+        """A target ``_may_reach`` let through was missed: recompute the reachable sums if the
+        pool changed since (else the miss came from the pack's own items and says nothing)."""
+        if self.shrinking and self._taken_since:
+            self._reachable = None
+
+    def _reach_all(self) -> int:
+        """Bitset of the sums <= capacity that some choice of the pool's items reaches."""
+        mask = (1 << (self.capacity + 1)) - 1
+        reach = 1
+        for s in self.present:
+            limit, step = min(self.avail[s], self.capacity // s), 1
+            while limit:
+                k = min(step, limit)
+                reach |= (reach << (k * s)) & mask
+                limit -= k
+                step *= 2
+        return reach
 
     def balanced_fill(self) -> dict[int, int]:
         """One pack: the largest size left and a subset sum over the rest of the room whose count

@@ -12,7 +12,7 @@ from plan_reference import optimum
 import thdpack.plan.improve as improve_module
 from thdpack.plan import plan_histogram, plan_packs, plan_size_classes
 from thdpack.plan.bounds import best_lower_bound_of_sizes, l2_lower_bound_of_sizes
-from thdpack.plan.improve import repack
+from thdpack.plan.improve import SizePool, repack
 
 
 def _slots(lengths, cp_size):
@@ -208,3 +208,20 @@ def test_best_bound_written_out():
     # two 7s whose rooms of 5 take one 3 each: the third 3 needs a pack (L2 treats the 3s as fluid)
     assert l2_lower_bound_of_sizes(np.array([3, 7]), np.array([3, 2]), 12) == 2
     assert best_lower_bound_of_sizes(np.array([3, 7]), np.array([3, 2]), 12) == 3
+
+
+@given(st.dictionaries(st.integers(1, 12), st.integers(1, 3), min_size=1, max_size=5), st.integers(1, 30))
+def test_reachable_sums_are_exactly_the_subset_sums(counts, capacity):
+    """The filter a shrinking pool uses to skip hopeless searches rules out only sums no choice
+    of its items reaches."""
+    import itertools
+
+    counts = {s: c for s, c in counts.items() if s <= capacity}
+    if not counts:
+        return
+    pool = SizePool(counts, capacity, shrinking=True)
+    items = [s for s, c in counts.items() for _ in range(c)]
+    sums = {sum(chosen) for k in range(len(items) + 1) for chosen in itertools.combinations(items, k)}
+    assert {t for t in range(capacity + 1) if pool._may_reach(t)} == {t for t in sums if t <= capacity}
+    with pytest.raises(ValueError, match="cannot be added to a shrinking pool"):
+        pool.add(1)
