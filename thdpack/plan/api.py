@@ -121,6 +121,8 @@ def plan_packs(
         raise ValueError(f"unknown overflow policy {overflow!r}; valid: {', '.join(OVERFLOWS)}")
     if seed is not None:
         seed = _check_int("seed", seed, 0)
+    if not isinstance(improve, bool):
+        raise TypeError(f"improve must be True or False, got {improve!r}")
     check_pack_size(pack_size, cp_size)
     multiple = cp_multiple(cp_size)
 
