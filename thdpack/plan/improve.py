@@ -20,9 +20,10 @@ The pack found is repeated as often as the pool's counts allow, so the work foll
 distinct patterns, not of packs or sequences. Large sizes go first and small ones stay in the
 pool for last, where they close the remaining gaps; exactness fails near the end, when the sizes
 left do not combine (only 13- and 14-slot items for a 512-slot pack, say). So the *end game* packs
-the inexact last packs and the ``END_GAME_PACKS`` packs made before them again, one pack at a
-time, each taking of every size about its share of the pool (the proportion that lets the last
-pack close as well as the first); it is kept if it needs fewer packs.
+the last ``END_GAME_PACKS`` packs again, one pack at a time, each taking of every size about its
+share of that pool (the proportion that lets the last pack close as well as the first); it is
+kept if it needs fewer packs. Both re-packings are skipped when the packs they would redo are
+already as few as the pool's L2 bound allows.
 
 The result is used only when it has fewer packs than the fit's: the phase never adds a pack.
 (Re-packing the fit's full packs too was tried: on uniform lengths, where the packs that are not
@@ -42,6 +43,7 @@ import bisect
 
 import numpy as np
 
+from thdpack.plan.bounds import l2_lower_bound_of_sizes
 from thdpack.plan.histogram_plan import HistogramPlan
 
 MAX_SUBSET_SUM_BITS = 1 << 16
@@ -70,7 +72,10 @@ def improve(hp: HistogramPlan, *, target: int) -> HistogramPlan:
     capacity = hp.capacity
     full = hp.node_load()[hp.group_node] == capacity
     kept = int(hp.group_count[full].sum())
-    patterns = repack(_pool_of(hp, ~full), capacity)
+    pool = _pool_of(hp, ~full)
+    if hp.num_packs - kept <= _l2(pool, capacity):  # no re-packing of the pool can need fewer
+        return hp
+    patterns = repack(pool, capacity)
     patterns = _end_game(patterns, capacity, goal=target - kept)
     if kept + sum(m for _, m in patterns) >= hp.num_packs:
         return hp
@@ -291,8 +296,13 @@ class SizePool:
 
         Among the choices of that sum it takes, size by size from the largest, the most copies
         (``share=None``) or the count nearest ``share`` x the size's count in the pool."""
-        sizes = self.present[: bisect.bisect_right(self.present, target)]
-        limits = [min(self.avail[s] - taken.get(s, 0), target // s) for s in sizes]
+        counts = self.dense[1 : target + 1].copy()  # the pool less ``taken``, sizes 1..target
+        for s, k in taken.items():
+            if s <= target:
+                counts[s - 1] -= k
+        sizes_at = np.flatnonzero(counts > 0)
+        sizes = (sizes_at + 1).tolist()
+        limits = np.minimum(counts[sizes_at], target // (sizes_at + 1)).tolist()
         mask = (1 << (target + 1)) - 1
         reach = 1
         before = []
@@ -359,14 +369,19 @@ def _end_game(patterns: list[tuple[Pattern, int]], capacity: int, *, goal: int) 
     for pattern, m in tail:
         for s, k in pattern:
             pool[s] = pool.get(s, 0) + k * m
+    if sum(m for _, m in tail) <= _l2(pool, capacity):  # the last packs are as few as can be
+        return patterns
     again = repack(pool, capacity, balanced=True)
     if sum(m for _, m in again) < sum(m for _, m in tail):
         return head + again
     return patterns
 
 
-def _load(pattern: Pattern) -> int:
-    return sum(s * k for s, k in pattern)
+def _l2(pool: dict[int, int], capacity: int) -> int:
+    """The L2 bound of a pool (size -> count)."""
+    sizes = np.fromiter(pool, dtype=np.int64, count=len(pool))
+    counts = np.fromiter(pool.values(), dtype=np.int64, count=len(pool))
+    return l2_lower_bound_of_sizes(sizes, counts, capacity)
 
 
 def _pool_of(hp: HistogramPlan, groups: np.ndarray) -> dict[int, int]:
