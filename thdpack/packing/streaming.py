@@ -4,11 +4,13 @@ The packer keeps up to ``buffer_size`` sequences. Whenever the buffer is full (o
 has ended) it emits one pack: the *oldest* buffered sequence opens the pack, and the rest of its
 room is filled from the buffer by the planner's exact-fill rules (``thdpack.plan.improve.
 SizePool.fill``, the improvement phase's: the largest sequences that fit, then a pair swap or a
-bounded subset sum over the buffer's lengths closes the gap when the buffer allows). Opening with
-the oldest sequence bounds how long any sequence waits (at most ``buffer_size`` packs), and
-exact fills from a large buffer pack about as tightly as offline planning (``benchmarks/
-packer_bench.py``). Slots are CP-aware (each sequence rounded up to a multiple of
-``2*cp_size``), and the overflow policies of ``plan_packs`` apply, counted in ``stats``.
+bounded subset sum over the buffer's lengths closes the gap when the buffer allows, as long as
+the buffer holds at least twice as many sequences of at most half a pack as longer ones; else
+the pack stays the best fit). Opening with the oldest sequence bounds how long any sequence
+waits (at most ``buffer_size`` packs), and exact fills from a buffer of 256 reach the L2 bound
+on web, SFT and Alpaca lengths, like offline planning (``benchmarks/packer_bench.py``). Slots
+are CP-aware (each sequence rounded up to a multiple of ``2*cp_size``), and the overflow policies
+of ``plan_packs`` apply, counted in ``stats``.
 
 Resume: ``state_dict()`` holds the buffered tokens, the statistics and the source position.
 If the source has ``state_dict`` / ``load_state_dict`` (torchdata's ``StatefulDataLoader``,
@@ -124,6 +126,8 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         multiple = layout.cp_multiple(self.config.cp_size)
         self._pool = SizePool({}, self.config.pack_size // multiple)
         """The buffer's slot counts in units of 2*cp_size: what a pack's exact fill chooses from."""
+        self._over_half = 0
+        """Buffered entries longer than half a pack (see ``_emit``)."""
         self._next_arrival = 0
         self._consumed = 0
         self._exhausted = False
@@ -143,9 +147,11 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         self._entries[arrival] = _Entry(index, start, tokens, slots)
         bisect.insort(self._by_slots, (slots, arrival))
         self._pool.add(slots // layout.cp_multiple(self.config.cp_size))
+        self._over_half += 2 * slots > self.config.pack_size
 
     def _take(self, arrival: int) -> _Entry:
         entry = self._entries.pop(arrival)
+        self._over_half -= 2 * entry.slots > self.config.pack_size
         del self._by_slots[bisect.bisect_left(self._by_slots, (entry.slots, arrival))]
         return entry
 
@@ -166,7 +172,14 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         cfg = self.config
         multiple = layout.cp_multiple(cfg.cp_size)
         oldest = next(iter(self._entries))
-        units = self._pool.fill(self._entries[oldest].slots // multiple)
+        # A pack holds at most one entry over half a pack, which takes a short entry beside it,
+        # and closing the last gap takes another. Where short entries do not arrive at least
+        # twice as often as long ones (uniform lengths), closing every gap would use them up and
+        # leave a buffer of long entries that share no pack: gaps are closed only while the
+        # buffer holds at least twice as many entries of at most half a pack as longer ones
+        # (otherwise the pack is the best fit the greedy found, as without exact fills).
+        close = len(self._entries) - self._over_half >= 2 * self._over_half
+        units = self._pool.fill(self._entries[oldest].slots // multiple, close=close)
         self._pool.take(units)
         chosen = [self._take(oldest)]
         units[chosen[0].slots // multiple] -= 1

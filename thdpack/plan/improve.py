@@ -158,14 +158,14 @@ class SizePool:
                 self.dense[s] = left
             self.volume -= s * k * packs
 
-    def fill(self, first: int | None = None) -> dict[int, int]:
+    def fill(self, first: int | None = None, *, close: bool = True) -> dict[int, int]:
         """One pack (size -> count, not yet taken from the pool): ``first`` (default: the largest
-        size left; it must be in the pool), then its room filled greedily, then closed by a pair
-        swap or a subset sum (module docstring, steps 1-4)."""
+        size left; it must be in the pool), then its room filled greedily, then (``close``)
+        closed by a pair swap or a subset sum (module docstring, steps 1-4)."""
         first = self.present[-1] if first is None else first
         used = {first: 1}
         room = self._greedy(used, self.capacity - first)
-        if room and not self._pair_swap(used, room, first):
+        if room and close and not self._pair_swap(used, room, first):
             used = self._subset_sum_fill(used, room, first)
         return used
 
