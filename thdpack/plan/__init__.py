@@ -1,8 +1,9 @@
 """Packing plans: which sequences share a pack. Pure numpy; no torch import.
 
 ``plan_packs`` is the entry point; ``plan_size_classes`` (or ``plan_histogram``) + ``materialize``
-are the length-class engine underneath it, usable on their own for datasets known only by
-histogram.
+are the length-class engine underneath it (bfd / ffd, then the improvement phase of
+``thdpack.plan.improve``), usable on their own for datasets known only by histogram; the lower
+bounds are in ``thdpack.plan.bounds``.
 """
 
 from __future__ import annotations
