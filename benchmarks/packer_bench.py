@@ -5,7 +5,7 @@
     python benchmarks/packer_bench.py --json benchmarks/results/packer.json
 
 Tables:
-1. ``StreamingPacker`` (oldest-first, best-fit fill) at several buffer sizes vs the offline
+1. ``StreamingPacker`` (oldest-first, exact fill) at several buffer sizes vs the offline
    ``plan_packs(algorithm="bfd")`` on the same lengths: efficiency, packs / L2 lower bound and
    samples per second of the whole stream (validation, buffering, pack building).
 2. ``PackedDataset``: seconds per pack built by ``ds[i]`` and per ``set_epoch`` re-plan, at

@@ -31,3 +31,9 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} is absent (only the project's own checkout has ../shared)")
     return SHARED_DATA
+
+
+@pytest.fixture
+def shared_data_if_any() -> Path:
+    """Where ../shared/data would be, whether or not it is there (for tests that run either way)."""
+    return SHARED_DATA

@@ -93,6 +93,12 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         choices=COST_MODELS,
         help="what --cp-placement adaptive balances over the ranks: kernel tiles or causal pairs (default: tiles)",
     )
+    parser.add_argument(
+        "--improve",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after bfd / ffd, re-pack the packs that are not full with exact fills (default: on)",
+    )
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--format", default="auto", choices=["auto", *SOURCE_FORMATS], help="input format")
     parser.add_argument("--split", help="split of an HF DatasetDict folder")

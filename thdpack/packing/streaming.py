@@ -1,15 +1,16 @@
 """StreamingPacker: pack an endless or huge stream of samples with a bounded buffer.
 
 The packer keeps up to ``buffer_size`` sequences. Whenever the buffer is full (or the stream
-has ended) it emits one pack: the *oldest* buffered sequence opens the pack, then the largest
-buffered sequence that still fits is added until the pack is full or nothing fits (best fit
-on the remaining room). Opening with the oldest sequence bounds how long any sequence waits
-(at most ``buffer_size`` packs), and best-fit filling from a large buffer keeps efficiency
-close to offline BFD: with ``buffer_size=1024`` within 0.15 points of ``plan_packs``' bfd on
-web, SFT, uniform and Alpaca lengths (99.89% vs 99.99% on web lengths, 99.61% vs 99.73% on
-uniform ones; ``benchmarks/packer_bench.py``). Slots are CP-aware (each sequence
-rounded up to a multiple of ``2*cp_size``), and the overflow policies of ``plan_packs`` apply,
-counted in ``stats``.
+has ended) it emits one pack: the *oldest* buffered sequence opens the pack, and the rest of its
+room is filled from the buffer by the planner's exact-fill rules (``thdpack.plan.improve.
+SizePool.fill``, the improvement phase's: the largest sequences that fit, then a pair swap or a
+bounded subset sum over the buffer's lengths closes the gap when the buffer allows, as long as
+the buffer holds at least twice as many sequences of at most half a pack as longer ones; else
+the pack stays the best fit). Opening with the oldest sequence bounds how long any sequence
+waits (at most ``buffer_size`` packs), and exact fills from a buffer of 256 reach the L2 bound
+on web, SFT and Alpaca lengths, like offline planning (``benchmarks/packer_bench.py``). Slots
+are CP-aware (each sequence rounded up to a multiple of ``2*cp_size``), and the overflow policies
+of ``plan_packs`` apply, counted in ``stats``.
 
 Resume: ``state_dict()`` holds the buffered tokens, the statistics and the source position.
 If the source has ``state_dict`` / ``load_state_dict`` (torchdata's ``StatefulDataLoader``,
@@ -44,6 +45,7 @@ from thdpack.format_rules import check_pack_size, cp_multiple, round_up_to_cp
 from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, check_pad_id, read_sample
 from thdpack.packing.state import check_saved_settings
 from thdpack.plan.config import pack_size_setting
+from thdpack.plan.improve import SizePool
 from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Overflow, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
 
@@ -131,6 +133,11 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     def _reset(self) -> None:
         self._entries: dict[int, _Entry] = {}  # arrival id -> entry; dict order = arrival order
         self._by_slots: list[tuple[int, int]] = []  # sorted (slots, arrival id)
+        multiple = cp_multiple(self.cp_size)
+        self._pool = SizePool({}, self.config.pack_size // multiple)
+        """The buffer's slot counts in units of 2*cp_size: what a pack's exact fill chooses from."""
+        self._over_half = 0
+        """Buffered entries longer than half a pack (see ``_emit``)."""
         self._next_arrival = 0
         self._consumed = 0
         self._exhausted = False
@@ -149,9 +156,12 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         self._next_arrival += 1
         self._entries[arrival] = _Entry(index, start, tokens, slots)
         bisect.insort(self._by_slots, (slots, arrival))
+        self._pool.add(slots // cp_multiple(self.cp_size))
+        self._over_half += 2 * slots > self.config.pack_size
 
     def _take(self, arrival: int) -> _Entry:
         entry = self._entries.pop(arrival)
+        self._over_half -= 2 * entry.slots > self.config.pack_size
         del self._by_slots[bisect.bisect_left(self._by_slots, (entry.slots, arrival))]
         return entry
 
@@ -167,19 +177,26 @@ class StreamingPacker(torch.utils.data.IterableDataset):
             self._add(index, start, tokens if length == len(tokens) else tokens.piece(start, length))
 
     def _emit(self) -> Pack:
-        """Remove one pack's entries from the buffer (oldest first, then best fit) and build it."""
+        """Remove one pack's entries from the buffer (the oldest, then an exact fill of the rest:
+        the oldest entries of each chosen size, largest first) and build it."""
         cfg = self.config
-        chosen = [self._take(next(iter(self._entries)))]
-        room = cfg.pack_size - chosen[0].slots
-        while room > 0 and self._by_slots:
-            k = bisect.bisect_right(self._by_slots, (room, self._next_arrival)) - 1
-            if k < 0:
-                break
-            slots = self._by_slots[k][0]
-            # the oldest of the equally large candidates
-            oldest = self._by_slots[bisect.bisect_left(self._by_slots, (slots, -1))][1]
-            chosen.append(self._take(oldest))
-            room -= slots
+        multiple = cp_multiple(self.cp_size)
+        oldest = next(iter(self._entries))
+        # A pack holds at most one entry over half a pack, which takes a short entry beside it,
+        # and closing the last gap takes another. Where short entries do not arrive at least
+        # twice as often as long ones (uniform lengths), closing every gap would use them up and
+        # leave a buffer of long entries that share no pack: gaps are closed only while the
+        # buffer holds at least twice as many entries of at most half a pack as longer ones
+        # (otherwise the pack is the best fit the greedy found, as without exact fills).
+        close = len(self._entries) - self._over_half >= 2 * self._over_half
+        units = self._pool.fill(self._entries[oldest].slots // multiple, close=close)
+        self._pool.take(units)
+        chosen = [self._take(oldest)]
+        units[chosen[0].slots // multiple] -= 1
+        for size, count in sorted(units.items(), reverse=True):
+            for _ in range(count):
+                slots = size * multiple
+                chosen.append(self._take(self._by_slots[bisect.bisect_left(self._by_slots, (slots, -1))][1]))
         totals = self._totals
         load = sum(len(e.tokens) for e in chosen)
         totals["num_packs"] += 1
@@ -187,7 +204,6 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         totals["num_sequences"] += sum(e.start == 0 for e in chosen)
         totals["real_tokens"] += load
         totals["max_sequences_per_pack"] = max(totals["max_sequences_per_pack"], len(chosen))
-        multiple = cp_multiple(self.cp_size)
         for e in chosen:
             self._slot_units[e.slots // multiple] = self._slot_units.get(e.slots // multiple, 0) + 1
         self._pack_loads[load] = self._pack_loads.get(load, 0) + 1
@@ -237,7 +253,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         sizes = np.array(sorted(self._slot_units), dtype=np.int64)
         loads = np.array(sorted(self._pack_loads), dtype=np.int64)
         return build_stats(
-            algorithm=f"streaming best fit (buffer {cfg.buffer_size})",
+            algorithm=f"streaming exact fill (buffer {cfg.buffer_size})",
             pack_size=cfg.pack_size,
             cp_size=self.cp_size,
             slot_sizes=sizes,
@@ -249,7 +265,9 @@ class StreamingPacker(torch.utils.data.IterableDataset):
 
     # -- checkpointing -------------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
-        return {**self.config.fingerprint(), "cp_size": self.cp_size}
+        # the rule that picks a pack's entries decides the packs a resumed stream emits: a state
+        # saved under another rule (best fit, before the exact fills) must not resume silently
+        return {**self.config.fingerprint(), "cp_size": self.cp_size, "fill": "oldest + exact fill"}
 
     def state_dict(self) -> dict[str, Any]:
         """Buffered tokens, counters and the source position (see the module docstring)."""

@@ -2,7 +2,8 @@
 
 ``plan_packs`` is the entry point (``plan_with`` takes its settings as one ``PlanConfig``);
 ``plan_size_classes`` (or ``plan_histogram``) + ``materialize`` are the length-class engine
-underneath it, usable on their own for datasets known only by histogram. With
+underneath it (bfd / ffd, then the improvement phase of ``thdpack.plan.improve``), usable on their
+own for datasets known only by histogram; the lower bounds are in ``thdpack.plan.bounds``. With
 ``cp_placement="adaptive"`` a plan also carries a ``CpPlacement``: which CP ranks each sequence
 runs on (docs/design/cp_placement.md).
 """

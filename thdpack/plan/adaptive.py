@@ -161,6 +161,7 @@ def _fill_ranks(
     *,
     fit: Fit,
     rng: np.random.Generator | None,
+    improve: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pack short entries into rank bins: every rank of the Q given packs (room ``budget - used``)
     and fresh ranks of ``budget``, grouped ``cp_size`` at a time into new packs after the Q, in
@@ -176,7 +177,7 @@ def _fill_ranks(
     fresh = 2 * int(lengths_W.sum()) // budget + 2  # best fit never leaves two bins half empty
     markers = np.concatenate((2 * used_QR.reshape(-1) + 2 * budget + 1, np.full(fresh, 2 * budget + 1)))
     sizes = np.concatenate((2 * lengths_W, markers))
-    hp = plan_size_classes(*distinct_sizes(sizes), capacity, fit=fit, rng=rng)
+    hp = plan_size_classes(*distinct_sizes(sizes), capacity, fit=fit, rng=rng, improve=improve)
     ids, offsets = materialize(hp, sizes, rng=rng)
     num_w = len(lengths_W)
     marker_B = ids[offsets[:-1]] - num_w  # a bin's first item is its marker
@@ -221,6 +222,7 @@ def plan_adaptive(
     *,
     fit: Fit,
     rng: np.random.Generator | None,
+    improve: bool = True,
     cost_model: CostModel,
     sizes: Sequence[int] | None = None,
 ) -> AdaptivePlan:
@@ -235,7 +237,7 @@ def plan_adaptive(
     # level 1: long entries in TE's slots, one placement per template
     long_units = te_slot(lengths_E[long_ids], cp_size) // unit
     if len(long_ids):
-        hp = plan_size_classes(*distinct_sizes(long_units), pack_size // unit, fit=fit, rng=rng)
+        hp = plan_size_classes(*distinct_sizes(long_units), pack_size // unit, fit=fit, rng=rng, improve=improve)
         ids1, offsets1 = materialize(hp, long_units, rng=rng)
         short_tokens = int(lengths_E[short_ids].sum())
         free = hp.num_packs * pack_size - int(long_units.sum()) * unit
@@ -261,7 +263,7 @@ def plan_adaptive(
     # level 2: short entries whole, into the long packs' free room and fresh ranks
     short_lengths = lengths_E[short_ids]
     order_W, pack_W, rank_W = _fill_ranks(
-        short_lengths, whole_cost(short_lengths, cost_model), used_QR, budget, fit=fit, rng=rng
+        short_lengths, whole_cost(short_lengths, cost_model), used_QR, budget, fit=fit, rng=rng, improve=improve
     )
     num_packs = max(num_long, int(pack_W.max()) + 1 if len(pack_W) else 0)
     pack1 = np.repeat(np.arange(num_long), np.diff(offsets1))
@@ -275,7 +277,7 @@ def plan_adaptive(
     plan = AdaptivePlan(ids=ids, offsets=offsets, group_size=group_size, group_start=group_start)
     if cost_model == "pairs":  # the templates' TE slots overestimate real pairs: check every long pack
         plan = _repair(plan, lengths_E, pack_size, cp_size, cost_model, packs=num_long)
-    return _no_more_than_te(plan, lengths_E, pack_size, cp_size, cost_model, sizes, fit=fit, rng=rng)
+    return _no_more_than_te(plan, lengths_E, pack_size, cp_size, cost_model, sizes, fit=fit, rng=rng, improve=improve)
 
 
 def _repair(
@@ -318,6 +320,7 @@ def _no_more_than_te(
     *,
     fit: Fit,
     rng: np.random.Generator | None,
+    improve: bool = True,
 ) -> AdaptivePlan:
     """``plan``, or TE's packs placed by ``place_packs`` when those are fewer."""
     unit = 2 * cp_size
@@ -326,7 +329,7 @@ def _no_more_than_te(
     distinct = distinct_sizes(units)
     if num_packs <= l2_lower_bound_of_sizes(*distinct, pack_size // unit):
         return plan
-    hp = plan_size_classes(*distinct, pack_size // unit, fit=fit, rng=rng)
+    hp = plan_size_classes(*distinct, pack_size // unit, fit=fit, rng=rng, improve=improve)
     if hp.num_packs >= num_packs:
         return plan
     ids, offsets = materialize(hp, units, rng=rng)
@@ -351,11 +354,14 @@ def plan_entries(
     rng: np.random.Generator | None,
     cost_model: CostModel,
     sizes: Sequence[int] | None = None,
+    improve: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, CpPlacement]:
     """``plan_packs(..., cp_placement="adaptive")``'s packs: ``(ids, offsets, placement)`` for
     entries of the given lengths, ``ids`` indexing them pack by pack."""
     if algorithm in ("bfd", "ffd"):
-        plan = plan_adaptive(lengths_E, pack_size, cp_size, fit=algorithm, rng=rng, cost_model=cost_model, sizes=sizes)
+        plan = plan_adaptive(
+            lengths_E, pack_size, cp_size, fit=algorithm, rng=rng, cost_model=cost_model, sizes=sizes, improve=improve
+        )
         ids, offsets, group_size, group_start = plan.ids, plan.offsets, plan.group_size, plan.group_start
     else:
         units = te_slot(lengths_E, cp_size) // (2 * cp_size)

@@ -72,6 +72,7 @@ def plan_packs(
     window: int = DEFAULT_WINDOW,
     cp_placement: CpPlacementMode = "te",
     cost_model: CostModel = "tiles",
+    improve: bool = True,
 ) -> PackPlan:
     """Plan packs of ``pack_size`` tokens for sequences of the given lengths.
 
@@ -96,6 +97,10 @@ def plan_packs(
             carries the ``CpPlacement`` as ``plan.placement``). Ignored when ``cp_size == 1``.
         cost_model: what the adaptive placement minimises on each pack's busiest rank:
             ``"tiles"`` (128 x 128 kernel tiles) or ``"pairs"`` (causal query-key pairs).
+        improve: after ``"bfd"`` / ``"ffd"``, re-pack the packs that are not full with exact
+            fills (``thdpack.plan.improve``) unless the fit already reaches the lower bound;
+            never adds a pack (``plan.stats.fit_packs``: the fit's own count when it saved some).
+            ``"sequential"`` and ``"window"`` keep their order and ignore it.
 
     Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
     largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
@@ -108,6 +113,7 @@ def plan_packs(
         seed=seed,
         cp_placement=cp_placement,
         cost_model=cost_model,
+        improve=improve,
     )
     return plan_with(lengths, config, cp_size=cp_size)
 
@@ -138,6 +144,7 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
     rng = None if seed is None else np.random.default_rng(seed)
 
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
+    fit_packs = None  # the decreasing fit's packs when the improvement phase saved some
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
     placement = None
     if cp_placement == "adaptive" and cp_size > 1:
@@ -149,6 +156,7 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
             window=config.window,
             rng=rng,
             cost_model=cost_model,
+            improve=config.improve,
         )
     elif algorithm == "sequential":
         offsets = next_fit(units, capacity)
@@ -159,20 +167,23 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
         # the engine works on the distinct sizes (memory and time follow them and the
         # sequences, whatever pack_size is)
         distinct = distinct_sizes(units)
-        hp = plan_size_classes(*distinct, capacity, fit=algorithm, rng=rng)
+        hp = plan_size_classes(*distinct, capacity, fit=algorithm, rng=rng, improve=config.improve)
+        fit_packs = hp.fit_packs
         ids, offsets = materialize(hp, units, rng=rng)
         if multiple == 1 and not entries.cut:
             pack_loads = (hp.node_load()[hp.group_node], hp.group_count)
 
     if placement is not None:  # slots in tokens: whole entries take their length, split ones a 2g multiple
         stats = _stats(
-            len(lengths), entries, distinct_sizes(placement.slots()), ids, offsets, None, algorithm, pack_size, 1
+            len(lengths), entries, distinct_sizes(placement.slots()), ids, offsets, None, algorithm, pack_size, 1, None
         )
         stats = dataclasses.replace(stats, cp_size=cp_size)
     else:
         if distinct is None:
             distinct = distinct_sizes(units)
-        stats = _stats(len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size)
+        stats = _stats(
+            len(lengths), entries, distinct, ids, offsets, pack_loads, algorithm, pack_size, cp_size, fit_packs
+        )
     cut = entries.cut
     return PackPlan(
         ids if entries.sequence is None else entries.sequence[ids],
@@ -200,6 +211,7 @@ def _stats(
     algorithm: str,
     pack_size: int,
     cp_size: int,
+    fit_packs: int | None,
 ) -> PackingStats:
     num_packs = len(offsets) - 1
     if pack_loads is None:
@@ -218,4 +230,5 @@ def _stats(
         pack_loads=pack_loads,
         max_sequences_per_pack=int(np.diff(offsets).max()) if num_packs else 0,
         overflow={key: getattr(entries, key) for key in OVERFLOW_COUNTS},
+        fit_packs=fit_packs,
     )

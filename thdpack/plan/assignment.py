@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from thdpack.plan.histogram import HistogramPlan
+from thdpack.plan.histogram_plan import HistogramPlan
 
 CHUNK = 1 << 16  # items ranked per step: numpy calls amortised, a chunk's sort stays in the CPU cache
 SIZE_KEYS_BELOW = 1 << 16

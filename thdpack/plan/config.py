@@ -7,7 +7,7 @@ so it is passed beside the config (``plan_with(lengths, config, cp_size=...)``).
 
 >>> PlanConfig(pack_size=2048, algorithm="window").fingerprint()  # doctest: +NORMALIZE_WHITESPACE
 {'pack_size': 2048, 'algorithm': 'window', 'overflow': 'error', 'window': 1024, 'seed': None,
- 'cp_placement': 'te', 'cost_model': 'tiles'}
+ 'cp_placement': 'te', 'cost_model': 'tiles', 'improve': True}
 >>> PlanConfig(pack_size=2048.0)
 Traceback (most recent call last):
 ...
@@ -63,6 +63,10 @@ class PlanConfig(Settings):
     cost_model: CostModel = "tiles"
     """What the adaptive placement minimises on each pack's busiest rank: "tiles" (128 x 128 kernel
     tiles) or "pairs" (causal query-key pairs)."""
+    improve: bool = True
+    """After "bfd" / "ffd": re-pack the packs that are not full with exact fills
+    (``thdpack.plan.improve``) unless the fit already reaches the lower bound; never adds a pack.
+    "sequential" and "window" keep their order and ignore it."""
 
     def __post_init__(self) -> None:
         self.normalize("pack_size", pack_size_setting(self.pack_size))
@@ -73,3 +77,5 @@ class PlanConfig(Settings):
             self.normalize("seed", check_int("seed", self.seed, 0))
         check_choice("cp_placement", self.cp_placement, CP_PLACEMENTS)
         check_choice("cost_model", self.cost_model, COST_MODELS)
+        if not isinstance(self.improve, bool):
+            raise TypeError(f"improve must be True or False, got {self.improve!r}")

@@ -25,68 +25,16 @@ A pack's content is a path in a tree of *nodes*: node ``t`` adds ``node_reps[t]`
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
+from thdpack.plan.bounds import best_lower_bound_of_sizes, l2_lower_bound_of_sizes
+from thdpack.plan.histogram_plan import HistogramPlan
+from thdpack.plan.improve import improve as improve_plan
+
 Fit = Literal["bfd", "ffd"]
 FITS: tuple[str, ...] = ("bfd", "ffd")
-
-
-@dataclass(frozen=True)
-class HistogramPlan:
-    """Packs as templates x counts. Sizes are in slot units (tokens / ``unit``)."""
-
-    capacity: int
-    """Pack capacity in slot units."""
-    node_parent: np.ndarray
-    """(M,) int64: parent node; -1 for node 0, the empty pack."""
-    node_size: np.ndarray
-    """(M,) int64: size (slot units) of the items a node adds."""
-    node_reps: np.ndarray
-    """(M,) int64: how many items of ``node_size`` a node adds."""
-    group_node: np.ndarray
-    """(G,) int64: the content node shared by every pack of a group."""
-    group_count: np.ndarray
-    """(G,) int64: packs in the group."""
-
-    @property
-    def num_packs(self) -> int:
-        return int(self.group_count.sum())
-
-    def pack_contents(self, group: int) -> list[tuple[int, int]]:
-        """[(size, reps), ...] of one pack of ``group``, in placement order."""
-        out = []
-        node = int(self.group_node[group])
-        while node > 0:
-            out.append((int(self.node_size[node]), int(self.node_reps[node])))
-            node = int(self.node_parent[node])
-        return out[::-1]
-
-    def node_items(self) -> np.ndarray:
-        """(M,) int64: items in a pack whose content ends at each node."""
-        return path_sums(self.node_parent, self.node_reps)
-
-    def node_load(self) -> np.ndarray:
-        """(M,) int64: slot units used by a pack whose content ends at each node."""
-        return path_sums(self.node_parent, self.node_reps * self.node_size)
-
-
-def path_sums(parent: np.ndarray, value: np.ndarray) -> np.ndarray:
-    """(M,) sum of ``value`` over each node's path to the root (node 0, value 0), by pointer doubling.
-
-    >>> path_sums(np.array([-1, 0, 1, 1, 0]), np.array([0, 2, 3, 4, 5])).tolist()
-    [0, 2, 5, 6, 5]
-    """
-    up = parent.copy()
-    up[0] = 0  # the root points to itself and adds nothing
-    total = value.copy()
-    total[0] = 0
-    while np.any(up):
-        total = total + total[up]
-        up = up[up]
-    return total
 
 
 def _finish(
@@ -106,7 +54,12 @@ def _finish(
 
 
 def plan_histogram(
-    counts: np.ndarray, capacity: int, *, fit: Fit = "bfd", rng: np.random.Generator | None = None
+    counts: np.ndarray,
+    capacity: int,
+    *,
+    fit: Fit = "bfd",
+    rng: np.random.Generator | None = None,
+    improve: bool = True,
 ) -> HistogramPlan:
     """Pack ``counts[s]`` items of size ``s`` (slot units) into packs of ``capacity``.
 
@@ -117,8 +70,10 @@ def plan_histogram(
             the oldest pack that fits). Sizes are visited in decreasing order.
         rng: when given, BFD breaks ties between equally full packs of different content at
             random (reproducibly), which reshuffles pairings.
+        improve: run the improvement phase after the fit (``thdpack.plan.improve``) unless the
+            fit already reaches the lower bound; it never adds a pack.
 
-    Returns a ``HistogramPlan`` with the same number of packs as item-level BFD / FFD.
+    Returns a ``HistogramPlan``; with ``improve=False``, the same packs as item-level BFD / FFD.
     ``plan_size_classes`` is the same plan from the distinct sizes alone (no array of
     ``capacity + 1``: what a huge capacity needs).
     """
@@ -128,7 +83,7 @@ def plan_histogram(
     if counts[0] != 0:
         raise ValueError("counts[0] must be 0: every item occupies at least one slot")
     sizes = np.flatnonzero(counts)
-    return plan_size_classes(sizes, counts[sizes], capacity, fit=fit, rng=rng)
+    return plan_size_classes(sizes, counts[sizes], capacity, fit=fit, rng=rng, improve=improve)
 
 
 def plan_size_classes(
@@ -138,6 +93,7 @@ def plan_size_classes(
     *,
     fit: Fit = "bfd",
     rng: np.random.Generator | None = None,
+    improve: bool = True,
 ) -> HistogramPlan:
     """``plan_histogram`` from the distinct sizes and their counts: memory and time follow the
     number of distinct sizes and of pack groups, whatever ``capacity`` is.
@@ -145,7 +101,7 @@ def plan_size_classes(
     Args:
         sizes: (K,) integers, strictly increasing, in ``[1, capacity]`` (slot units).
         counts: (K,) integers >= 1: items of each size.
-        capacity, fit, rng: as in ``plan_histogram``.
+        capacity, fit, rng, improve: as in ``plan_histogram``.
 
     >>> hp = plan_size_classes(np.array([1, 3, 4, 5]), np.array([1, 2, 1, 2]), capacity=10**12)
     >>> hp.num_packs, hp.pack_contents(0)
@@ -167,10 +123,14 @@ def plan_size_classes(
     # decreasing sizes, as plain ints: the loops below are per size class and per group
     classes = list(zip(sizes[::-1].tolist(), counts[::-1].tolist(), strict=True))
     if fit == "bfd":
-        return _best_fit(classes, capacity, rng)
-    if fit == "ffd":
-        return _first_fit(classes, capacity)
-    raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(FITS)}")
+        hp = _best_fit(classes, capacity, rng)
+    elif fit == "ffd":
+        hp = _first_fit(classes, capacity)
+    else:
+        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(FITS)}")
+    if not improve or not len(sizes) or hp.num_packs <= l2_lower_bound_of_sizes(sizes, counts, capacity):
+        return hp
+    return improve_plan(hp, target=best_lower_bound_of_sizes(sizes, counts, capacity))
 
 
 def _best_fit(classes: list[tuple[int, int]], capacity: int, rng: np.random.Generator | None) -> HistogramPlan:

@@ -39,6 +39,12 @@ class PackingStats:
     """num_packs * pack_size."""
     lower_bound_packs: int
     """Martello–Toth L2 lower bound on the packs any planner needs for these slots."""
+    best_lower_bound_packs: int = 0
+    """The strongest lower bound thdpack computes (``thdpack.plan.bounds``: L2, single fills,
+    the CCM dual feasible function), >= lower_bound_packs; a plan that reaches it is optimal."""
+    fit_packs: int | None = None
+    """Packs of the decreasing fit (bfd / ffd) before the improvement phase, when the phase saved
+    some; None otherwise."""
     dropped_sequences: int = 0
     """Sequences removed by overflow='drop'."""
     dropped_tokens: int = 0
@@ -69,6 +75,16 @@ class PackingStats:
         """num_packs / lower_bound_packs (1.0 is provably optimal)."""
         return self.num_packs / self.lower_bound_packs if self.lower_bound_packs else 1.0
 
+    @property
+    def gap_packs(self) -> int:
+        """num_packs - lower_bound_packs: packs over L2 (at most this many could be saved)."""
+        return self.num_packs - self.lower_bound_packs
+
+    @property
+    def optimal(self) -> bool:
+        """True when num_packs reaches best_lower_bound_packs: no plan has fewer packs."""
+        return self.num_packs <= max(self.best_lower_bound_packs, self.lower_bound_packs)
+
     def to_dict(self) -> dict:
         """Plain JSON-ready dict, derived numbers included."""
         out = asdict(self)
@@ -77,18 +93,25 @@ class PackingStats:
             efficiency=self.efficiency,
             tail_padding_tokens=self.tail_padding_tokens,
             packs_over_lower_bound=self.packs_over_lower_bound,
+            gap_packs=self.gap_packs,
+            optimal=self.optimal,
         )
         return out
 
     def __str__(self) -> str:
+        notes = ["optimal"] if self.optimal else []
+        if self.fit_packs:
+            notes.append(f"{self.algorithm} alone: {self.fit_packs:,}")
         rows = [
             ("algorithm", self.algorithm),
             ("pack_size / cp_size", f"{self.pack_size:,} / {self.cp_size}"),
-            ("packs", f"{self.num_packs:,}"),
+            ("packs", f"{self.num_packs:,}" + (f"  ({'; '.join(notes)})" if notes else "")),
             (
                 "lower bound (L2)",
-                f"{self.lower_bound_packs:,}  (packs / bound = {self.packs_over_lower_bound:.5f})",
+                f"{self.lower_bound_packs:,}  (packs / bound = {self.packs_over_lower_bound:.5f}, "
+                f"{self.gap_packs:,} over)",
             ),
+            ("best lower bound", f"{max(self.best_lower_bound_packs, self.lower_bound_packs):,}"),
             (
                 "sequences placed",
                 f"{self.num_sequences:,}"
@@ -160,6 +183,7 @@ def build_stats(
     pack_loads: tuple[np.ndarray, np.ndarray],
     max_sequences_per_pack: int,
     overflow: Mapping[str, int],
+    fit_packs: int | None = None,
 ) -> PackingStats:
     """The stats of a plan from its totals and histograms: what ``plan_packs`` and the streaming
     packer both report (one place derives the padding, the capacity, the L2 bound, the percentiles).
@@ -167,13 +191,18 @@ def build_stats(
     ``slot_sizes`` / ``slot_counts``: the distinct slot sizes of the placed entries, in units of
     ``2*cp_size``, and how many entries have each (no array is sized by the pack);
     ``pack_loads``: (values, weights), real tokens of the packs and how many packs have each;
-    ``overflow``: the ``OVERFLOW_COUNTS`` of the policy that placed the entries.
+    ``overflow``: the ``OVERFLOW_COUNTS`` of the policy that placed the entries; ``fit_packs``:
+    the decreasing fit's packs when the improvement phase saved some.
     """
-    from thdpack.plan.bounds import l2_lower_bound_of_sizes
+    from thdpack.plan.bounds import best_lower_bound_of_sizes, l2_lower_bound_of_sizes
 
     multiple = cp_multiple(cp_size)
     slot_sizes, slot_counts = np.asarray(slot_sizes, dtype=np.int64), np.asarray(slot_counts, dtype=np.int64)
     loads, weights = pack_loads
+    capacity = pack_size // multiple
+    l2 = l2_lower_bound_of_sizes(slot_sizes, slot_counts, capacity) if num_packs else 0
+    # the stronger bounds only matter (and are only computed) when the plan is above L2
+    best = best_lower_bound_of_sizes(slot_sizes, slot_counts, capacity) if num_packs > l2 else l2
     return PackingStats(
         algorithm=algorithm,
         pack_size=pack_size,
@@ -184,7 +213,9 @@ def build_stats(
         real_tokens=real_tokens,
         cp_padding_tokens=int((slot_sizes * slot_counts).sum()) * multiple - real_tokens,
         capacity_tokens=num_packs * pack_size,
-        lower_bound_packs=l2_lower_bound_of_sizes(slot_sizes, slot_counts, pack_size // multiple) if num_packs else 0,
+        lower_bound_packs=l2,
+        best_lower_bound_packs=best,
+        fit_packs=fit_packs,
         max_sequences_per_pack=max_sequences_per_pack,
         fullness_percentiles=weighted_percentiles(np.asarray(loads, dtype=np.float64) / pack_size, weights),
         **{key: int(overflow.get(key, 0)) for key in OVERFLOW_COUNTS},

@@ -83,6 +83,26 @@ def test_efficiency_close_to_offline_on_lognormal_lengths():
     assert packer.stats.efficiency > 0.99 and packer.stats.packs_over_lower_bound < 1.01
 
 
+def _seq_lens(lengths, pack_size, buffer_size):
+    packer = StreamingPacker([{"input_ids": [1] * n} for n in lengths], pack_size, buffer_size=buffer_size)
+    return [p["seq_lens"].tolist() for p in packer], packer.stats
+
+
+def test_exact_fills_close_the_gaps_best_fit_leaves():
+    # best fit: [2,4] [3,4] [3,4] [4]; the exact fill closes 2's room of 6 with 3 + 3
+    packs, stats = _seq_lens([2, 4, 3, 4, 3, 4, 4], 8, buffer_size=7)
+    assert packs == [[2, 3, 3], [4, 4], [4, 4]]
+    assert stats.num_packs == stats.lower_bound_packs == 3 and stats.optimal
+
+
+def test_gaps_stay_open_while_long_entries_abound():
+    # three entries over half a pack and three short ones: the short ones would run out, so the
+    # pack is best fit's [6,3] (room 1 left), not [6,2,2]
+    assert _seq_lens([6, 3, 2, 2, 6, 6], 10, buffer_size=6)[0] == [[6, 3], [2, 6, 2], [6]]
+    # one long entry and three short ones: the gap is closed (the 3 swapped for 2 + 2)
+    assert _seq_lens([6, 3, 2, 2], 10, buffer_size=4)[0] == [[6, 2, 2], [3]]
+
+
 @settings(max_examples=12)
 @given(stop_after=st.integers(0, 12), stateful=st.booleans(), overflow=st.sampled_from(["split", "truncate"]))
 def test_resume_anywhere(stop_after, stateful, overflow):

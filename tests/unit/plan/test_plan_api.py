@@ -200,6 +200,7 @@ def test_accepts_lists_numpy_torch_and_integral_floats():
         ),
         ({"seed": -1}, ValueError, "seed must be >= 0, got -1"),
         ({"window": 0}, ValueError, "window must be >= 1, got 0"),
+        ({"improve": "yes"}, TypeError, "improve must be True or False, got 'yes'"),
         (
             {"lengths": [3, 20, 30], "pack_size": 16},
             ValueError,

@@ -75,5 +75,6 @@ def test_settings_are_plain_values():
         "seed": 3,
         "cp_placement": "te",
         "cost_model": "tiles",
+        "improve": True,
     }
-    assert all(type(v) in (int, str) for v in config.fingerprint().values())
+    assert all(type(v) in (int, str, bool) for v in config.fingerprint().values())
