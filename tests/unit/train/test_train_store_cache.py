@@ -95,3 +95,20 @@ def test_a_second_builder_waits_for_the_first_and_uses_its_cache(chats, tmp_path
     second.join(timeout=60)
     assert len(opened) == 1 and len(opened[0]) == 1
     assert "tokenizing" not in capsys.readouterr().out
+
+
+def test_a_chat_file_under_the_default_data_group_trains_as_chats(chats, tmp_path):
+    """The default group (data=stdlib) set kind=text: a chat file failed with "has no field 'text' ...
+    pass on_bad_record='skip'". Its kind is now told from each record, as data=jsonl does."""
+    import hydra
+    from omegaconf import OmegaConf
+
+    from thdpack.train.config import register_configs
+
+    register_configs()
+    overrides = [f"data.inputs=[{chats}]", f"data.cache_dir={tmp_path / 'cache'}", "data.on_bad_record=skip"]
+    with hydra.initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
+        data = OmegaConf.to_object(hydra.compose("train", overrides=overrides)).data
+    store = open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
+    assert len(store) == 1 and store.manifest["prepare"]["tokenize_report"]["kinds"] == {"chat": 2}
+    assert store.manifest["skipped_records"]["by_reason"] == {"empty_conversation": 1}
