@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -16,11 +18,12 @@ import numpy as np
 from thdpack import __version__
 from thdpack.data._lock import FolderLock
 from thdpack.data.encode import TokenizeConfig
-from thdpack.data.manifest import StoreError
+from thdpack.data.manifest import MANIFEST_FILE, STORE_FILES, StoreBusyError, StoreError
+from thdpack.data.prepared_plan import PLAN_FILE
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.store_verify import verify_store
-from thdpack.data.write_store import write_token_store
+from thdpack.data.write_store import SKIPPED_FILE, write_token_store
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +78,8 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
     for the lock, then uses what the first built) while the other ranks wait at ``barrier``; it is
     published as every store is, manifest last (``thdpack._publish``). A damaged cache (a file
     deleted, cut short or changed, or written before checksums) is rebuilt with a warning naming
-    the file.
+    the file. A build that fails removes its folder; before building, the folders that killed
+    builds left unfinished in ``data.cache_dir`` are removed (``remove_unfinished_caches``).
     """
     if data.store is not None:
         path = Path(data.store).expanduser()
@@ -96,6 +100,7 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
 def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
     if _cache_damage(path, vocab_size) is None:
         return
+    remove_unfinished_caches(path.parent)
     # one builder at a time; a machine that shares data.cache_dir and comes second waits here, then
     # finds the cache the first one built
     with FolderLock(path, wait=True) as lock:
@@ -106,7 +111,11 @@ def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
             # the fix StoreError suggests is for prepared stores: a cache repairs itself
             log.warning("token cache %s is damaged: %s %s; rebuilding it", path, damage.file, damage.problem)
         print(f"tokenizing {', '.join(data.inputs)} with {data.tokenizer} into {path} (once; cached)", flush=True)
-        _build_cache(data, path, lock)
+        try:
+            _build_cache(data, path, lock)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # unfinished: a failed build leaves no folder behind
+            raise
         damage = _cache_damage(path, vocab_size, lock=lock)
     if damage is not None:
         raise StoreError(
@@ -114,6 +123,55 @@ def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
             f"{damage.problem}, right after the token cache was rebuilt",
             f"check the disk that holds data.cache_dir={data.cache_dir}, or set data.cache_dir to another folder",
         )
+
+
+_CACHE_NAME = re.compile(r".+-[0-9a-f]{12}")
+"""A cache folder's name (``cache_path``): ends in the store fingerprint."""
+_UNFINISHED_FILES = frozenset({*STORE_FILES, SKIPPED_FILE, PLAN_FILE, f".{MANIFEST_FILE}.partial"})
+"""What a store build writes before its manifest: a cache folder holding anything else is not
+removed, whatever its name."""
+
+
+def remove_unfinished_caches(cache_dir: Path) -> list[Path]:
+    """Remove the cache folders in ``cache_dir`` that a killed build left unfinished (no manifest,
+    nobody holding their lock), and the lock files of builders that died; return the folders removed.
+
+    A build that fails with an exception removes its own folder; one that is killed (SIGKILL, a
+    torchrun that stops its ranks, a lost node) cannot, and a cache with another fingerprint is
+    never built again in its place. Each folder is taken under its lock first, so one being built
+    (on this machine or another sharing ``cache_dir``) is left alone.
+    """
+    removed: list[Path] = []
+    if not cache_dir.is_dir():
+        return removed
+    for entry in sorted(cache_dir.iterdir()):
+        lock_of = entry.name.startswith(".") and entry.name.endswith(".lock")
+        folder = entry.with_name(entry.name[1 : -len(".lock")]) if lock_of else entry
+        if not _CACHE_NAME.fullmatch(folder.name) or (lock_of and folder.exists()):
+            continue  # a lock file beside a folder goes with the folder
+        if not lock_of and not _unfinished(folder):
+            continue
+        try:
+            lock = FolderLock(folder).acquire()
+        except StoreBusyError:
+            continue  # being built now
+        try:
+            if folder.exists() and _unfinished(folder):
+                shutil.rmtree(folder)
+                removed.append(folder)
+                print(f"removed {folder}: a token cache that a killed build left unfinished", flush=True)
+        finally:
+            lock.release()  # and with it the lock file
+    return removed
+
+
+def _unfinished(folder: Path) -> bool:
+    try:
+        if not folder.is_dir() or (folder / MANIFEST_FILE).exists():
+            return False
+        return all(child.name in _UNFINISHED_FILES and child.is_file() for child in folder.iterdir())
+    except FileNotFoundError:  # removed meanwhile by another process's clean-up
+        return False
 
 
 def _cache_damage(path: Path, vocab_size: int, lock: FolderLock | None = None) -> StoreError | None:

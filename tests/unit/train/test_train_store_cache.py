@@ -112,3 +112,58 @@ def test_a_chat_file_under_the_default_data_group_trains_as_chats(chats, tmp_pat
     store = open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
     assert len(store) == 1 and store.manifest["prepare"]["tokenize_report"]["kinds"] == {"chat": 2}
     assert store.manifest["skipped_records"]["by_reason"] == {"empty_conversation": 1}
+
+
+# -- issue 17 item 7: failed builds leave no folder behind --------------------------------------
+def _cache_entries(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in cache_dir.iterdir()) if cache_dir.exists() else []
+
+
+def test_a_build_that_fails_removes_its_folder(tmp_path):
+    """A bad record after 600 good ones (a tokenizer batch already stored): the unfinished folder
+    stayed in data.cache_dir."""
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(600)) + "{bad\n")
+    data = DataConfig(inputs=[str(docs)], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"docs\.jsonl line 601: malformed JSON"):
+        open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
+    assert _cache_entries(tmp_path / "cache") == []
+
+
+def test_the_next_build_removes_what_a_killed_build_left(chats, tmp_path):
+    """A real build process killed (SIGKILL) mid-build, reading its input from a pipe that never
+    ends: its folder and lock file stayed for ever, since a cache of another fingerprint is never
+    built again in their place. The next build (other data, same cache_dir) removes them; a folder
+    that another process is building now (its lock held) is left alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    cache = tmp_path / "cache"
+    pipe = tmp_path / "endless.jsonl"
+    os.mkfifo(pipe)
+    killed = cache_path(DataConfig(inputs=[str(pipe)], cache_dir=str(cache)))
+    build = (
+        "from thdpack.train.config import DataConfig\n"
+        "from thdpack.train.store_cache import open_token_store\n"
+        f"open_token_store(DataConfig(inputs=[{str(pipe)!r}], cache_dir={str(cache)!r}), vocab_size=50257, "
+        "is_local_main=True, barrier=lambda: None)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", build])
+    try:
+        deadline = time.monotonic() + 120
+        while not (killed / "tokens.bin").exists():  # the writer has started; the reader waits on the pipe
+            assert child.poll() is None and time.monotonic() < deadline, "the build never started writing"
+            time.sleep(0.05)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert _cache_entries(cache) == sorted([f".{killed.name}.lock", killed.name])
+    busy = cache / f"{killed.name[:-12]}{'0' * 12}"  # another unfinished cache, its builder alive
+    busy.mkdir()
+    with FolderLock(busy):
+        data = DataConfig(inputs=[str(chats)], cache_dir=str(cache), on_bad_record="skip")
+        store = open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
+        assert _cache_entries(cache) == sorted([store.path.name, busy.name, f".{busy.name}.lock"])
