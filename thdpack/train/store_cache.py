@@ -23,7 +23,11 @@ from thdpack.data.prepared_plan import PLAN_FILE
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.store_verify import verify_store
+from thdpack.data.tokenizer import load_tokenizer
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.models.config import ModelConfig
+from thdpack.models.hf_causal_lm import HFModelConfig
+from thdpack.models.hf_folder import folder_tokenizer
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -200,6 +204,48 @@ def _build_cache(data: DataConfig, path: Path, lock: FolderLock) -> None:
         limit=data.limit,
         overwrite=True,
         lock=lock,
+    )
+
+
+def check_model_tokenizer(model: ModelConfig | HFModelConfig, store: TokenStore) -> str | None:
+    """Refuse a store tokenized with another tokenizer than the one the model's folder ships.
+
+    Only a ``model=hf`` folder with a tokenizer is checked (thdpack's own model and a random
+    initialisation have none): its vocabulary's digest (``TextTokenizer.vocab_sha256``) must be
+    the one the store's manifest records, else ``ValueError`` naming both (the vocabulary sizes
+    alone agree for many pairs, and the model would read the store's ids as other tokens).
+    Returns a warning when it cannot tell: a store written before the digest was recorded (unless
+    its tokenizer file is the folder's, byte for byte), or a folder whose tokenizer has no
+    ``tokenizer.json``.
+    """
+    if not isinstance(model, HFModelConfig) or model.path is None:
+        return None
+    folder = folder_tokenizer(model.path)
+    if folder is None:
+        return None
+    if not (folder / "tokenizer.json").is_file():
+        return (
+            f"model.path={model.path} ships a tokenizer without tokenizer.json, which thdpack cannot read: it cannot "
+            f"check that {store.path} was tokenized with it"
+        )
+    recorded = store.manifest["tokenizer"]
+    theirs = load_tokenizer(folder)
+    if recorded.get("vocab_sha256") is None:
+        if recorded.get("sha256") == theirs.sha256:
+            return None  # the same tokenizer.json, byte for byte
+        return (
+            f"{store.path} records no vocabulary digest (written before thdpack recorded one), so it cannot be "
+            f"checked against the tokenizer of model.path={model.path}; prepare it again to check "
+            f"(thdpack prepare ... --tokenizer {model.path} --overwrite)"
+        )
+    if recorded["vocab_sha256"] == theirs.vocab_sha256:
+        return None
+    raise ValueError(
+        f"{store.path} was tokenized with {recorded.get('name')!r} ({recorded['vocab_size']:,} ids, vocabulary "
+        f"sha256 {recorded['vocab_sha256'][:12]}) but model.path={model.path} ships another tokenizer "
+        f"({theirs.vocab_size:,} ids, vocabulary sha256 {theirs.vocab_sha256[:12]}): the model would read the "
+        f"store's ids as other tokens; tokenize the data with the model's tokenizer (data.tokenizer={model.path}, "
+        f"or thdpack prepare ... --tokenizer {model.path})"
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -167,3 +168,53 @@ def test_the_next_build_removes_what_a_killed_build_left(chats, tmp_path):
         data = DataConfig(inputs=[str(chats)], cache_dir=str(cache), on_bad_record="skip")
         store = open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
         assert _cache_entries(cache) == sorted([store.path.name, busy.name, f".{busy.name}.lock"])
+
+
+# -- issue 17 item 5: a model folder's tokenizer must be the store's ----------------------------
+def _tokenizer_folder(folder: Path, tokenizer) -> str:
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    tokenizer.save(str(folder / "tokenizer.json"), pretty=False)  # formatted unlike the shipped file
+    return str(folder)
+
+
+def test_a_model_folder_with_another_tokenizer_is_refused_naming_both(chats, tmp_path):
+    """The vocabulary sizes were all that was compared: a folder shipping its own tokenizer trained
+    on a GPT-2 store whenever its vocabulary was the larger."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
+    from thdpack.models.config import ModelConfig
+    from thdpack.models.hf_causal_lm import HFModelConfig
+    from thdpack.train.store_cache import check_model_tokenizer
+
+    store = write_token_store(
+        [str(chats)], tmp_path / "store", tokenize_config=TokenizeConfig(on_bad_record="skip"), verbose=False
+    )
+    assert store.manifest["tokenizer"]["vocab_sha256"] == _gpt2_vocab_digest()
+    other = Tokenizer(WordLevel({f"w{i}": i for i in range(60_001)}, unk_token="w0"))
+    foreign = _tokenizer_folder(tmp_path / "foreign", other)
+    with pytest.raises(ValueError) as caught:
+        check_model_tokenizer(HFModelConfig(path=foreign), store)
+    assert str(caught.value).startswith(
+        f"{store.path} was tokenized with 'gpt2' (50,257 ids, vocabulary sha256 {_gpt2_vocab_digest()[:12]}) "
+        f"but model.path={foreign} ships another tokenizer (60,001 ids, vocabulary sha256 "
+    )
+    assert f"data.tokenizer={foreign}, or thdpack prepare ... --tokenizer {foreign}" in str(caught.value)
+    same = _tokenizer_folder(tmp_path / "same", Tokenizer.from_file(str(SHIPPED_TOKENIZERS["gpt2"])))
+    assert (tmp_path / "same" / "tokenizer.json").read_bytes() != SHIPPED_TOKENIZERS["gpt2"].read_bytes()
+    assert check_model_tokenizer(HFModelConfig(path=same), store) is None  # the same vocabulary, other bytes
+    (tmp_path / "bare").mkdir()
+    assert check_model_tokenizer(HFModelConfig(path=str(tmp_path / "bare")), store) is None  # ships none
+    assert check_model_tokenizer(ModelConfig(), store) is None
+    store.manifest["tokenizer"].pop("vocab_sha256")  # a store written before the digest: warned, not passed
+    assert "records no vocabulary digest" in check_model_tokenizer(HFModelConfig(path=foreign), store)
+    shutil.copy(SHIPPED_TOKENIZERS["gpt2"], tmp_path / "same" / "tokenizer.json")
+    assert check_model_tokenizer(HFModelConfig(path=same), store) is None  # its very file
+
+
+def _gpt2_vocab_digest() -> str:
+    from thdpack.data.tokenizer import load_tokenizer
+
+    return load_tokenizer("gpt2").vocab_sha256
