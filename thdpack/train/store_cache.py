@@ -82,8 +82,8 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
     for the lock, then uses what the first built) while the other ranks wait at ``barrier``; it is
     published as every store is, manifest last (``thdpack._publish``). A damaged cache (a file
     deleted, cut short or changed, or written before checksums) is rebuilt with a warning naming
-    the file. A build that fails removes its folder; before building, the folders that killed
-    builds left unfinished in ``data.cache_dir`` are removed (``remove_unfinished_caches``).
+    the file. A build that fails removes its folder; one that succeeds then removes the folders
+    that killed builds left unfinished in ``data.cache_dir`` (``remove_unfinished_caches``).
     """
     if data.store is not None:
         path = Path(data.store).expanduser()
@@ -104,7 +104,6 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
 def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
     if _cache_damage(path, vocab_size) is None:
         return
-    remove_unfinished_caches(path.parent)
     # one builder at a time; a machine that shares data.cache_dir and comes second waits here, then
     # finds the cache the first one built
     with FolderLock(path, wait=True) as lock:
@@ -121,7 +120,9 @@ def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
             shutil.rmtree(path, ignore_errors=True)  # unfinished: a failed build leaves no folder behind
             raise
         damage = _cache_damage(path, vocab_size, lock=lock)
-    if damage is not None:
+    if damage is None:
+        remove_unfinished_caches(path.parent)  # what killed builds of other caches left
+    else:
         raise StoreError(
             damage.file,
             f"{damage.problem}, right after the token cache was rebuilt",
