@@ -188,10 +188,10 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
     mark one run of tokens at the start (right padding, NeMo's reading) or at the end of the item
     (left padding: NeMo would take the pad tokens for the sequence; thdpack moves the real tokens
     to the front and pads after them, labels -100); any other mask raises ``ValueError`` naming
-    the item. Returns those five keys plus
-    ``qkv_format="thd"``; ``{}`` for an empty batch. Items are not modified. A batch mixing packs
-    with single sequences raises ``ValueError``; packs of different lengths raise
-    ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError`` NeMo's ``torch.stack`` raises.
+    the item. Returns those five keys plus ``qkv_format="thd"``; ``{}`` for an empty batch. Items
+    are not modified. A batch mixing packs with single sequences raises ``ValueError``; packs of
+    different lengths raise ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError``
+    NeMo's ``torch.stack`` raises.
 
     >>> a = {"input_ids": [1, 2, 3, 0], "labels": [2, 3, -100, -100], "position_ids": [0, 1, 2, 3],
     ...      "seq_lens": [3], "seq_lens_padded": [4]}

@@ -122,7 +122,7 @@ def check_kind(record: Mapping[str, Any], kind: RecordKind, text_key: str = "tex
     if any(name in record for name in _kind_fields(kind, text_key)):
         return  # a field of its kind is there: record_segments names what else is missing
     found = [other for other in _DETECTION_ORDER if has_kind_fields(record, other, text_key)]
-    if found:  # else: record_segments names the missing field
+    if found:
         raise BadRecord(
             origin,
             "wrong_kind",
@@ -214,8 +214,8 @@ def chat_messages(record: Mapping[str, Any], origin: str = "record") -> list[tup
     ...
     thdpack.data.bad_records.BadRecord: chats.jsonl line 2: 'conversations' is empty: no messages to train on
     """
-    sharegpt = CHAT_FIELDS[0] not in record
-    field_name = CHAT_FIELDS[1] if sharegpt else CHAT_FIELDS[0]
+    sharegpt = "messages" not in record
+    field_name = "conversations" if sharegpt else "messages"
     if field_name not in record:
         keys = sorted(record)
         raise BadRecord(origin, "missing_field", f"has no 'messages' or 'conversations' field (its keys: {keys})")

@@ -24,9 +24,9 @@ names (a folder's files, then its sub-folders), hidden files and folders skipped
 Nothing is dropped silently: empty records (no text, no values) are skipped and counted in
 ``Source.report``; blank lines in jsonl are counted too. An empty chat (``{"messages": []}``) is
 not skipped here: it is a bad record (``empty_conversation``), which the policy fails on or
-skips, logs and counts. Undecodable bytes raise ``ValueError``
-naming the file and line, unless ``decode_errors="replace"`` (the default for ``stdlib``, where
-four test files are deliberately not UTF-8), which counts the documents it repaired. A jsonl line
+skips, logs and counts. Undecodable bytes raise ``ValueError`` naming the file and line, unless
+``decode_errors="replace"`` (the default for ``stdlib``, where four test files are deliberately
+not UTF-8), which counts the documents it repaired. A jsonl line
 that is not JSON, or a record that is not an object, is a bad record: the source's
 ``BadRecords`` policy (``thdpack.data.bad_records``) fails on it naming the line (default) or
 skips, counts and logs it.
