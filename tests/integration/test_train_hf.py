@@ -125,6 +125,9 @@ def test_activation_checkpointing_changes_no_loss(tmp_path, cache, model):
         (["model=hf", "model.arch=gpt2"], "model.arch='gpt2' is not one of llama, qwen2, mistral, gemma"),
         (["model=hf", "model.path=/models/x", "model.arch=llama"], "its config.json decides the architecture"),
         (["model.path=/models/x"], "model.path=/models/x applies to Hugging Face models only: add model=hf"),
+        # issue 17: named before a model is built or a step is run
+        (["model=hf", "model.dim=30"], "head dim model.dim // model.n_heads = 15 is odd; RoPE rotates pairs"),
+        (["train.save_hf=true"], "train.save_hf=true writes a Hugging Face folder, which only model=hf runs have"),
     ],
 )
 def test_bad_hf_settings_are_named(tmp_path, cache, overrides, message):
@@ -138,3 +141,27 @@ def test_bad_hf_settings_are_named(tmp_path, cache, overrides, message):
     extra = base if any("path" in o for o in overrides) and "model=hf" in overrides else []
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run(config(tmp_path, cache, *overrides, *extra, "parallel.cp_size=1", "train.steps=1"))
+
+
+def test_a_model_folder_with_its_own_tokenizer_refuses_a_store_of_another(tmp_path, cache):
+    """Issue 17: a folder shipping a 60,001-id tokenizer trained on the GPT-2 stdlib store, since
+    only the vocabulary sizes were compared (the model's 60,001 >= the store's 50,257)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    folder = tmp_path / "model"
+    llama = transformers.LlamaConfig(
+        vocab_size=60_001,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    transformers.LlamaForCausalLM(llama).save_pretrained(folder)
+    Tokenizer(WordLevel({f"w{i}": i for i in range(60_001)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    sizes = [f"model.{name}=null" for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")]
+    overrides = ["model=hf", f"model.path={folder}", *sizes, "parallel.cp_size=1", "train.steps=1"]
+    with pytest.raises(ValueError, match=r"was tokenized with 'gpt2' \(50,257 ids.* ships another tokenizer \(60,001"):
+        run(config(tmp_path / "out", cache, *overrides))
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()

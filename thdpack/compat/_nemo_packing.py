@@ -136,8 +136,11 @@ def _single_sequence_pack(item: Mapping[str, Any], index: int, width: int, input
             f"item {index} has labels of shape {tuple(labels.shape)} but input_ids of shape {tuple(ids.shape)}; "
             "give one (already shifted) label per token"
         )
-    mask = item.get("attention_mask")
-    real = int(torch.as_tensor(mask).sum()) if mask is not None else len(ids)
+    real = len(ids)
+    if item.get("attention_mask") is not None:
+        start, real = _mask_span(item["attention_mask"], index, len(ids))
+        if start:  # left padding: the real tokens move to the front, the masked ones become tail padding
+            ids, labels = ids[start:], labels[start:]
     tail = width - len(ids)
     return {
         "input_ids": torch.cat([ids, ids.new_full((tail,), input_pad)]),
@@ -148,6 +151,31 @@ def _single_sequence_pack(item: Mapping[str, Any], index: int, width: int, input
     }
 
 
+def _mask_span(mask: Any, index: int, length: int) -> tuple[int, int]:
+    """``(start, count)`` of the real tokens of item ``index``'s ``attention_mask``: ones in one run,
+    at the end of the item (left padding) or at its start (right padding, all NeMo reads); any
+    other mask is a ``ValueError`` naming the item.
+
+    >>> _mask_span([0, 0, 1, 1, 1], 0, 5), _mask_span([1, 1, 0], 0, 3)
+    ((2, 3), (0, 2))
+    """
+    values = torch.as_tensor(mask).reshape(-1).tolist()
+    if len(values) != length or any(v not in (0, 1) for v in values):
+        raise ValueError(
+            f"item {index} has attention_mask {values} for {length} input_ids; give one 0 (padding) or 1 (token) "
+            "per input id"
+        )
+    count = sum(values)
+    start = values.index(1) if count else 0
+    if values[start : start + count] != [1] * count or (start and start + count != length):
+        raise ValueError(
+            f"item {index} has attention_mask {values}: its tokens are not one run at the start or the end of the "
+            "item (right or left padding), so they are not one sequence; collate each sequence as its own item, "
+            "or pack them with pack_dataset"
+        )
+    return start, count
+
+
 def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """NeMo AutoModel's ``packed_sequence_thd_collater``: ``thdpack.collate`` plus NeMo's names.
 
@@ -156,10 +184,14 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
     right-padded with -1000; every width is checked against ``input_ids``. Items without
     ``seq_lens`` are single sequences: each is padded to the longest (``input_ids`` with the pad
     id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with -100), real length =
-    ``sum(attention_mask)`` or the length, then collated the same way. Returns those five keys plus
-    ``qkv_format="thd"``; ``{}`` for an empty batch. Items are not modified. A batch mixing packs
-    with single sequences raises ``ValueError``; packs of different lengths raise
-    ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError`` NeMo's ``torch.stack`` raises.
+    ``sum(attention_mask)`` or the length, then collated the same way. An ``attention_mask`` must
+    mark one run of tokens at the start (right padding, NeMo's reading) or at the end of the item
+    (left padding: NeMo would take the pad tokens for the sequence; thdpack moves the real tokens
+    to the front and pads after them, labels -100); any other mask raises ``ValueError`` naming
+    the item. Returns those five keys plus ``qkv_format="thd"``; ``{}`` for an empty batch. Items
+    are not modified. A batch mixing packs with single sequences raises ``ValueError``; packs of
+    different lengths raise ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError``
+    NeMo's ``torch.stack`` raises.
 
     >>> a = {"input_ids": [1, 2, 3, 0], "labels": [2, 3, -100, -100], "position_ids": [0, 1, 2, 3],
     ...      "seq_lens": [3], "seq_lens_padded": [4]}

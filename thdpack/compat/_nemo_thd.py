@@ -263,17 +263,20 @@ def _shard_for_te(
     listed = batch.get("cu_seqlens_padded", batch["cu_seqlens"])  # a chunk's may end in the filler
     cu_padded = listed[listed != sentinel].to(torch.int32)
     total = batch["input_ids"].shape[0]
+    if len(cu_padded) and int(cu_padded[-1]) != total:
+        given = "cu_seqlens_padded" if "cu_seqlens_padded" in batch else "cu_seqlens"
+        raise ValueError(
+            f"the batch's {given} ends at {int(cu_padded[-1])} but its input_ids hold {total} tokens; {given}[-1] "
+            "must be the token count (the padded boundaries of the THD batch, as process_input_for_thd gives them)"
+        )
     position_ids = batch.get("position_ids")
     mrope = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 3  # (R, 1, T): tokens last
-    tokens: dict[str, Any] = {
-        "cu_seqlens": cu,
-        "cu_seqlens_padded": cu_padded,
-        "local_index": torch.arange(total, device=batch["input_ids"].device),
-    }
-    for key in TOKEN_KEYS:
+    tokens: dict[str, Any] = {"cu_seqlens": cu, "cu_seqlens_padded": cu_padded}
+    for key in TOKEN_KEYS:  # the caller's tensors first: a width error names one of them
         value = batch.get(key)
         if isinstance(value, torch.Tensor):
             tokens[key] = value.permute(2, 0, 1) if key == "position_ids" and mrope else value
+    tokens["local_index"] = torch.arange(total, device=batch["input_ids"].device)
     if "padding_mask" not in tokens:  # a THD batch made elsewhere: the mask comes from its layout
         meta = thd_meta(tokens)
         tokens["padding_mask"] = torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S))

@@ -12,8 +12,10 @@ absorption, ``padding_mask`` from the pack layout, and Transformer Engine's CP p
 (computed by ``thdpack.cp.partition_indices``, so no TE install is needed). Where NeMo
 silently corrupts data thdpack raises a ``ValueError`` that names the problem instead: a pack
 size that is not a multiple of ``2*cp_size``, a batch that does not split evenly into chunks,
-sequence lengths that do not match the rows, and a missing ``seq_lens`` (NeMo then guesses
-padding from token values). Where NeMo itself raises, the error is also of NeMo's class, so a
+sequence lengths that do not match the rows, a missing ``seq_lens`` (NeMo then guesses
+padding from token values), and a collater item whose ``attention_mask`` is not one run of
+tokens; a left-padded item, whose pad tokens NeMo takes for the sequence, is honoured (its real
+tokens lead its row). Where NeMo itself raises, the error is also of NeMo's class, so a
 caller's ``except`` still catches it: ``NemoKeyError`` (``ValueError`` and ``KeyError``) for a
 batch without ``seq_lens``, ``NemoRuntimeError`` (``ValueError`` and ``RuntimeError``) for packs
 of different lengths in the collater. Long samples that ``drop_long_samples=True`` skips are

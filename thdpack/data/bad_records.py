@@ -1,7 +1,9 @@
 """Bad records: what is wrong with one, and the policy that fails on it or skips and counts it.
 
 A bad record is one that cannot become a training sample as written: a line that is not JSON, a
-chat with no messages or no assistant turn, an unknown role, a missing or mistyped field. The
+chat with no messages (or none with text) or no assistant turn, an unknown role, a missing or
+mistyped field, a record of another kind than the one set (``wrong_kind``: its message names the
+kind to set, not the skip policy, which would skip every such record). The
 readers (``thdpack.data.sources``) and the record templates (``thdpack.data.records``,
 ``thdpack.data.chat_template``) raise ``BadRecord`` naming the record and the reason; the
 ``BadRecords`` policy of the pass decides what happens next:
@@ -34,6 +36,7 @@ BadRecordReason = Literal[
     "malformed_json",
     "not_an_object",
     "unknown_kind",
+    "wrong_kind",
     "missing_field",
     "wrong_type",
     "empty_conversation",
@@ -122,7 +125,9 @@ class BadRecords:
     def handle(self, err: BadRecord) -> None:
         """Raise ``err`` under ``"fail"`` (with a hint how to skip); count and log it under ``"skip"``."""
         if self.policy == "fail":
-            raise BadRecord(err.origin, err.reason, f"{err.detail}; {SKIP_HINT}") from err
+            # a record of another kind than the one set: its fix is the kind; skipping would drop them all
+            hint = "" if err.reason == "wrong_kind" else f"; {SKIP_HINT}"
+            raise BadRecord(err.origin, err.reason, f"{err.detail}{hint}") from err
         self.counts[err.reason] = self.counts.get(err.reason, 0) + 1
         if self.log_path is not None:
             if self._log is None:

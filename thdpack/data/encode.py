@@ -54,6 +54,7 @@ from thdpack.data.records import (
     RecordKind,
     Segment,
     chat_messages,
+    check_kind,
     detect_kind,
     record_segments,
     text_chars,
@@ -259,7 +260,11 @@ class SampleEncoder:
 
     def _prepare_one(self, record: Mapping[str, Any], origin: str) -> Prepared:
         cfg = self.config
-        kind = cfg.kind if cfg.kind != "auto" else detect_kind(record, cfg.text_key, origin)
+        if cfg.kind == "auto":
+            kind = detect_kind(record, cfg.text_key, origin)
+        else:
+            kind = cfg.kind
+            check_kind(record, kind, cfg.text_key, origin)
         self.report.kinds[kind] = self.report.kinds.get(kind, 0) + 1
         if kind == "chat" and self.chat_template is not None:
             rendered = self.chat_template.render(chat_messages(record, origin), origin)

@@ -3,7 +3,9 @@
 Version 2 (written since checksums were added) records, besides the counts and the tokenizer,
 ``checksums``: ``{file: {"size": bytes, "sha256": hex}}`` for ``tokens.bin``, ``offsets.npy`` and
 ``loss_mask.bin`` (when present), hashed while the files were written, and ``token_ids``:
-``{"min": id, "max": id}`` (None for a store without tokens). Version 1 manifests (no checksums)
+``{"min": id, "max": id}`` (None for a store without tokens). ``tokenizer.vocab_sha256`` (the
+vocabulary's digest, ``TextTokenizer.vocab_sha256``; stores written before it lack it and still
+open) lets a run check that its model's tokenizer is the store's. Version 1 manifests (no checksums)
 still open: ``verify_store`` checks their structure and token ids and warns that a changed byte
 cannot be detected.
 

@@ -14,8 +14,9 @@ of text that are either prompt (masked out of the loss) or target, and where the
   every message is rendered as ``### System:`` / ``### User:`` / ``### Assistant:`` then a newline
   and its content; messages are separated by a blank line. Each assistant content and the EOS
   after it are targets; everything else (headers, system and user turns, separators) is masked.
-  A chat needs at least one message and one assistant turn; roles outside the ones above, an
-  empty conversation or no assistant turn make it a bad record (``thdpack.data.bad_records``).
+  A chat needs at least one message with text and one assistant turn; roles outside the ones
+  above, an empty conversation (no messages, or none with text) or no assistant turn make it a
+  bad record (``thdpack.data.bad_records``).
 
 The Alpaca prompt (with an input; without one the input sentence and section are left out):
 
@@ -68,6 +69,26 @@ class Segment:
     """Append the EOS token after the text (a target exactly when ``target`` is)."""
 
 
+CHAT_FIELDS = ("messages", "conversations")
+"""The fields that hold a chat's messages (OpenAI style, ShareGPT)."""
+_DETECTION_ORDER: tuple[RecordKind, ...] = ("chat", "alpaca", "text")
+"""A record with the fields of several kinds is the first of them (a chat may carry a 'text' too)."""
+
+
+def has_kind_fields(record: Mapping[str, Any], kind: RecordKind, text_key: str = "text") -> bool:
+    """True when ``record`` has the fields of ``kind`` (their values are checked later).
+
+    >>> has_kind_fields({"messages": []}, "chat"), has_kind_fields({"messages": []}, "text")
+    (True, False)
+    """
+    present = [name in record for name in _kind_fields(kind, text_key)]
+    return any(present) if kind == "chat" else all(present)
+
+
+def _kind_fields(kind: RecordKind, text_key: str) -> tuple[str, ...]:
+    return {"chat": CHAT_FIELDS, "alpaca": ("instruction", "output")}.get(kind, (text_key,))
+
+
 def detect_kind(record: Mapping[str, Any], text_key: str = "text", origin: str = "record") -> RecordKind:
     """The kind of a record from its keys; ``BadRecord`` (a ``ValueError``) naming ``origin`` and the
     keys otherwise.
@@ -77,18 +98,38 @@ def detect_kind(record: Mapping[str, Any], text_key: str = "text", origin: str =
     >>> detect_kind({"messages": []}), detect_kind({"text": "hi"})
     ('chat', 'text')
     """
-    if "messages" in record or "conversations" in record:
-        return "chat"
-    if "instruction" in record and "output" in record:
-        return "alpaca"
-    if text_key in record:
-        return "text"
+    for kind in _DETECTION_ORDER:
+        if has_kind_fields(record, kind, text_key):
+            return kind
     raise BadRecord(
         origin,
         "unknown_kind",
         f"has keys {sorted(record)}; expected {text_key!r} (text), 'instruction' + 'output' (alpaca) or "
         "'messages' / 'conversations' (chat); set text_key (--text-key) to the field holding the text",
     )
+
+
+def check_kind(record: Mapping[str, Any], kind: RecordKind, text_key: str = "text", origin: str = "record") -> None:
+    """``BadRecord`` (``wrong_kind``) when a record set to be of ``kind`` lacks its fields but has
+    another kind's: every record of the file is then likely of that kind, so the message names
+    the setting to change, not the skip policy (skipping would drop them all).
+
+    >>> check_kind({"messages": [{"role": "user", "content": "hi"}]}, "text", origin="chats.jsonl line 1")
+    Traceback (most recent call last):
+    ...
+    thdpack.data.bad_records.BadRecord: chats.jsonl line 1: is a chat record (its keys: ['messages']), not text ...
+    """
+    if any(name in record for name in _kind_fields(kind, text_key)):
+        return  # a field of its kind is there: record_segments names what else is missing
+    found = [other for other in _DETECTION_ORDER if has_kind_fields(record, other, text_key)]
+    if found:
+        raise BadRecord(
+            origin,
+            "wrong_kind",
+            f"is {'an' if found[0] == 'alpaca' else 'a'} {found[0]} record (its keys: {sorted(record)}), not {kind} "
+            f"as kind={kind!r} says; set kind={found[0]!r} or 'auto' (--kind; trainer: data.kind={found[0]}, or "
+            f"data.kind=auto, as the data=jsonl preset has)",
+        )
 
 
 def record_segments(
@@ -201,6 +242,8 @@ def chat_messages(record: Mapping[str, Any], origin: str = "record") -> list[tup
                 f"message {i} has {found} {content_key!r}; it must be a string (its keys: {sorted(message)})",
             )
         pairs.append((_SHAREGPT_ROLES[role] if sharegpt else role, content))
+    if not any(content.strip() for _, content in pairs):
+        raise BadRecord(origin, "empty_conversation", f"{field_name!r} holds no text: no messages to train on")
     if not any(role == "assistant" for role, _ in pairs):
         roles = [message[role_key] for message in messages]
         assistant = "gpt" if sharegpt else "assistant"

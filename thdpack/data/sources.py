@@ -22,9 +22,11 @@ thdpack's embedded default training data. Folders are walked in ``os.walk`` orde
 names (a folder's files, then its sub-folders), hidden files and folders skipped.
 
 Nothing is dropped silently: empty records (no text, no values) are skipped and counted in
-``Source.report``; blank lines in jsonl are counted too. Undecodable bytes raise ``ValueError``
-naming the file and line, unless ``decode_errors="replace"`` (the default for ``stdlib``, where
-four test files are deliberately not UTF-8), which counts the documents it repaired. A jsonl line
+``Source.report``; blank lines in jsonl are counted too. An empty chat (``{"messages": []}``) is
+not skipped here: it is a bad record (``empty_conversation``), which the policy fails on or
+skips, logs and counts. Undecodable bytes raise ``ValueError`` naming the file and line, unless
+``decode_errors="replace"`` (the default for ``stdlib``, where four test files are deliberately
+not UTF-8), which counts the documents it repaired. A jsonl line
 that is not JSON, or a record that is not an object, is a bad record: the source's
 ``BadRecords`` policy (``thdpack.data.bad_records``) fails on it naming the line (default) or
 skips, counts and logs it.
@@ -45,6 +47,7 @@ from typing import IO, Any, Literal, get_args
 from thdpack._optional import require
 from thdpack.data._json_array import iter_json_array
 from thdpack.data.bad_records import BadRecord, BadRecords, RecordOrigin
+from thdpack.data.records import has_kind_fields
 
 SourceFormat = Literal["jsonl", "json", "parquet", "hf", "text", "stdlib"]
 SOURCE_FORMATS: tuple[str, ...] = get_args(SourceFormat)
@@ -214,7 +217,8 @@ class Source:
                 self.bad_records.handle(record)  # raises under on_bad_record="fail"
                 self.report.skipped_bad += 1
                 continue
-            if _is_blank(record):
+            if _is_blank(record) and not has_kind_fields(record, "chat"):
+                # an empty chat goes on: it is a bad record (records.chat_messages), under the policy
                 self.report.skipped_empty += 1
                 continue
             self.report.records += 1

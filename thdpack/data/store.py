@@ -8,9 +8,10 @@ A store folder holds:
   ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == num_tokens``.
 - ``loss_mask.bin`` (only when some token is not a target, i.e. SFT): ``uint8`` aligned with
   ``tokens.bin``, 1 where the token is a training target. Absent: every token is a target.
-- ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256, vocab size,
-  EOS), dtype, counts, the sample format, the source, each data file's size and sha256 (hashed
-  while it was written), the range of token ids, and whatever the writer's caller adds (the
+- ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256 of its file,
+  ``vocab_sha256`` of its vocabulary, vocab size, EOS), dtype, counts, the sample format, the
+  source, each data file's size and sha256 (hashed while it was written), the range of token
+  ids, and whatever the writer's caller adds (the
   ``prepare`` command adds its arguments and the packing plan's settings, checksum and stats:
   ``thdpack.data.prepared_plan``). Written last (``thdpack._publish``): a folder without it is
   an unfinished store. Fields and checks: ``thdpack.data.manifest``.
@@ -312,6 +313,7 @@ class TokenStoreWriter:
             "tokenizer": {
                 "name": self.tokenizer.name,
                 "sha256": self.tokenizer.sha256,
+                "vocab_sha256": self.tokenizer.vocab_sha256,
                 "vocab_size": self.tokenizer.vocab_size,
                 "eos_id": self.tokenizer.eos_id,
             },

@@ -1,6 +1,7 @@
 """Tokenizers: the shipped GPT-2 BPE, a ``tokenizer.json``, a Hugging Face tokenizer folder, or a
-tokenizer object, wrapped with what a token store records (name, sha256, vocabulary size, EOS,
-the tokenizer's own chat template). ``thdpack.data.encode`` turns records into samples with it.
+tokenizer object, wrapped with what a token store records (name, sha256, the vocabulary's
+digest, vocabulary size, EOS, the tokenizer's own chat template). ``thdpack.data.encode`` turns
+records into samples with it.
 
 >>> load_tokenizer("gpt2").encode_batch(["Hello world"])
 [[15496, 995]]
@@ -8,6 +9,7 @@ the tokenizer's own chat template). ``thdpack.data.encode`` turns records into s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -41,6 +43,14 @@ class TextTokenizer:
         self.chat_template = chat_template
         # encode_batch_fast (tokenizers >= 0.21) skips offsets, which only rendered chats need
         self._encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
+    @functools.cached_property
+    def vocab_sha256(self) -> str:
+        """sha256 of the vocabulary: every token and its id, added tokens included, however the
+        tokenizer's file is formatted. Equal digests: every id means the same token in both
+        tokenizers (what a model trained on the ids relies on)."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids of each text, without the tokenizer's special-token template."""

@@ -62,20 +62,7 @@ class ModelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.dim % self.n_heads:
-            raise ValueError(
-                f"dim={self.dim} is not a multiple of n_heads={self.n_heads}; pick n_heads that divides dim"
-            )
-        if self.head_dim % 2:
-            raise ValueError(
-                f"head dim dim // n_heads = {self.head_dim} is odd; RoPE rotates pairs of channels, so use an "
-                "even head dim"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}; grouped-query "
-                "attention shares each KV head between n_heads // n_kv_heads query heads"
-            )
+        check_head_sizes(dim=self.dim, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads)
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -121,6 +108,39 @@ class ModelConfig:
                 )
             overrides["attention"] = AttentionConfig(**{_OLD_ATTENTION_FIELDS[k]: v for k, v in old_names.items()})
         return cls(**{**_PRESETS[name], **overrides})
+
+
+def check_head_sizes(*, dim: int | None, n_heads: int, n_kv_heads: int, prefix: str = "") -> None:
+    """``ValueError`` naming the fields (``prefix``: ``"model."`` for the Hydra group) unless the
+    heads fit: ``dim`` a multiple of ``n_heads`` with an even head dim ``dim // n_heads`` (RoPE
+    rotates pairs of channels), ``n_heads`` a multiple of ``n_kv_heads``. ``dim=None``: the head
+    dim is set apart (Gemma's ``head_dim``), only the KV rule applies.
+
+    >>> check_head_sizes(dim=36, n_heads=4, n_kv_heads=2, prefix="model.")
+    Traceback (most recent call last):
+    ...
+    ValueError: head dim model.dim // model.n_heads = 9 is odd; ... (with model.dim=36: model.n_heads=1, 2, 3 or 6)
+    """
+    fits = [] if dim is None else [n for n in range(1, dim + 1) if dim % n == 0 and (dim // n) % 2 == 0]
+    near = sorted(sorted(fits, key=lambda n: (abs(n - n_heads), n))[:4])  # the head counts nearest n_heads
+    listed = f"{', '.join(map(str, near[:-1]))} or {near[-1]}" if len(near) > 1 else "".join(map(str, near))
+    choice = f" (with {prefix}dim={dim}: {prefix}n_heads={listed})" if near else ""
+    if dim is not None and dim % n_heads:
+        raise ValueError(
+            f"{prefix}dim={dim} is not a multiple of {prefix}n_heads={n_heads}; pick n_heads that divides dim{choice}"
+        )
+    if dim is not None and (dim // n_heads) % 2:
+        raise ValueError(
+            f"head dim {prefix}dim // {prefix}n_heads = {dim // n_heads} is odd; RoPE rotates pairs of channels, so "
+            f"use an even head dim{choice}"
+        )
+    if n_heads % n_kv_heads:
+        kv = [n for n in range(1, n_heads + 1) if n_heads % n == 0]
+        raise ValueError(
+            f"{prefix}n_heads={n_heads} is not a multiple of {prefix}n_kv_heads={n_kv_heads}; grouped-query "
+            f"attention shares each KV head between n_heads // n_kv_heads query heads ({prefix}n_kv_heads: one of "
+            f"{kv})"
+        )
 
 
 _PRESETS: dict[ModelPreset, dict[str, Any]] = {

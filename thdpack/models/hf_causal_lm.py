@@ -32,8 +32,9 @@ from torch import nn
 
 from thdpack._optional import require
 from thdpack.attention.config import AttentionConfig
-from thdpack.models.config import ModelConfig
+from thdpack.models.config import ModelConfig, check_head_sizes
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
+from thdpack.models.hf_folder import FOLDER_FIX, check_causal, config_json, load_hf_folder
 from thdpack.thd.meta import thd_meta
 
 ATTENTION_NAME = "thdpack"
@@ -107,19 +108,27 @@ class HFModelConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"model.{name} must be an int >= 1, got {value!r}")
+        if self.path is None:  # what transformers would refuse with a traceback, named before building
+            sizes = self.transformers_kwargs()
+            check_head_sizes(
+                dim=None if self.arch == "gemma" else sizes["hidden_size"],  # Gemma sets its head_dim apart
+                n_heads=sizes["num_attention_heads"],
+                n_kv_heads=sizes["num_key_value_heads"],
+                prefix="model.",
+            )
 
     def model_vocab_size(self) -> int:
         """The model's vocabulary: ``path``'s config.json, else ``vocab_size`` (the small preset's if None)."""
         if self.path is None:
             return self.vocab_size or ModelConfig.preset("small").vocab_size
-        config_json = _config_json(self.path)
+        file = config_json(self.path)
         try:
-            config = json.loads(config_json.read_text())
+            config = json.loads(file.read_text())
         except (OSError, ValueError) as err:
-            raise ValueError(f"model.path={self.path!r}: cannot read {config_json} ({err}); {_FOLDER_FIX}") from err
+            raise ValueError(f"model.path={self.path!r}: cannot read {file} ({err}); {FOLDER_FIX}") from err
         vocab = config.get("vocab_size", config.get("text_config", {}).get("vocab_size"))
         if not isinstance(vocab, int):
-            raise ValueError(f"{config_json} has no integer vocab_size (got {vocab!r})")
+            raise ValueError(f"{file} has no integer vocab_size (got {vocab!r})")
         return vocab
 
     def transformers_kwargs(self) -> dict[str, Any]:
@@ -133,16 +142,6 @@ class HFModelConfig:
         if (self.arch or "llama") == "mistral":
             kwargs["sliding_window"] = None  # full attention (Mistral v0.2+); thdpack attention has no windows
         return kwargs
-
-
-_FOLDER_FIX = "give a local Hugging Face model folder (as save_pretrained writes it: config.json + *.safetensors)"
-
-
-def _config_json(path: str) -> Path:
-    config_json = Path(path).expanduser() / "config.json"
-    if not config_json.is_file():
-        raise ValueError(f"model.path={path!r} holds no config.json: {_FOLDER_FIX}")
-    return config_json
 
 
 class HFCausalLM(nn.Module):
@@ -181,15 +180,14 @@ def build_hf_model(
     """The model of ``config`` with thdpack's attention, its parameters in ``dtype`` on ``device``.
 
     A random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every rank
-    that builds it with the same seed holds identical weights.
+    that builds it with the same seed holds identical weights. A folder (``config.path``) loads
+    with its weights exactly and only when its model is a causal LM
+    (``thdpack.models.hf_folder.load_hf_folder`` names what is missing, damaged or bidirectional).
     """
     transformers = require("transformers", "model=hf")
     register_hf_attention(ATTENTION_NAME)
     if config.path is not None:
-        folder = _config_json(config.path).parent
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            folder, attn_implementation=ATTENTION_NAME, dtype=dtype or torch.float32, local_files_only=True
-        )
+        hf = load_hf_folder(config.path, attn_implementation=ATTENTION_NAME, dtype=dtype or torch.float32)
     else:
         prefix = ARCHITECTURES[config.arch or "llama"]
         hf_config = getattr(transformers, f"{prefix}Config")(**config.transformers_kwargs())
@@ -199,6 +197,7 @@ def build_hf_model(
             hf = getattr(transformers, f"{prefix}ForCausalLM")(hf_config)
         if dtype is not None:
             hf = hf.to(dtype)
+        check_causal(hf, f"model.arch={config.arch or 'llama'}")
     hf.config.use_cache = False
     hf.train()
     return HFCausalLM(hf, config.attention).to(device)

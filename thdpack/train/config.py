@@ -155,7 +155,8 @@ class TrainConfig:
     (less memory, about one more forward of compute; the same losses and gradients)."""
     save_hf: bool = False
     """model=hf: write a Hugging Face folder (``hf/`` in the checkpoint) at every checkpoint; the
-    last checkpoint always has one, copied to ``output_dir/hf`` at the end."""
+    last checkpoint always has one, copied to ``output_dir/hf`` at the end. Refused with thdpack's
+    own model, which has no Hugging Face export."""
     prefetch_steps: int = 2
     """Steps planned, collated, CP-sharded (and pinned on CUDA) ahead in a background thread while
     the device trains (0: in the training loop, between steps)."""
@@ -214,6 +215,12 @@ class Config:
         # the packing group, then the rule that spans it and the parallel group
         check_pack_size(self.packing_config.plan.pack_size, self.parallel.cp_size)
         self.model_config()  # validates the model and attention groups together
+        if self.train.save_hf and self.model.kind != "hf":
+            raise ValueError(
+                f"train.save_hf=true writes a Hugging Face folder, which only model=hf runs have: thdpack's own "
+                f"decoder (model.kind={self.model.kind}) has no transformers class to export to; drop train.save_hf, "
+                "or train a transformers model (model=hf, e.g. model.arch=llama)"
+            )
 
     def model_config(self) -> ModelConfig | HFModelConfig:
         """The model's component config: the model group, with the attention group's config."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -16,11 +18,16 @@ import numpy as np
 from thdpack import __version__
 from thdpack.data._lock import FolderLock
 from thdpack.data.encode import TokenizeConfig
-from thdpack.data.manifest import StoreError
+from thdpack.data.manifest import MANIFEST_FILE, STORE_FILES, StoreBusyError, StoreError
+from thdpack.data.prepared_plan import PLAN_FILE
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.store_verify import verify_store
-from thdpack.data.write_store import write_token_store
+from thdpack.data.tokenizer import load_tokenizer
+from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.models.config import ModelConfig
+from thdpack.models.hf_causal_lm import HFModelConfig
+from thdpack.models.hf_folder import folder_tokenizer
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -75,7 +82,8 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
     for the lock, then uses what the first built) while the other ranks wait at ``barrier``; it is
     published as every store is, manifest last (``thdpack._publish``). A damaged cache (a file
     deleted, cut short or changed, or written before checksums) is rebuilt with a warning naming
-    the file.
+    the file. A build that fails removes its folder; one that succeeds then removes the folders
+    that killed builds left unfinished in ``data.cache_dir`` (``remove_unfinished_caches``).
     """
     if data.store is not None:
         path = Path(data.store).expanduser()
@@ -106,14 +114,69 @@ def _ensure_cache(data: DataConfig, path: Path, vocab_size: int) -> None:
             # the fix StoreError suggests is for prepared stores: a cache repairs itself
             log.warning("token cache %s is damaged: %s %s; rebuilding it", path, damage.file, damage.problem)
         print(f"tokenizing {', '.join(data.inputs)} with {data.tokenizer} into {path} (once; cached)", flush=True)
-        _build_cache(data, path, lock)
+        try:
+            _build_cache(data, path, lock)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)  # unfinished: a failed build leaves no folder behind
+            raise
         damage = _cache_damage(path, vocab_size, lock=lock)
-    if damage is not None:
+    if damage is None:
+        remove_unfinished_caches(path.parent)  # what killed builds of other caches left
+    else:
         raise StoreError(
             damage.file,
             f"{damage.problem}, right after the token cache was rebuilt",
             f"check the disk that holds data.cache_dir={data.cache_dir}, or set data.cache_dir to another folder",
         )
+
+
+_CACHE_NAME = re.compile(r".+-[0-9a-f]{12}")
+"""A cache folder's name (``cache_path``): ends in the store fingerprint."""
+_UNFINISHED_FILES = frozenset({*STORE_FILES, SKIPPED_FILE, PLAN_FILE, f".{MANIFEST_FILE}.partial"})
+"""What a store build writes before its manifest: a cache folder holding anything else is not
+removed, whatever its name."""
+
+
+def remove_unfinished_caches(cache_dir: Path) -> list[Path]:
+    """Remove the cache folders in ``cache_dir`` that a killed build left unfinished (no manifest,
+    nobody holding their lock), and the lock files of builders that died; return the folders removed.
+
+    A build that fails with an exception removes its own folder; one that is killed (SIGKILL, a
+    torchrun that stops its ranks, a lost node) cannot, and a cache with another fingerprint is
+    never built again in its place. Each folder is taken under its lock first, so one being built
+    (on this machine or another sharing ``cache_dir``) is left alone.
+    """
+    removed: list[Path] = []
+    if not cache_dir.is_dir():
+        return removed
+    for entry in sorted(cache_dir.iterdir()):
+        lock_of = entry.name.startswith(".") and entry.name.endswith(".lock")
+        folder = entry.with_name(entry.name[1 : -len(".lock")]) if lock_of else entry
+        if not _CACHE_NAME.fullmatch(folder.name) or (lock_of and folder.exists()):
+            continue  # a lock file beside a folder goes with the folder
+        if not lock_of and not _unfinished(folder):
+            continue
+        try:
+            lock = FolderLock(folder).acquire()
+        except StoreBusyError:
+            continue  # being built now
+        try:
+            if folder.exists() and _unfinished(folder):
+                shutil.rmtree(folder)
+                removed.append(folder)
+                print(f"removed {folder}: a token cache that a killed build left unfinished", flush=True)
+        finally:
+            lock.release()  # and with it the lock file
+    return removed
+
+
+def _unfinished(folder: Path) -> bool:
+    try:
+        if not folder.is_dir() or (folder / MANIFEST_FILE).exists():
+            return False
+        return all(child.name in _UNFINISHED_FILES and child.is_file() for child in folder.iterdir())
+    except FileNotFoundError:  # removed meanwhile by another process's clean-up
+        return False
 
 
 def _cache_damage(path: Path, vocab_size: int, lock: FolderLock | None = None) -> StoreError | None:
@@ -142,6 +205,48 @@ def _build_cache(data: DataConfig, path: Path, lock: FolderLock) -> None:
         limit=data.limit,
         overwrite=True,
         lock=lock,
+    )
+
+
+def check_model_tokenizer(model: ModelConfig | HFModelConfig, store: TokenStore) -> str | None:
+    """Refuse a store tokenized with another tokenizer than the one the model's folder ships.
+
+    Only a ``model=hf`` folder with a tokenizer is checked (thdpack's own model and a random
+    initialisation have none): its vocabulary's digest (``TextTokenizer.vocab_sha256``) must be
+    the one the store's manifest records, else ``ValueError`` naming both (the vocabulary sizes
+    alone agree for many pairs, and the model would read the store's ids as other tokens).
+    Returns a warning when it cannot tell: a store written before the digest was recorded (unless
+    its tokenizer file is the folder's, byte for byte), or a folder whose tokenizer has no
+    ``tokenizer.json``.
+    """
+    if not isinstance(model, HFModelConfig) or model.path is None:
+        return None
+    folder = folder_tokenizer(model.path)
+    if folder is None:
+        return None
+    if not (folder / "tokenizer.json").is_file():
+        return (
+            f"model.path={model.path} ships a tokenizer without tokenizer.json, which thdpack cannot read: it cannot "
+            f"check that {store.path} was tokenized with it"
+        )
+    recorded = store.manifest["tokenizer"]
+    theirs = load_tokenizer(folder)
+    if recorded.get("vocab_sha256") is None:
+        if recorded.get("sha256") == theirs.sha256:
+            return None  # the same tokenizer.json, byte for byte
+        return (
+            f"{store.path} records no vocabulary digest (written before thdpack recorded one), so it cannot be "
+            f"checked against the tokenizer of model.path={model.path}; prepare it again to check "
+            f"(thdpack prepare ... --tokenizer {model.path} --overwrite)"
+        )
+    if recorded["vocab_sha256"] == theirs.vocab_sha256:
+        return None
+    raise ValueError(
+        f"{store.path} was tokenized with {recorded.get('name')!r} ({recorded['vocab_size']:,} ids, vocabulary "
+        f"sha256 {recorded['vocab_sha256'][:12]}) but model.path={model.path} ships another tokenizer "
+        f"({theirs.vocab_size:,} ids, vocabulary sha256 {theirs.vocab_sha256[:12]}): the model would read the "
+        f"store's ids as other tokens; tokenize the data with the model's tokenizer (data.tokenizer={model.path}, "
+        f"or thdpack prepare ... --tokenizer {model.path})"
     )
 
 

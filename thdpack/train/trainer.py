@@ -44,7 +44,7 @@ from thdpack.train.precision import Precision
 from thdpack.train.prefetch import StepPrefetcher
 from thdpack.train.runtime import Runtime, init_runtime, shutdown
 from thdpack.train.step import clip_grad_norm, collate_micro_batches, forward_backward, prepare_micro_batches
-from thdpack.train.store_cache import open_token_store, pad_id_of, real_lengths_summary
+from thdpack.train.store_cache import check_model_tokenizer, open_token_store, pad_id_of, real_lengths_summary
 
 log = logging.getLogger(__name__)
 
@@ -148,8 +148,9 @@ class RunData:
 
 
 def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
-    """The token store (verified), the dataset over it with the run's CP size, DP layout and pad id
-    beside the packing settings, and the step stream. With ``data.store``, epoch 0 trains on the
+    """The token store (verified, and tokenized with the model folder's tokenizer when it ships
+    one), the dataset over it with the run's CP size, DP layout and pad id beside the packing
+    settings, and the step stream. With ``data.store``, epoch 0 trains on the
     store's prepared plan when it was planned with the run's settings (else the note says which
     setting differs)."""
     store = open_token_store(
@@ -158,6 +159,9 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
         is_local_main=runtime.local_rank == 0,
         barrier=dist.barrier,
     )
+    note = check_model_tokenizer(cfg.model_config(), store)
+    if note is not None and runtime.is_main:
+        log.warning(note)
     origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
     _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")
     packing = cfg.packing_config

@@ -339,3 +339,34 @@ def test_collater_is_thdpack_collate(monkeypatch):
     packed_sequence_thd_collater([pack, pack])
     packed_sequence_thd_collater([{"input_ids": [1, 2], "labels": [2, -100]}])
     assert calls == [2, 1]
+
+
+# -- issue 17: the attention_mask of single sequences is honoured or refused -------------------
+def test_a_left_padded_attention_mask_is_honoured():
+    """NeMo takes sum(attention_mask) tokens from the front: with left padding the pads became the
+    sequence (seq_lens [[3]] over [0, 0, 4]) and 5, 6 its padding. The real tokens lead now."""
+    left = {"input_ids": [0, 0, 4, 5, 6], "labels": [N, N, 5, 6, N], "attention_mask": [0, 0, 1, 1, 1]}
+    out = packed_sequence_thd_collater([left])
+    assert out["input_ids"].tolist() == [[4, 5, 6, 0, 0]]
+    assert out["labels"].tolist() == [[5, 6, N, N, N]]
+    assert out["seq_lens"].tolist() == [[3]] and out["seq_lens_padded"].tolist() == [[5]]
+    right = {"input_ids": [4, 5, 6, 0, 0], "labels": [5, 6, N, N, N], "attention_mask": [1, 1, 1, 0, 0]}
+    for key in ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded"):
+        assert torch.equal(out[key], packed_sequence_thd_collater([right])[key]), key
+    assert left["input_ids"] == [0, 0, 4, 5, 6]  # the item is not modified
+
+
+@pytest.mark.parametrize(
+    ("mask", "message"),
+    [
+        ([1, 0, 1, 1, 0], r"item 1 has attention_mask \[1, 0, 1, 1, 0\]: its tokens are not one run"),
+        ([0, 1, 1, 0, 0], r"item 1 has attention_mask \[0, 1, 1, 0, 0\]: its tokens are not one run"),
+        ([1, 1, 1], r"item 1 has attention_mask \[1, 1, 1\] for 5 input_ids"),
+        ([1, 2, 1, 1, 1], r"item 1 has attention_mask \[1, 2, 1, 1, 1\] for 5 input_ids; give one 0"),
+    ],
+)
+def test_an_attention_mask_that_is_not_one_run_is_refused_naming_the_item(mask, message):
+    good = {"input_ids": [1, 2], "labels": [2, N]}
+    bad = {"input_ids": [4, 5, 6, 7, 8], "labels": [5, 6, 7, 8, N], "attention_mask": mask}
+    with pytest.raises(ValueError, match=message):
+        packed_sequence_thd_collater([good, bad])

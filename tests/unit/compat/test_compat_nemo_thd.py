@@ -310,3 +310,26 @@ def test_outputs_have_nemos_keys_and_no_record():
     out = process_input_for_thd(t3_batch())
     assert "thd_meta" not in out
     assert "thd_meta" not in split_batch_into_thd_chunks(t3_batch(), 2)
+
+
+def test_cu_seqlens_that_miss_the_token_count_are_named_as_passed(monkeypatch):
+    """The error named padding_mask (and then local_index), tensors the caller never passed."""
+
+    class TwoRankMesh:
+        def size(self):
+            return 2
+
+        def get_group(self):
+            return None
+
+    monkeypatch.setattr("thdpack.compat._nemo_thd.dist.get_rank", lambda group=None: 0)
+    tokens = {key: torch.arange(8) for key in ("input_ids", "labels", "position_ids")}
+    for cu, given in (([0, 4, 12], "cu_seqlens"), ([0, 4, 6], "cu_seqlens")):
+        with pytest.raises(ValueError, match=rf"the batch's {given} ends at {cu[-1]} but its input_ids hold 8 tokens"):
+            make_cp_batch_for_te(TwoRankMesh(), {**tokens, "cu_seqlens": i32(cu)})
+    padded = {**tokens, "cu_seqlens": i32([0, 3, 6]), "cu_seqlens_padded": i32([0, 4, 12])}
+    with pytest.raises(ValueError, match=r"the batch's cu_seqlens_padded ends at 12 but its input_ids hold 8"):
+        make_cp_batch_for_te(TwoRankMesh(), padded)
+    short = {**tokens, "labels": torch.arange(6), "cu_seqlens": i32([0, 4, 8])}
+    with pytest.raises(ValueError, match=r"^labels has 6 tokens but the THD layout holds 8"):
+        make_cp_batch_for_te(TwoRankMesh(), short)

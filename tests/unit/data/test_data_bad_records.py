@@ -139,3 +139,52 @@ def test_origins_carry_their_parts(tmp_path):
     assert origins[1].fields() == {"path": str(array), "line": 3, "record": 1}
     assert RecordOrigin("t.parquet", row=4).fields() == {"path": "t.parquet", "row": 4}
     assert str(RecordOrigin("t.parquet", row=4)) == "t.parquet row 4"
+
+
+# -- issue 17: an empty chat follows the policy, a record of another kind names the kind ---------
+EMPTY_CHATS = [
+    ({"conversations": []}, "'conversations' is empty: no messages to train on"),
+    (
+        {"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": " "}]},
+        "'messages' holds no text",
+    ),
+]
+
+
+@pytest.mark.parametrize(("empty", "message"), EMPTY_CHATS, ids=["no-messages", "no-text"])
+def test_an_empty_chat_follows_the_bad_record_policy_in_a_store(tmp_path, empty, message):
+    """It was counted as "1 empty skipped" by the reader: under fail nothing failed, under skip it
+    was in neither skipped_records.jsonl nor the manifest's skipped_records."""
+    from thdpack.data.write_store import write_token_store
+
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(empty) + "\n")
+    with pytest.raises(BadRecord, match=rf"chats.jsonl line 2: {message}.*--on-bad-record skip") as caught:
+        write_token_store([str(path)], tmp_path / "fail", verbose=False)
+    assert caught.value.reason == "empty_conversation"
+    store = write_token_store(
+        [str(path)], tmp_path / "skip", tokenize_config=TokenizeConfig(on_bad_record="skip"), verbose=False
+    )
+    assert len(store) == 1
+    assert store.manifest["skipped_records"]["by_reason"] == {"empty_conversation": 1}
+    logged = json.loads((store.path / "skipped_records.jsonl").read_text())
+    assert (logged["line"], logged["reason"]) == (2, "empty_conversation")
+    assert store.manifest["prepare"]["inputs"][0]["skipped_empty"] == 0
+
+
+def test_a_record_of_another_kind_names_the_kind_not_the_skip_policy():
+    """kind='text' over chat records said "has no field 'text' ... pass on_bad_record='skip'", a hint
+    that skips every record."""
+    encoder = SampleEncoder("gpt2", TokenizeConfig(kind="text"))
+    with pytest.raises(BadRecord) as caught:
+        encoder.encode([GOOD], ["chats.jsonl line 1"])
+    assert caught.value.reason == "wrong_kind"
+    assert str(caught.value) == (
+        "chats.jsonl line 1: is a chat record (its keys: ['messages']), not text as kind='text' says; set "
+        "kind='chat' or 'auto' (--kind; trainer: data.kind=chat, or data.kind=auto, as the data=jsonl preset has)"
+    )
+    alpaca = SampleEncoder("gpt2", TokenizeConfig(kind="chat"))
+    with pytest.raises(BadRecord, match=r"is an alpaca record .* not chat as kind='chat' says; set kind='alpaca'"):
+        alpaca.encode([{"instruction": "Say hi.", "output": "Hi!"}])
+    with pytest.raises(BadRecord, match=r"has no field 'text' \(its keys: \['body'\]\); pass on_bad_record='skip'"):
+        encoder.encode([{"body": "x"}])  # no other kind's fields either: the missing field, as before

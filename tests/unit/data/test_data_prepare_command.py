@@ -106,7 +106,7 @@ def test_errors_are_messages(corpus, tmp_path, capsys):
     capsys.readouterr()
     assert "only planning failed" in error(str(corpus), "--pack-size", "32", "--out", out, "--overwrite")
     assert not (tmp_path / "out" / "plan.npz").exists()  # the older plan went with the older store
-    assert "has no 'messages' or 'conversations' field" in error(
+    assert "line 1: is a text record (its keys: ['text']), not chat as kind='chat' says; set kind='text'" in error(
         str(corpus), "--kind", "chat", "--pack-size", "64", "--out", out + "2"
     )
     (tmp_path / "short.jsonl").write_text('{"text": "word"}\n')  # one token, nothing to predict
