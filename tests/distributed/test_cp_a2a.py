@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from _attention_cases import max_errors, random_case, reference_results
 
-from thdpack.attention import a2a_attention, thd_attention
+from thdpack.attention import a2a_attention, reference_attention, thd_attention
 from thdpack.attention.backends import math as math_backend
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp.partition import gather_order_of, partition_from_lengths
@@ -254,3 +254,53 @@ def test_query_heads_that_cp_does_not_divide_are_refused(a2a_runs):
         "cp_comm_type='a2a' gives each of the cp_size=4 ranks Nq / cp_size query heads, but q has Nq=6 heads "
         "(k/v: Nkv=2); use a cp_size that divides 6, or cp_comm_type='p2p' or 'all_gather'"
     )
+
+
+# --- GPU: NCCL across 2 GPUs, bf16, Transformer Engine's a2a and thdpack's around the CUDA kernels
+
+
+def _gpu_rank(rank: int, world_size: int) -> dict:
+    """Every CUDA backend's a2a in bf16 on this rank's rows, and plain bf16 attention on the whole
+    batch, as errors against the fp32 oracle (computed on this GPU)."""
+    device = torch.device("cuda", rank)
+    thd, rank_indices, causal, _ = _case(world_size, 0)
+    thd = {key: value.to(device) if torch.is_tensor(value) else value for key, value in thd.items()}
+    case = random_case({k: v.cpu() if torch.is_tensor(v) else v for k, v in thd.items()}, 8, 2, 64, torch.float32, 7)
+    case = {name: t.to(device) for name, t in case.items()}
+    index = torch.from_numpy(np.asarray(rank_indices[rank], dtype=np.int64)).to(device)
+    valid = case["valid"]
+    want = reference_results(case, thd, causal, with_dlse=False)
+    q, k, v = (case[n].bfloat16().requires_grad_() for n in ("q", "k", "v"))
+    out, _ = reference_attention(q, k, v, thd, causal=causal)  # plain PyTorch attention in bf16
+    plain = dict(zip(("dq", "dk", "dv"), torch.autograd.grad((out * case["dout"]).sum(), (q, k, v)), strict=True))
+    everything = torch.arange(len(valid), device=device)
+    errors = {"plain bf16": max_errors({"out": out.detach(), **plain}, want, everything, valid)}
+    shard = {**thd, "cp_size": world_size, "cp_rank": rank}
+    bf16 = {**case, **{n: case[n].bfloat16() for n in ("q", "k", "v")}}
+    for backend in ("te", "flash", "varlen", "flex"):
+        try:
+            attend = _front_door(shard, dist.group.WORLD, causal, backend, lse=False)
+            got = _run(bf16, index, attend, lse=False)
+        except (ImportError, ValueError) as err:  # not installed, or this GPU cannot run it: said why
+            errors[backend] = str(err)
+            continue
+        errors[backend] = max_errors(got, want, index, valid)
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL all-to-all)"
+)
+def test_a2a_on_gpus_is_within_2x_plain_bf16_error():
+    """TE's own a2a (``te``, where installed) and thdpack's around flash / varlen / flex, bf16, cp 2."""
+    checked = []
+    for rank_errors in run_distributed(_gpu_rank, 2, backend="nccl"):
+        plain = rank_errors.pop("plain bf16")
+        for backend, errors in rank_errors.items():
+            if isinstance(errors, str):
+                continue
+            checked.append(backend)
+            for name, err in errors.items():
+                assert err <= 2 * plain[name] + 1e-6, (backend, name, errors, plain)
+    assert "flex" in checked  # FlexAttention comes with torch: at least one kernel ran
