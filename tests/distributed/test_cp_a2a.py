@@ -23,9 +23,12 @@ import torch
 import torch.distributed as dist
 from _attention_cases import max_errors, random_case, reference_results
 
+from thdpack.attention import a2a as a2a_module
 from thdpack.attention import a2a_attention, reference_attention, thd_attention
+from thdpack.attention.a2a import a2a_bytes
 from thdpack.attention.backends import math as math_backend
 from thdpack.attention.config import AttentionConfig
+from thdpack.cp.comm import all_to_all_blocks
 from thdpack.cp.partition import gather_order_of, partition_from_lengths
 from thdpack.plan.placement import CpLayout, PackPlacement
 from thdpack.testing import run_distributed
@@ -188,6 +191,30 @@ def _refusal_of_group(cp_size: int, group) -> list:
     return [((cp_size, "refusal"), None, "no error")]
 
 
+def _bytes_of_group(cp_size: int, group) -> list:
+    """What the real collectives deliver to this rank (its own block excluded) in one bf16 forward
+    and backward with 8 query / 2 KV heads of 16 (at cp 4 each KV head travels twice)."""
+    calls = []
+
+    def counting(x_W, exchange_group):
+        calls.append(x_W.numel() // cp_size * (cp_size - 1) * x_W.element_size())
+        return all_to_all_blocks(x_W, exchange_group)
+
+    thd, rank_indices, _, _ = _case(cp_size, 0)
+    rank = dist.get_rank(group)
+    tokens = len(rank_indices[rank])
+    q = torch.randn(tokens, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(tokens, 2, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    a2a_module.all_to_all_blocks = counting
+    try:
+        shard = {**thd, "cp_size": cp_size, "cp_rank": rank}
+        out = thd_attention(q, k, v, shard, cp_group=group, cp_comm_type="a2a", backend="math")
+        out.float().sum().backward()
+    finally:
+        a2a_module.all_to_all_blocks = all_to_all_blocks
+    return [((cp_size, "bytes"), tokens, calls)]
+
+
 def _rank_main(rank: int, world_size: int) -> list:
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -196,6 +223,7 @@ def _rank_main(rank: int, world_size: int) -> list:
     results += _cases_of_group(4, dist.group.WORLD, range(len(CASES)))
     results += _mutant_of_group(4, dist.group.WORLD)
     results += _refusal_of_group(4, dist.group.WORLD)
+    results += _bytes_of_group(2, pairs[rank // 2]) + _bytes_of_group(4, dist.group.WORLD)
     return results
 
 
@@ -244,6 +272,16 @@ def test_the_comparison_detects_rows_exchanged_in_the_wrong_order(a2a_runs, cp_s
     thd, _, causal, case = _case(cp_size, 5)
     worst = _worst(a2a_runs[(cp_size, 5, MUTANT)], reference_results(case, thd, causal), case["valid"])
     assert max(worst.values()) > 1e-3, worst
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_the_bytes_formula_is_what_the_collectives_move(a2a_runs, cp_size):
+    """``a2a_bytes`` (benchmarks/cp_balance.py's a2a column) against the real exchanges: two
+    all-to-alls forward (Q, K, V in; O out) and two backward (dO in; dQ, dK, dV out)."""
+    for tokens, calls in a2a_runs[(cp_size, "bytes")]:
+        assert len(calls) == 4
+        assert sum(calls) == a2a_bytes(tokens, cp_size, 8, 2, 16)
+        assert sum(calls[2:]) == sum(calls[:2]) == a2a_bytes(tokens, cp_size, 8, 2, 16, backward=False)
 
 
 def test_query_heads_that_cp_does_not_divide_are_refused(a2a_runs):

@@ -68,6 +68,33 @@ def kv_replication(nq: int, nkv: int, cp_size: int) -> int:
     return math.lcm(nkv, cp_size) // nkv
 
 
+def a2a_bytes(
+    local_tokens: int,
+    cp_size: int,
+    nq: int,
+    nkv: int,
+    head_dim: int,
+    *,
+    head_dim_v: int | None = None,
+    itemsize: int = 2,
+    backward: bool = True,
+) -> int:
+    """Bytes each rank receives per layer: forward Q, K, V in and O out, backward dO in and dQ, dK,
+    dV out (the same shapes again). Each all-to-all keeps ``1/W`` of a rank's rows at home and
+    receives ``(W-1)/W`` of them; K and V travel with their repeated heads (:func:`kv_replication`).
+    ``itemsize``: bytes per element of q/k/v (2 for bf16); the LSE (``return_lse``) is not counted.
+
+    >>> a2a_bytes(2048, 4, 32, 8, 128)   # Llama-3-8B attention, 8192 tokens over 4 ranks, bf16
+    62914560
+    """
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
+    kv_heads = nkv * kv_replication(nq, nkv, cp_size)
+    per_token = nq * head_dim + kv_heads * (head_dim + head_dim_v) + nq * head_dim_v
+    if backward:
+        per_token *= 2
+    return (cp_size - 1) * local_tokens * (per_token // cp_size) * itemsize
+
+
 def repeat_kv_heads(k_TNH: torch.Tensor, v_TNH: torch.Tensor, copies: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V with each head repeated ``copies`` times in place (head ``i`` -> heads ``i*copies ..
     i*copies + copies - 1``), differentiable; unchanged for ``copies`` 1."""
