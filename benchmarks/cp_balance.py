@@ -32,7 +32,10 @@ Ways to place a pack's sequences on ``W = cp_size`` ranks (``te``, ``contiguous`
 - ``a2a``: Ulysses all-to-all (``cp_comm_type: a2a``): packs of raw lengths (no CP padding); an
   all-to-all turns the sequence-sharded Q, K, V into full sequences of ``H / W`` heads, so every
   rank runs every sequence whole for ``1/W`` of the heads: its tiles and pairs are the pack's whole
-  causal tiles and pairs divided by ``W``, the same on every rank.
+  causal tiles and pairs divided by ``W``, the same on every rank. The all-to-all needs only equal
+  tokens per rank, whatever the layout (``thdpack.attention.a2a``); these packs are what it costs on
+  ``adaptive``-layout batches (CP padding only inside the few split sequences); on ``te``-layout
+  batches the kernel also runs TE's CP padding, in ``te``'s packs.
 
 Reported per dataset, pack size and cp_size, summed over the epoch's packs (a step waits for its
 slowest rank): the busiest rank's tiles (``busiest_rank_tiles``: sum over packs of the max over
@@ -47,9 +50,10 @@ packs; Llama-3-8B attention: 32 query and 8 KV heads of 128, bf16 activations):
   per token: forward K/V (bf16), backward K/V again and the travelling dK/dV (fp32):
   ``2 * 8 * 128 * (2 + 2 + 4)`` bytes. A pack with no split sequence moves nothing;
 - ``a2a``: two all-to-alls per layer forward (Q, K, V in; O out) and two backward (dO in; dQ, dK,
-  dV out), each sending ``(W - 1) / W`` of the rank's ``L / W`` tokens: per token
-  ``(4 * 32 + 4 * max(8, W)) * 128 * 2`` bytes (bf16; KV heads replicated up to ``W`` when
-  ``W > 8``).
+  dV out), each delivering ``(W - 1) / W`` of the rank's ``L / W`` tokens: per token
+  ``(4 * 32 + 4 * lcm(8, W)) * 128 * 2`` bytes (bf16; the KV heads repeated up to ``lcm(8, W)``
+  when ``W`` does not divide 8): ``thdpack.attention.a2a.a2a_bytes``, which the distributed tests
+  check against the bytes the real collectives move.
 
 ``--timing N`` instead times ``plan_packs`` on N web-like lengths (``plan_bench.py``'s lognormal,
 mean 800, clipped to 4096) with ``cp_placement="te"`` and ``"adaptive"`` (best of 3 each), and the
@@ -73,6 +77,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from thdpack.attention.a2a import a2a_bytes
 from thdpack.plan import plan_packs
 from thdpack.plan.adaptive import plan_adaptive
 from thdpack.plan.cp_cost import TILE, causal_tiles, full_tiles, pairs_below, split_cost, te_slot
@@ -141,12 +146,6 @@ def ring_bytes(placement: CpPlacement) -> np.ndarray:
         placement.pack_of_entry()[split], remote, placement.group_start[split], g, len(placement), placement.cp_size
     )
     return received_PR.max(axis=1) * RING_BYTES_PER_TOKEN
-
-
-def a2a_bytes(pack_size: int, cp_size: int) -> int:
-    """Bytes a rank receives per layer and pack under Ulysses all-to-all (the docstring's formula)."""
-    heads = 4 * Q_HEADS + 4 * max(KV_HEADS, cp_size)
-    return (cp_size - 1) * (pack_size // cp_size) // cp_size * heads * HEAD_DIM * 2
 
 
 def _summary(work: dict[str, np.ndarray], real_tokens: int, padded_tokens: int, packs: int) -> dict[str, float]:
@@ -218,7 +217,7 @@ def measure(lengths: np.ndarray, pack_size: int, cp_size: int) -> dict[str, obje
         per_pack_total = np.bincount(pack_E, weights=cost, minlength=len(a2a_plan))
         work[key] = np.repeat((per_pack_total / cp_size)[:, None], cp_size, axis=1)
     row["a2a"] = _summary(work, real, real, len(a2a_plan))
-    row["a2a"]["kv_bytes_per_pack"] = float(a2a_bytes(pack_size, cp_size))
+    row["a2a"]["kv_bytes_per_pack"] = float(a2a_bytes(pack_size // cp_size, cp_size, Q_HEADS, KV_HEADS, HEAD_DIM))
     te_tiles, te_pairs = row["te"]["busiest_rank_tiles"], row["te"]["busiest_rank_pairs"]
     te_bytes = row["te"]["kv_bytes_per_pack"] * row["te"]["packs"]
     for name in MODES:

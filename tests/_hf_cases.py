@@ -34,10 +34,11 @@ import torch.nn.functional as F
 import transformers
 from torch.overrides import TorchFunctionMode
 
+from thdpack.attention.config import AttentionConfig
 from thdpack.cp import shard
 from thdpack.format_rules import cp_multiple
 from thdpack.loss import count_loss_tokens
-from thdpack.models.hf_attention import hf_packed_kwargs
+from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
 from thdpack.packing import pack_from_segments
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
@@ -99,18 +100,22 @@ def packed_step(
     cp_rank: int = 0,
     cp_group: dist.ProcessGroup | None = None,
     drop_position_ids: bool = False,
+    attention: AttentionConfig | None = None,
 ) -> StepResult:
     """The row's loss and gradients the documented way: transformers' own loss on thdpack's
     pre-shifted labels, ``num_items_in_batch`` = the global loss-token count, and under CP the
     ranks' loss and gradients summed (each rank holds a disjoint part of every sequence).
     ``drop_position_ids`` plants a bug for a test to catch: transformers then numbers the
-    tokens it is given 0..T-1, so RoPE is wrong after the first sequence (or CP chunk)."""
+    tokens it is given 0..T-1, so RoPE is wrong after the first sequence (or CP chunk).
+    ``attention``: thdpack's attention settings for the call (e.g. ``cp_comm_type="a2a"``)."""
     local = shard(thd, cp_size, cp_rank) if cp_size > 1 else thd
     denominator = count_loss_tokens([local["labels"]], group=cp_group)
     model.zero_grad(set_to_none=True)
     kwargs = hf_packed_kwargs(local, cp_group=cp_group, include_labels=True, model=model)
     if drop_position_ids:
         del kwargs["position_ids"]
+    if attention is not None:
+        kwargs[ATTENTION_CONFIG_KWARG] = attention
     with keep_float64():
         loss = model(**kwargs, num_items_in_batch=denominator).loss
         loss.backward()

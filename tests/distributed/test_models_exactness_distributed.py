@@ -6,8 +6,9 @@ ranks): dp x cp in {1x1, 2x1, 1x2, 2x2}, token mean and per-sequence mean, fp64.
 packs the same random sequences (lengths 1 and exactly 2*cp_size among them, tail padding),
 shards its micro-batches with ``cp.shard``, runs ``Transformer(shard, cp_group=...)``, the
 global-denominator loss of ``thdpack.loss`` and the gradient average over the flattened DP x CP
-group (ring and all-gather CP). The loss, every parameter gradient and every real token's logits must equal the unpacked
-single-process oracle (``_model_oracle``) to 1e-10; each planted layout bug must break that.
+group (ring CP; at dp 2 x cp 2 also all-gather and all-to-all CP). The loss, every parameter
+gradient and every real token's logits must equal the unpacked single-process oracle
+(``_model_oracle``) to 1e-10; each planted layout bug must break that.
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def all_cases(rank: int, world: int) -> dict:
         batches = global_micro_batches(samples, spread, pack_size_for(sample_lengths(spread), cp))
         rank_groups = groups[dp, cp]
         results[dp, cp, reduction, fault] = packed_step(_model(), batches[rank_groups.dp_rank], spread, rank_groups)
-        if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP as well
-            model = _model("all_gather")
-            results["all_gather"] = packed_step(model, batches[rank_groups.dp_rank], spread, rank_groups)
+        if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP, Ulysses a2a
+            for comm in ("all_gather", "a2a"):
+                results[comm] = packed_step(_model(comm), batches[rank_groups.dp_rank], spread, rank_groups)
     return results
 
 
@@ -89,8 +90,9 @@ def test_packed_sharded_accumulated_step_equals_unpacked(rank_results, oracles, 
     assert max(errors.values()) <= TOL, f"dp {dp_size} x cp {cp_size}, {reduction}: {errors}"
 
 
-def test_all_gather_context_parallelism_is_exact_too(rank_results, oracles):
-    errors = compare([rank_results[r]["all_gather"] for r in range(4)], oracles["token_mean"])
+@pytest.mark.parametrize("cp_comm_type", ["all_gather", "a2a"])
+def test_the_other_cp_comm_types_are_exact_too(rank_results, oracles, cp_comm_type):
+    errors = compare([rank_results[r][cp_comm_type] for r in range(4)], oracles["token_mean"])
     assert max(errors.values()) <= TOL, errors
 
 

@@ -8,7 +8,8 @@ One 4-rank launch hosts both CP sizes through subgroups, every architecture insi
 (starting processes and importing transformers is the cost on a 2-core machine). Each CP size
 also plants a bug (the shard's positions left out, so transformers
 counts 0..T_local-1 on every rank and RoPE is wrong) that the comparison must catch, and asks
-``hf_packed_kwargs`` for HF's own sdpa on a shard, which must be refused.
+``hf_packed_kwargs`` for HF's own sdpa on a shard, which must be refused; Llama also runs with
+all-to-all CP (``cp_comm_type="a2a"``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from _hf_cases import (
     unpacked_step,
 )
 
+from thdpack.attention.config import AttentionConfig
 from thdpack.models.hf_attention import register_hf_attention
 from thdpack.testing import run_distributed
 
@@ -47,6 +49,10 @@ def cp_steps(rank: int, world: int) -> dict:
         out: dict = {}
         for arch in ARCHITECTURES:
             out[arch] = packed_step(hf_model(arch, name), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
+        out["Llama a2a"] = packed_step(
+            hf_model("Llama", name), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group,
+            attention=AttentionConfig(cp_comm_type="a2a"),
+        )  # fmt: skip
         out["no positions"] = packed_step(
             hf_model("Llama", name), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group, drop_position_ids=True
         )
@@ -74,6 +80,15 @@ def test_cp_loss_and_every_gradient_equal_unpacked(rank_results, references, cp_
         for rank, result in enumerate(rank_results):
             errors = differences(result[cp_size][arch], references[arch])
             assert max(errors.values()) <= TOL, f"{arch}, cp {cp_size}, rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_all_to_all_cp_is_exact_under_transformers(rank_results, references, cp_size):
+    """``cp_comm_type="a2a"`` through the attention-config keyword (4 query / 2 KV heads: at cp 4
+    each KV head travels twice)."""
+    for rank, result in enumerate(rank_results):
+        errors = differences(result[cp_size]["Llama a2a"], references["Llama"])
+        assert max(errors.values()) <= TOL, f"cp {cp_size}, rank {rank}: {errors}"
 
 
 @pytest.mark.parametrize("cp_size", CP_SIZES)

@@ -25,8 +25,10 @@ def _args(*argv: str) -> argparse.Namespace:
         ("--cp-size", "2"),
         ("--cp-size", "1", "--dp-size", "2", "--dtype", "float32", "--reduction", "sequence_mean"),
         ("--cp-size", "2", "--dtype", "bfloat16"),
+        # cp 2 a2a: test_models_exactness_distributed; at cp 4 the tiny model's 2 KV heads are sent twice
+        ("--cp-size", "4", "--cp-comm-type", "a2a"),
     ],
-    ids=["cp2-float64", "dp2-float32-sequence-mean", "cp2-bfloat16"],
+    ids=["cp2-float64", "dp2-float32-sequence-mean", "cp2-bfloat16", "cp4-a2a"],
 )
 def test_exact_layouts_pass(capsys, argv):
     assert run_verify(_args(*argv)) == 0

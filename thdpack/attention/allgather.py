@@ -16,28 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from thdpack.attention.backends.math import tiled_attention
 from thdpack.cp.comm import all_gather_rows, reduce_scatter_rows
-from thdpack.cp.partition import local_placement, partition_from_lengths
+from thdpack.cp.partition import gather_order, local_placement
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import global_placement
-
-
-def gather_order(meta: ThdMeta, device: torch.device) -> torch.Tensor:
-    """(T_global,) int64 ``g``: row ``g[j]`` of the rank-stacked all-gather is global token ``j``.
-
-    >>> from thdpack.thd.meta import thd_meta
-    >>> meta = thd_meta({"cu_seqlens": torch.tensor([0, 8], dtype=torch.int32), "cp_size": 2})
-    >>> gather_order(meta, torch.device("cpu")).tolist()   # rank 0 holds 0,1,6,7; rank 1 holds 2..5
-    [0, 1, 4, 5, 6, 7, 2, 3]
-    """
-    slots = np.asarray(meta.lengths_padded, dtype=np.int64)
-    stacked = np.concatenate([partition_from_lengths(slots, meta.cp_size, r) for r in range(meta.cp_size)])
-    return torch.from_numpy(np.argsort(stacked, kind="stable")).to(device)
 
 
 class GatherKV(torch.autograd.Function):
@@ -82,7 +68,7 @@ def allgather_attention(
     Same arguments and results as :func:`thdpack.attention.ring.ring_attention` (math tiles).
     """
     device = q_TNH.device
-    order = meta.cached(("gather order", device), lambda: gather_order(meta, device))
+    order = gather_order(meta, device).gathered_of_global_T
     k_glob, v_glob = GatherKV.apply(k_TNH, v_TNH, order, cp_group)
     q_rows, kv_rows = local_placement(meta, device), global_placement(meta, device)
     return tiled_attention(q_TNH, k_glob, v_glob, q_rows, kv_rows, causal=causal, scale=scale)

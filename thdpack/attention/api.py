@@ -54,13 +54,15 @@ def thd_attention(
         config: how to attend (:class:`~thdpack.attention.AttentionConfig`): ``backend``
             (``"auto"`` = fastest available, logged on ``thdpack.attention``; the environment
             variable ``THDPACK_ATTENTION_BACKEND`` forces one), ``causal``, ``softmax_scale``
-            (default ``H ** -0.5``) and ``cp_comm_type`` (``"p2p"`` ring or ``"all_gather"``).
+            (default ``H ** -0.5``) and ``cp_comm_type`` (``"p2p"`` ring, ``"all_gather"`` or
+            ``"a2a"``: all-to-all to whole sequences for ``Nq / cp`` heads, any backend's kernel).
             Default: ``AttentionConfig()``.
         cp_group: the context-parallel group when q/k/v are a CP shard: the group the batch was
             sharded for (its size and this process's rank in it are the shard's ``cp_size`` and
             ``cp_rank``). ``te`` does CP itself; ``flash`` / ``varlen`` run thdpack's
             ring with FlashAttention-2 tiles; ``math`` runs it with exact math tiles (CPU/gloo),
-            or the all-gather of K/V.
+            or the all-gather of K/V; with ``cp_comm_type="a2a"`` every backend's own kernel runs
+            on the whole sequences thdpack's all-to-all delivers (``te``: TE's all-to-all).
         return_lse: also return the log-sum-exp (differentiable with ``math`` and the CP ring).
         **keywords: ``causal``, ``backend``, ``softmax_scale``, ``cp_comm_type``: a shorthand for
             ``config=AttentionConfig(**keywords)`` (not together with ``config``).

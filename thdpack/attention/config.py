@@ -15,7 +15,7 @@ from typing import Literal, get_args
 
 Backend = Literal["auto", "te", "flash", "varlen", "flex", "sdpa", "math"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
-CpCommType = Literal["p2p", "all_gather"]
+CpCommType = Literal["p2p", "all_gather", "a2a"]
 CP_COMM_TYPES: tuple[CpCommType, ...] = get_args(CpCommType)
 
 
@@ -52,7 +52,10 @@ class AttentionConfig:
     softmax_scale: float | None = None
     """Score scale; None = ``head_dim ** -0.5`` (:func:`resolve_softmax_scale`)."""
     cp_comm_type: CpCommType = "p2p"
-    """Context-parallel K/V exchange: ``"p2p"`` ring or ``"all_gather"`` (Llama 3 style)."""
+    """Context-parallel exchange: ``"p2p"`` ring of K/V, ``"all_gather"`` of K/V (Llama 3 style), or
+    ``"a2a"`` (DeepSpeed Ulysses: all-to-alls turn the shard's Q/K/V into whole sequences for
+    ``Nq / cp`` heads, attended by the backend's local kernel; cp must divide ``Nq``;
+    :mod:`thdpack.attention.a2a`)."""
 
     def __post_init__(self) -> None:
         check_backend(self.backend)

@@ -21,6 +21,10 @@ CPU, with or without CP            math (exact tiles with backward; flex has no 
                                    torch >= 2.11; sdpa needs a dense T x T mask, returns no LSE)
 =================================  ===============================================================
 
+With ``cp_comm_type="a2a"`` the kernel runs on whole sequences after thdpack's all-to-all
+(:mod:`thdpack.attention.a2a`; ``te`` runs its own), so the preferences are those of the same
+device and dtype without CP, and the log line says so.
+
 Every candidate states its own problem (``AttentionBackend.problem``), so ``auto`` skips what
 would crash on the GPU at hand: FlashAttention-2 kernels (``flash``, ``varlen``, the ring's FA2
 tiles) below compute capability 8.0, for head dims that are not a multiple of 8 or exceed 256, or
@@ -40,6 +44,7 @@ from typing import Literal
 
 import torch
 
+from thdpack.attention.a2a import a2a_attend
 from thdpack.attention.allgather import allgather_attention
 from thdpack.attention.backends import flash, flex, math, sdpa, te, varlen
 from thdpack.attention.backends.base import (
@@ -91,7 +96,13 @@ CP_ALGORITHMS: dict[CpAlgorithm, AttendFn] = {
     "ring_flash": _ring("flash"),
     "all_gather": _all_gather,
 }
-"""thdpack's context-parallel algorithms (``"own"`` is the backend's own ``attend``)."""
+"""thdpack's context-parallel algorithms (``"own"`` is the backend's own ``attend``, ``"a2a"`` the
+backend's kernel inside the all-to-all: :data:`A2A_ALGORITHMS`)."""
+
+A2A_ALGORITHMS: dict[Backend, AttendFn] = {
+    name: a2a_attend(row.attend) for name, row in BACKEND_TABLE.items() if row.cp.get("a2a") == "a2a"
+}
+"""Per backend whose ``cp`` names ``"a2a"``: thdpack's all-to-all around its kernel."""
 
 SituationKind = Literal["cuda half, cp", "cp", "cuda half", "cuda", "cpu"]
 Preference = tuple[Backend, str]
@@ -122,8 +133,9 @@ PREFERENCES: dict[SituationKind, tuple[Preference, ...]] = {
 
 
 def situation_kind(s: CallFacts) -> SituationKind:
-    """The row of :data:`PREFERENCES` that applies to ``s``."""
-    if s.cp:
+    """The row of :data:`PREFERENCES` that applies to ``s`` (an all-to-all call's kernel runs on
+    whole sequences: the row without CP)."""
+    if s.cp and s.cp_comm_type != "a2a":
         return "cuda half, cp" if s.cuda_half else "cp"
     if s.cuda_half:
         return "cuda half"
@@ -150,6 +162,9 @@ def choose_backend(requested: str, s: CallFacts) -> tuple[Backend, str]:
     for candidate, why in PREFERENCES[situation_kind(s)]:
         err = BACKEND_TABLE[candidate].problem(s)
         if err is None:
+            if s.cp and s.cp_comm_type == "a2a":
+                exchange = "Transformer Engine's own" if candidate == "te" else "thdpack's"
+                why = f"{why}, on whole sequences for Nq / cp heads after {exchange} all-to-all"
             if skipped:
                 why = f"{why}; skipped {'; '.join(skipped)}"
             return candidate, why
@@ -162,7 +177,9 @@ def attend_function(backend: Backend, s: CallFacts) -> AttendFn:
     ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``)."""
     row = BACKEND_TABLE[backend]
     algorithm = row.cp[s.cp_comm_type] if s.cp else "own"
-    return row.attend if algorithm == "own" else CP_ALGORITHMS[algorithm]
+    if algorithm == "own":
+        return row.attend
+    return A2A_ALGORITHMS[backend] if algorithm == "a2a" else CP_ALGORITHMS[algorithm]
 
 
 def log_choice(backend: str, reason: str, s: CallFacts) -> None:
@@ -170,5 +187,6 @@ def log_choice(backend: str, reason: str, s: CallFacts) -> None:
     key = (backend, f"{reason}|{s}")
     if key not in _LOGGED:
         _LOGGED.add(key)
-        where = f"{s.device.type} {str(s.dtype).removeprefix('torch.')}{', context parallel' if s.cp else ''}"
+        cp = f", context parallel ({s.cp_comm_type})" if s.cp else ""
+        where = f"{s.device.type} {str(s.dtype).removeprefix('torch.')}{cp}"
         log.info("thdpack attention backend %r on %s: %s", backend, where, reason)

@@ -8,6 +8,6 @@ of THD batches, and the ring / row communication (``comm``) that the CP attentio
 
 from __future__ import annotations
 
-from thdpack.cp.partition import gather, local_placement, partition_indices, shard, unshard
+from thdpack.cp.partition import gather, local_placement, partition_indices, rank_token_indices, shard, unshard
 
-__all__ = ["gather", "local_placement", "partition_indices", "shard", "unshard"]
+__all__ = ["gather", "local_placement", "partition_indices", "rank_token_indices", "shard", "unshard"]

@@ -7,6 +7,11 @@ that method works (the tests drive the same algorithm with an in-process stub).
 
 Works with gloo (CPU) and NCCL (CUDA); uses ``batch_isend_irecv`` with even ranks sending
 first, so no backend can deadlock on the pairing order.
+
+The row collectives: :func:`all_gather_rows` / :func:`reduce_scatter_rows` (the all-gather CP
+path) and :func:`all_to_all_blocks` (the all-to-all path): ``all_to_all_single`` with equal
+blocks, which gloo implements as well as NCCL (torch 2.13 checked: ``tests/distributed``), so
+the CPU path runs the same collective as the GPU one.
 """
 
 from __future__ import annotations
@@ -81,4 +86,14 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group)
+    return out
+
+
+def all_to_all_blocks(x_W: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """(W, ...) block ``w`` of this rank's ``x_W`` goes to rank ``w``; returns (W, ...) whose block
+    ``w`` came from rank ``w`` (``W`` = the group's size; one ``all_to_all_single``)."""
+    x_W = x_W.contiguous()
+    assert x_W.shape[0] == dist.get_world_size(group), "one block per rank of the group"
+    out = torch.empty_like(x_W)
+    dist.all_to_all_single(out, x_W, group=group)
     return out

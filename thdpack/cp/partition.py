@@ -15,7 +15,7 @@ Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``S`` sequences
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -116,6 +116,93 @@ def partition_from_lengths(lengths_padded_S: np.ndarray, cp_size: int, cp_rank: 
     return index_T
 
 
+def rank_token_indices(meta: ThdMeta, rank: int | None = None) -> np.ndarray:
+    """(T / cp_size,) int64 global token indices CP rank ``rank`` (default: the record's) holds, in
+    its local (``shard``) order: the one map from a shard's rows to the global batch.
+
+    Every view of a shard that needs to know where its rows come from reads it: the token
+    placement (:func:`local_placement`), the all-gather's and the all-to-all's global order
+    (:func:`gather_order`). The layout is Transformer Engine's (``partition_from_lengths`` of the
+    slots); a per-document placement gives its own map here. ``rank`` must be a rank of the
+    record's CP group (0 for a global record). Cached on ``meta`` per rank.
+
+    >>> from thdpack.thd.meta import ThdMeta
+    >>> meta = ThdMeta.from_lengths([3, 8], [4, 8], cp_size=2, cp_rank=0)
+    >>> rank_token_indices(meta).tolist(), rank_token_indices(meta, 1).tolist()
+    ([0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9])
+    """
+    rank = meta.cp_rank if rank is None else rank
+    check_cp(meta.cp_size, rank)
+
+    def build() -> np.ndarray:
+        index_T = partition_from_lengths(meta.lengths_padded_S, meta.cp_size, rank).astype(np.int64)
+        index_T.flags.writeable = False
+        return index_T
+
+    return meta.cached(("rank token indices", rank), build)
+
+
+class GatherOrder(NamedTuple):
+    """How the rank-major concatenation of every CP rank's rows (what an all-gather or an
+    all-to-all delivers: rank 0's rows in its local order, then rank 1's, ...) maps to the global
+    batch, both ways. ``T`` = all tokens."""
+
+    global_of_gathered_T: torch.Tensor
+    """(T,) int64: row ``p`` of the concatenation is global token ``global_of_gathered_T[p]``."""
+    gathered_of_global_T: torch.Tensor
+    """(T,) int64: global token ``j`` is row ``gathered_of_global_T[j]`` of the concatenation."""
+
+
+def gather_order_of(rank_indices: Sequence[np.ndarray], device: torch.device | str = "cpu") -> GatherOrder:
+    """The :class:`GatherOrder` of ``rank_indices`` (rank ``r``'s global token indices in its local
+    order, as :func:`rank_token_indices` gives them), checked: every rank holds equally many tokens
+    (the collectives exchange equal blocks) and together they hold each token of the batch once.
+
+    >>> order = gather_order_of([np.array([0, 1, 6, 7]), np.array([2, 3, 4, 5])])
+    >>> order.global_of_gathered_T.tolist(), order.gathered_of_global_T.tolist()
+    ([0, 1, 6, 7, 2, 3, 4, 5], [0, 1, 4, 5, 6, 7, 2, 3])
+    >>> gather_order_of([np.array([0, 1]), np.array([1, 2])])
+    Traceback (most recent call last):
+    ...
+    ValueError: the ranks' token indices are not a permutation of the batch's 4 tokens: ...
+    """
+    counts = [len(index) for index in rank_indices]
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"CP ranks hold {counts} tokens; the all-gather and the all-to-all exchange equal blocks, so every "
+            "rank must hold the same number (pack_size / cp_size)"
+        )
+    global_of_gathered = np.concatenate([np.asarray(index, dtype=np.int64) for index in rank_indices])
+    total = len(global_of_gathered)
+    if total and not np.array_equal(np.sort(global_of_gathered), np.arange(total)):
+        held = np.bincount(global_of_gathered[(global_of_gathered >= 0) & (global_of_gathered < total)],
+                           minlength=total)  # fmt: skip
+        missing = np.flatnonzero(held == 0)
+        raise ValueError(
+            f"the ranks' token indices are not a permutation of the batch's {total} tokens: token "
+            f"{int(missing[0])} is held by no rank ({len(missing)} missing in all); every token must be on "
+            "exactly one rank"
+        )
+    gathered_of_global = np.argsort(global_of_gathered, kind="stable")
+    return GatherOrder(torch.from_numpy(global_of_gathered).to(device), torch.from_numpy(gathered_of_global).to(device))
+
+
+def gather_order(meta: ThdMeta, device: torch.device | str) -> GatherOrder:
+    """The :class:`GatherOrder` of a CP shard's batch (every rank's :func:`rank_token_indices`),
+    cached on ``meta`` per device.
+
+    >>> from thdpack.thd.meta import ThdMeta
+    >>> meta = ThdMeta.from_lengths([8], [8], cp_size=2, cp_rank=1)
+    >>> gather_order(meta, "cpu").gathered_of_global_T.tolist()   # rank 0 holds 0,1,6,7; rank 1 holds 2..5
+    [0, 1, 4, 5, 6, 7, 2, 3]
+    """
+    device = torch.device(device)
+    return meta.cached(
+        ("gather order", device),
+        lambda: gather_order_of([rank_token_indices(meta, r) for r in range(meta.cp_size)], device),
+    )
+
+
 def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None = None) -> TokenPlacement:
     """The rows CP rank ``rank`` (default: the record's) holds, in ``shard`` order: the global
     placement taken at ``partition_indices`` (chunk ``r`` then chunk ``2W-1-r`` of every sequence).
@@ -138,13 +225,13 @@ def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None 
     def build() -> TokenPlacement:
         if meta.cp_size == 1:
             return global_placement(meta, device)
-        index_T = partition_from_lengths(np.asarray(meta.lengths_padded), meta.cp_size, rank)
+        index_T = rank_token_indices(meta, rank)
         whole = global_placement(meta, "cpu")
         valid_T = whole.valid_T.numpy()[index_T]
         seg_T = whole.seg_T.numpy()[index_T]
         valid_S = np.bincount(seg_T, weights=valid_T, minlength=meta.num_sequences).astype(np.int64)
         counts = tuple(n // meta.cp_size for n in meta.lengths_padded)
-        pos_T = whole.pos_T[torch.from_numpy(index_T).long()]
+        pos_T = whole.pos_T[torch.tensor(index_T)]
         return TokenPlacement(counts, tuple(valid_S.tolist()), pos_T.to(device))
 
     return meta.cached(("local placement", rank, device), build)

@@ -109,7 +109,7 @@ THD = make_thd([3, 5])
             _qkv(),
             {"cp_comm_type": "ring"},
             ValueError,
-            "unknown cp_comm_type 'ring'; valid: 'p2p', 'all_gather'",
+            "unknown cp_comm_type 'ring'; valid: 'p2p', 'all_gather', 'a2a'",
         ),
         (_qkv(), {"softmax_scale": 0.0}, ValueError, "softmax_scale must be > 0"),
         (

@@ -10,7 +10,15 @@ import torch
 from thdpack import _optional
 from thdpack.attention import BACKENDS, select
 from thdpack.attention.backends import flash, flex, math, sdpa, te, varlen
-from thdpack.attention.select import BACKEND_TABLE, CP_ALGORITHMS, PREFERENCES, CallFacts, choose_backend, log_choice
+from thdpack.attention.select import (
+    A2A_ALGORITHMS,
+    BACKEND_TABLE,
+    CP_ALGORITHMS,
+    PREFERENCES,
+    CallFacts,
+    choose_backend,
+    log_choice,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -138,7 +146,14 @@ def test_the_environment_variable_forces_a_backend(installed, monkeypatch):
             ValueError,
             "need float16 or bfloat16, got torch.float32",
         ),
-        ("flash", _situation(CUDA, torch.float16, cp=True, comm="all_gather"), ValueError, "runs math tiles"),
+        (
+            "flash",
+            _situation(CUDA, torch.float16, cp=True, comm="all_gather"),
+            ValueError,
+            r"no context-parallel path for cp_comm_type='all_gather' \(it has 'p2p', 'a2a'\); use cp_comm_type='p2p' "
+            "or 'a2a', or backend='math'",
+        ),
+        ("flex", _situation(CUDA, torch.float16, cp=True, comm="p2p"), ValueError, r"\(it has 'a2a'\)"),
         ("nope", _situation(), ValueError, "unknown attention backend 'nope'; valid: 'auto', 'te', 'flash'"),
     ],
 )
@@ -188,7 +203,20 @@ def test_preferences_name_registered_backends_and_end_with_math():
 
 def test_every_cp_algorithm_a_backend_names_exists():
     named = {algorithm for row in BACKEND_TABLE.values() for algorithm in row.cp.values()}
-    assert named - {"own"} == set(CP_ALGORITHMS)
+    assert named - {"own", "a2a"} == set(CP_ALGORITHMS)
+    assert set(A2A_ALGORITHMS) == {name for name, row in BACKEND_TABLE.items() if row.cp.get("a2a") == "a2a"}
+
+
+def test_every_backend_runs_the_all_to_all():
+    """a2a needs only a kernel for whole sequences: every backend has it (te its own)."""
+    assert {name: row.cp.get("a2a") for name, row in BACKEND_TABLE.items()} == {
+        "te": "own",
+        "flash": "a2a",
+        "varlen": "a2a",
+        "flex": "a2a",
+        "sdpa": "a2a",
+        "math": "a2a",
+    }
 
 
 # (backend, situation, packages) -> None when it runs, else (error type, message); one column per backend
@@ -208,13 +236,24 @@ _PROBLEMS = [
         "varlen",
         _situation(CUDA, torch.float16, cp=True, comm="all_gather"),
         {"varlen": True},
-        (ValueError, "runs math tiles"),
+        (ValueError, "no context-parallel path for cp_comm_type='all_gather'"),
     ),
     ("flex", _situation(CUDA, torch.float32, lse=True), {}, None),
     ("flex", _HALF, {"flex": False}, (ImportError, "backend 'flex' needs torch.nn.attention.flex_attention")),
     ("flex", _HALF_CP, {}, (ValueError, "backend 'flex' has no context-parallel path")),
     ("sdpa", _situation(grad=True), {}, None),
     ("sdpa", _situation(CUDA, torch.float16, lse=True), {}, (ValueError, "backend 'sdpa' does not return the LSE")),
+    # a2a: the backend's own kernel on whole sequences, so its kernel's rules apply (not the ring's)
+    ("math", _situation(CPU, torch.float64, cp=True, comm="a2a", lse=True), {}, None),
+    ("sdpa", _situation(cp=True, comm="a2a"), {}, None),
+    ("sdpa", _situation(cp=True, comm="a2a", lse=True), {}, (ValueError, "backend 'sdpa' does not return the LSE")),
+    ("flex", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a", lse=True), {}, None),
+    ("flex", _situation(cp=True, comm="a2a"), {}, (ValueError, "backend 'flex' has no backward on CPU")),
+    ("flex", _situation(cp=True, comm="a2a", grad=False), {}, None),
+    ("flash", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), {}, (ImportError, "pip install 'thdpack[flash]'")),
+    ("flash", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), {"flash": True}, None),
+    ("varlen", _situation(CUDA, torch.float32, cp=True, comm="a2a"), {"varlen": True}, (ValueError, "need float16")),
+    ("te", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), {"te": True}, None),  # TE's own all-to-all
 ]
 
 
@@ -240,6 +279,10 @@ def test_each_backend_states_its_problem(installed, backend, situation, packages
         ("te", _HALF_CP, te.BACKEND.attend),  # TE exchanges K/V itself
         ("te", _situation(CUDA, torch.bfloat16, cp=True, comm="all_gather"), te.BACKEND.attend),
         ("sdpa", _situation(), sdpa.BACKEND.attend),
+        ("math", _situation(cp=True, comm="a2a"), A2A_ALGORITHMS["math"]),
+        ("sdpa", _situation(cp=True, comm="a2a"), A2A_ALGORITHMS["sdpa"]),
+        ("varlen", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), A2A_ALGORITHMS["varlen"]),
+        ("te", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), te.BACKEND.attend),
     ],
 )
 def test_a_cp_shard_runs_the_algorithm_the_table_names(backend, situation, runs):
@@ -263,6 +306,55 @@ def test_te_all_gather_needs_transformer_engine_2_18_for_thd(installed, caplog):
     assert choose_backend("te", situation)[0] == "te"
     installed(te=True, te_version=(2, 5, 0))  # the P2P ring took THD long before
     assert choose_backend("te", _situation(CUDA, torch.bfloat16, cp=True, comm="p2p"))[0] == "te"
+
+
+@pytest.mark.parametrize(
+    ("packages", "situation", "expected", "exchange"),
+    [
+        ({}, _situation(CPU, torch.float64, cp=True, comm="a2a"), "math", "thdpack's"),
+        (
+            {"te": True, "flash": True},
+            _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"),
+            "te",
+            "Transformer Engine's own",
+        ),
+        ({"flash": True}, _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), "flash", "thdpack's"),
+        ({"varlen": True}, _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), "varlen", "thdpack's"),
+        ({}, _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), "flex", "thdpack's"),  # not the ring's flash
+        ({}, _situation(CUDA, torch.float32, cp=True, comm="a2a"), "flex", "thdpack's"),
+    ],
+)
+def test_auto_under_a2a_picks_the_fastest_kernel_for_whole_sequences(
+    installed, packages, situation, expected, exchange
+):
+    installed(**packages)
+    backend, reason = choose_backend("auto", situation)
+    assert backend == expected
+    assert f"on whole sequences for Nq / cp heads after {exchange} all-to-all" in reason
+
+
+def test_the_log_line_names_the_cp_comm_type(installed, caplog):
+    installed()
+    situation = _situation(CPU, torch.float64, cp=True, comm="a2a")
+    with caplog.at_level(logging.INFO, logger="thdpack.attention"):
+        log_choice(*choose_backend("auto", situation), situation)
+    assert caplog.records[-1].getMessage() == (
+        "thdpack attention backend 'math' on cpu float64, context parallel (a2a): exact tiled math kernel: "
+        "per-sequence tiles, LSE and backward on CPU, on whole sequences for Nq / cp heads after thdpack's all-to-all"
+    )
+
+
+def test_te_a2a_needs_transformer_engine_2_10_for_thd(installed):
+    situation = _situation(CUDA, torch.bfloat16, cp=True, comm="a2a")
+    installed(te=True, te_version=(2, 9, 0))
+    with pytest.raises(
+        ValueError, match=r"cp_comm_type='a2a' needs Transformer Engine >= 2\.10 for THD.*found 2\.9\.0"
+    ):
+        choose_backend("te", situation)
+    backend, reason = choose_backend("auto", situation)  # thdpack's all-to-all around the next kernel
+    assert backend == "flex" and "skipped te (backend 'te' with cp_comm_type='a2a' needs" in reason
+    installed(te=True, te_version=(2, 10, 0))
+    assert choose_backend("te", situation)[0] == "te"
 
 
 @pytest.mark.parametrize("sm", [(7, 0), (7, 5)])  # V100, T4

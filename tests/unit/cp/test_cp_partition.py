@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -13,9 +14,10 @@ from thd_cases import C1_SECOND, P5, P6, S3, pack_batches
 
 from thdpack._optional import has_transformer_engine
 from thdpack.attention.masks import token_layout
-from thdpack.cp import partition_indices, shard, unshard
+from thdpack.cp import partition_indices, rank_token_indices, shard, unshard
+from thdpack.cp.partition import gather_order, gather_order_of
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.meta import ThdMeta, thd_meta
 
 # (cu_seqlens_padded, total, cp_size, per-rank indices): rows 1-8 and 10-14 of the spec's table
 GOLDEN = [
@@ -338,3 +340,36 @@ def test_unshard_rejects_shards_that_hold_other_tokens():
         ValueError, match=r"labels of all shards together has 31 tokens but the THD layout holds 32 \(cu_seqlens_padded"
     ):
         unshard([shards[0], short], 2)
+
+
+@given(_cu_seqlens_padded())
+def test_a_records_rank_indices_and_gather_order_are_the_partitions(case):
+    """rank_token_indices is TE's partition of the record's batch; gather_order inverts the ranks' rows stacked."""
+    cu, cp_size = case
+    total = cu[-1]
+    if total == 0:
+        return
+    lengths = [b - a for a, b in pairwise(cu)]
+    meta = ThdMeta.from_lengths(lengths, lengths, cp_size=cp_size, cp_rank=cp_size - 1)
+    stacked = []
+    for rank in range(cp_size):
+        index = rank_token_indices(meta, rank)
+        assert index.dtype == np.int64 and index.tolist() == _reference_partition(cu, cp_size, rank)
+        stacked += index.tolist()
+    assert rank_token_indices(meta).tolist() == _reference_partition(cu, cp_size, cp_size - 1)  # the record's rank
+    order = gather_order(meta, "cpu")
+    assert order.global_of_gathered_T.tolist() == stacked
+    assert torch.equal(order.global_of_gathered_T[order.gathered_of_global_T], torch.arange(total))
+
+
+@pytest.mark.parametrize(
+    ("rank_indices", "message"),
+    [
+        ([[0, 1, 2], [3]], r"CP ranks hold \[3, 1\] tokens; the all-gather and the all-to-all exchange equal blocks"),
+        ([[0, 1], [1, 3]], r"token 2 is held by no rank \(1 missing in all\)"),
+        ([[0, 7], [1, 2]], r"token 3 is held by no rank \(1 missing in all\)"),
+    ],
+)
+def test_gather_order_refuses_index_maps_that_are_not_a_partition(rank_indices, message):
+    with pytest.raises(ValueError, match=message):
+        gather_order_of([np.array(index) for index in rank_indices])

@@ -129,3 +129,19 @@ def test_the_trainer_composes_the_attention_group_into_the_model():
     with hydra.initialize_config_dir(config_dir=config_dir, version_base=None):
         default = OmegaConf.to_object(hydra.compose("train"))
     assert default.model_config() == ModelConfig.preset("small")
+
+
+def test_the_a2a_attention_group_and_a_bad_comm_type_override():
+    import hydra
+    from omegaconf import OmegaConf
+
+    from thdpack.train.config import register_configs
+
+    register_configs()
+    config_dir = str(MODEL_YAMLS[0].parents[1])
+    with hydra.initialize_config_dir(config_dir=config_dir, version_base=None):
+        cfg = OmegaConf.to_object(hydra.compose("train", overrides=["attention=a2a"]))
+        assert cfg.attention_config() == AttentionConfig(cp_comm_type="a2a")
+        bad = hydra.compose("train", overrides=["attention.cp_comm_type=ulysses"])
+    with pytest.raises(ValueError, match=r"unknown cp_comm_type 'ulysses'; valid: 'p2p', 'all_gather', 'a2a'"):
+        OmegaConf.to_object(bad)

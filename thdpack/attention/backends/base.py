@@ -12,6 +12,8 @@ without CP needs the kernel; a call with CP needs the algorithm ``cp`` names for
 ``"ring_math"``     thdpack's P2P ring (:mod:`thdpack.attention.ring`) with exact math tiles
 ``"ring_flash"``    the same ring with PyTorch's FlashAttention-2 tiles (CUDA fp16 / bf16)
 ``"all_gather"``    thdpack's all-gather of K/V (:mod:`thdpack.attention.allgather`), math tiles
+``"a2a"``           thdpack's all-to-all (:mod:`thdpack.attention.a2a`): the backend's own kernel
+                    on whole sequences for ``Nq / cp`` heads; the kernel must run (without CP)
 ==================  ===========================================================================
 
 :class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
@@ -23,6 +25,7 @@ Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -35,7 +38,7 @@ from thdpack.attention.flash_kernel import HALF_DTYPES, unavailable_reason
 from thdpack.cp.partition import local_placement
 from thdpack.thd.meta import ThdMeta
 
-CpAlgorithm = Literal["own", "ring_math", "ring_flash", "all_gather"]
+CpAlgorithm = Literal["own", "ring_math", "ring_flash", "all_gather", "a2a"]
 CP_ALGORITHM_NAMES: tuple[CpAlgorithm, ...] = get_args(CpAlgorithm)
 AttentionOutput = tuple[torch.Tensor, torch.Tensor | None]
 """``(out (T, Nq, Hv) in q's dtype, lse (Nq, T) natural log, or None)``."""
@@ -172,15 +175,14 @@ class AttentionBackend:
         algorithm = self.cp.get(s.cp_comm_type)
         if algorithm == "own":
             return self.kernel_problem(s)
-        if not self.cp:
-            return ValueError(
-                f"backend {self.name!r} has no context-parallel path; with a cp_group use 'math' (any "
-                "device), 'flash' / 'varlen' (CUDA fp16/bf16 ring) or 'te'"
-            )
+        if algorithm == "a2a":  # the kernel runs on whole sequences, as without CP
+            return self.kernel_problem(dataclasses.replace(s, cp=False))
         if algorithm is None:
+            has = ", ".join(repr(comm) for comm in self.cp)
             return ValueError(
-                f"cp_comm_type={s.cp_comm_type!r} runs math tiles; use backend='math' (or 'te'), or "
-                f"cp_comm_type='p2p' for the {self.name!r} ring"
+                f"backend {self.name!r} has no context-parallel path for cp_comm_type={s.cp_comm_type!r} (it has "
+                f"{has}); use cp_comm_type={has.replace(', ', ' or ')}, or backend='math' (every cp_comm_type, any "
+                "device) or 'te'"
             )
         reason = s.flash_problem() if algorithm == "ring_flash" else None
         if reason is not None:

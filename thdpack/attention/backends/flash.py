@@ -7,7 +7,9 @@ A thin adapter, true to flash-attn's API (research/ring_attention.md section 3):
 non-causal call see the real keys of their sequence.
 
 Under context parallelism thdpack's ring runs instead, with PyTorch's built-in FlashAttention-2
-tiles (:mod:`thdpack.attention.flash_kernel`): flash-attn itself is then not needed.
+tiles (:mod:`thdpack.attention.flash_kernel`): flash-attn itself is then not needed. With
+``cp_comm_type="a2a"`` this kernel runs on the whole sequences the all-to-all delivers
+(:mod:`thdpack.attention.a2a`).
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -44,4 +46,6 @@ def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: 
     return out_TNH, no_lse_gradient(normalize_lse(lse_NT), "flash_attn_varlen_func")
 
 
-BACKEND = AttentionBackend(name="flash", cp={"p2p": "ring_flash"}, kernel_problem=kernel_problem, attend=attend)
+BACKEND = AttentionBackend(
+    name="flash", cp={"p2p": "ring_flash", "a2a": "a2a"}, kernel_problem=kernel_problem, attend=attend
+)

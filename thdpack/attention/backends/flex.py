@@ -4,7 +4,8 @@ On CUDA the fused Triton kernel is used (``torch.compile(flex_attention)``, comp
 shape); on CPU the eager path materialises the scores and has no backward in torch >= 2.11, so
 it is only offered there for forward-only calls. The LSE comes from
 ``return_aux=AuxRequest(lse=True)`` (``return_lse=True`` on older torch), natural log, and is
-differentiable (FlexAttention's backward takes its gradient). No context-parallel path.
+differentiable (FlexAttention's backward takes its gradient). Under context parallelism only with
+``cp_comm_type="a2a"`` (the kernel on the whole sequences the all-to-all delivers).
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -80,4 +81,4 @@ def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: 
     return to_TNH(out_1NTH), normalize_lse(lse_1NT[0].float())
 
 
-BACKEND = AttentionBackend(name="flex", cp={}, kernel_problem=kernel_problem, attend=attend)
+BACKEND = AttentionBackend(name="flex", cp={"a2a": "a2a"}, kernel_problem=kernel_problem, attend=attend)

@@ -4,8 +4,8 @@ Any device, any float dtype (fp64 / fp32 on CPU included); memory O(sum of per-s
 The custom ``autograd.Function`` recomputes tiles in the backward from the saved output and LSE
 (FlashAttention's scheme), so the activation memory is O(T), and the returned LSE is
 differentiable (its gradient enters through ``delta = rowsum(dO * O) - dLSE``). Under context
-parallelism the same tiles run inside thdpack's ring (``cp_comm_type="p2p"``) or after an
-all-gather of K/V (``"all_gather"``).
+parallelism the same tiles run inside thdpack's ring (``cp_comm_type="p2p"``), after an
+all-gather of K/V (``"all_gather"``), or on the whole sequences an all-to-all delivers (``"a2a"``).
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -83,5 +83,8 @@ def _attend_call(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, 
 
 
 BACKEND = AttentionBackend(
-    name="math", cp={"p2p": "ring_math", "all_gather": "all_gather"}, kernel_problem=kernel_problem, attend=_attend_call
+    name="math",
+    cp={"p2p": "ring_math", "all_gather": "all_gather", "a2a": "a2a"},
+    kernel_problem=kernel_problem,
+    attend=_attend_call,
 )

@@ -3,8 +3,9 @@
 The mask is :func:`thdpack.attention.masks.block_causal_mask`: same sequence, real key, and (causal) key
 not after the query. It costs O(T^2) memory, and with a mask CUDA SDPA falls back from the flash
 kernel to the efficient / math kernels, so this backend is for small packs and cross-checks. SDPA
-returns no LSE. Padding rows see the real tokens of their sequence, so no row is empty. No
-context-parallel path.
+returns no LSE. Padding rows see the real tokens of their sequence, so no row is empty. Under
+context parallelism only with ``cp_comm_type="a2a"`` (the kernel on the whole batch the all-to-all
+delivers, for ``Nq / cp`` heads).
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -42,4 +43,4 @@ def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: 
     return to_TNH(out_1NTH), None
 
 
-BACKEND = AttentionBackend(name="sdpa", cp={}, kernel_problem=kernel_problem, attend=attend)
+BACKEND = AttentionBackend(name="sdpa", cp={"a2a": "a2a"}, kernel_problem=kernel_problem, attend=attend)

@@ -10,7 +10,8 @@ op's backward ignores the LSE's gradient, a loss using it raises instead of trai
 
 Padding: as for the ``flash`` backend
 (:meth:`~thdpack.attention.backends.base.AttentionCall.varlen_operands`); under context
-parallelism thdpack's ring with FlashAttention-2 tiles runs instead.
+parallelism thdpack's ring with FlashAttention-2 tiles runs instead, or with ``cp_comm_type="a2a"``
+this kernel on the whole sequences the all-to-all delivers (:mod:`thdpack.attention.a2a`).
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -78,4 +79,6 @@ def attend(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, call: 
     return out_TNH, no_lse_gradient(normalize_lse(lse_NT), "torch varlen_attn")
 
 
-BACKEND = AttentionBackend(name="varlen", cp={"p2p": "ring_flash"}, kernel_problem=kernel_problem, attend=attend)
+BACKEND = AttentionBackend(
+    name="varlen", cp={"p2p": "ring_flash", "a2a": "a2a"}, kernel_problem=kernel_problem, attend=attend
+)
