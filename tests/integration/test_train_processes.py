@@ -75,20 +75,27 @@ def launch(cmd: list[str], logs: Path) -> subprocess.Popen:
     return job
 
 
+def descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (torchrun starts each worker in a session of its own, so killing
+    torchrun's process group leaves them running)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            for child in map(int, (task / "children").read_text().split()):
+                found += [child, *descendants(child)]
+    return found
+
+
 @pytest.fixture
-def cleanup() -> Iterator[tuple[list[subprocess.Popen], list[int]]]:
-    """(jobs, worker pids) a test starts; whatever is left of them is killed, stopped ones too
-    (torchrun starts each worker in a session of its own)."""
-    jobs: list[subprocess.Popen] = []
-    pids: list[int] = []
-    yield jobs, pids
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    for job in jobs:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait()
+def jobs() -> Iterator[list[subprocess.Popen]]:
+    """The jobs a test starts; whatever is left of them and their workers is killed, stopped ones too."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for job in started:
+        for pid in [*descendants(job.pid), job.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        job.wait()
 
 
 def trainer(out: Path, store: Path, *overrides: str) -> list[str]:
@@ -104,11 +111,10 @@ def rank_pids(out: Path) -> list[int]:
     return [json.loads((out / "heartbeats" / f"rank_{r}.json").read_text())["pid"] for r in (0, 1)]
 
 
-def test_a_second_run_stops_naming_the_first_and_a_store_cut_short_stops_both_ranks(tmp_path, store, cleanup):
+def test_a_second_run_stops_naming_the_first_and_a_store_cut_short_stops_both_ranks(tmp_path, store, jobs):
     """A torchrun job (2 ranks) holds its output_dir through rank 0: a second run into it stops at
     once naming rank 0's pid and host. Then the job's store is cut short under it: both ranks stop
     naming the file (before: both died of SIGBUS, exit -7)."""
-    jobs, pids = cleanup
     data = tmp_path / "S"
     shutil.copytree(store, data)
     out, lock = tmp_path / "out", lock_file_of(tmp_path / "out")
@@ -121,7 +127,7 @@ def test_a_second_run_stops_naming_the_first_and_a_store_cut_short_stops_both_ra
     )
     assert second.returncode == 2, second.stderr[-3000:]  # before: 0, after training into the job's folder
     wait_for(lambda: metric_lines(out) >= 2, "two steps", job)
-    pids += rank_pids(out)
+    pids = rank_pids(out)
     busy = (
         f"thdpack.train: error: train.output_dir={out} is being written by another process (pid {pids[0]} on "
         f"{socket.gethostname()}; lock file {lock}): another training run is using it; wait for it to finish, or "
@@ -143,15 +149,14 @@ def test_a_second_run_stops_naming_the_first_and_a_store_cut_short_stops_both_ra
     assert said.count(error) == 2 and "SIGBUS" not in said, said[-3000:]
 
 
-def test_a_stopped_rank_is_named_and_the_timeout_ends_the_job(tmp_path, store, cleanup):
+def test_a_stopped_rank_is_named_and_the_timeout_ends_the_job(tmp_path, store, jobs):
     """``kill -STOP`` on rank 1: the watchdog names it, rank 0's collective gives up after
     parallel.timeout_s; a SIGBUS then shows rank 1's stack (faulthandler)."""
-    jobs, pids = cleanup
     out = tmp_path / "out"
     job = launch(launcher(out, store, *FOREVER, "parallel.timeout_s=10", "parallel.watchdog_s=2"), tmp_path / "job")
     jobs.append(job)
     wait_for(lambda: metric_lines(out) >= 2, "two steps", job)
-    pids += rank_pids(out)
+    pids = rank_pids(out)
     os.kill(pids[1], signal.SIGSTOP)
     start = time.monotonic()
     timed_out = "thdpack.train: error: rank 0: a collective waited parallel.timeout_s=10 s for ranks that did not come"

@@ -50,8 +50,6 @@ class Runtime:
     """The ranks with the same CP position in different data-parallel replicas."""
     world_mesh: DeviceMesh
     """1-D mesh over all dp x cp ranks: what FSDP2 shards over (CP ranks hold the same weights)."""
-    timeout_s: float
-    """How long a collective of the run's groups waits (``parallel.timeout_s``)."""
     long_wait_group: dist.ProcessGroup
     """A gloo group over every rank whose collectives wait a day: see ``long_barrier``."""
 
@@ -124,7 +122,6 @@ def init_runtime(parallel: ParallelConfig) -> Runtime:
         cp_group=mesh.get_group("cp"),
         dp_group=mesh.get_group("dp"),
         world_mesh=_mesh(device.type, (world_size,), ("dp_cp",), backend, timeout),
-        timeout_s=parallel.timeout_s,
         long_wait_group=dist.new_group(backend="gloo", timeout=LONG_WAIT),
     )
     if mesh.get_local_rank("cp") != runtime.cp_rank or mesh.get_local_rank("dp") != runtime.dp_rank:

@@ -128,8 +128,8 @@ def clip_grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
 
 
 def parameters_finite(model: torch.nn.Module) -> torch.Tensor:
-    """0-d bool tensor on the device, True when every parameter is finite (no host sync: read it
-    after the next step is queued). Under FSDP2 every rank checks its shards and the ranks agree
+    """0-d bool tensor on the device, True when every parameter is finite (no host sync: the
+    trainer reads it back with the step's loss). Under FSDP2 every rank checks its shards and the ranks agree
     (one all-reduce), so that all of them stop together."""
     params = [p.detach() for p in model.parameters()]
     sharded = any(hasattr(p, "to_local") for p in params)  # DTensors under FSDP2
