@@ -18,12 +18,17 @@ ranks writing a checkpoint meet at barriers. One case needs more than a manifest
 ``replace_folder`` copies a finished folder to a path read by something that knows no manifest
 (transformers' ``from_pretrained`` on ``output_dir/hf``), so it swaps whole folders by rename.
 
+A write that fails is reported with the folder it was writing and, when the disk is full, says
+so (``disk_full_note``): the writers' own errors often name neither ("[Errno 28] No space left on
+device", torch's "unexpected pos 576 vs 534").
+
 SHA-256 because CPUs with SHA extensions (AMD Zen, Intel Ice Lake and later) hash it at about
 1.5 GB/s per core, faster than BLAKE2b in ``hashlib`` (about 0.9 GB/s).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -130,3 +135,45 @@ def replace_folder(source: Path, target: Path) -> Path:
     partial.rename(target)
     shutil.rmtree(old, ignore_errors=True)
     return target
+
+
+LOW_SPACE_BYTES = 64 << 20
+"""Free bytes under which a failed write is put down to a full disk (writers fail with messages
+such as torch's "unexpected pos 576 vs 534" that do not say ENOSPC)."""
+
+
+def disk_full_note(folder: Path, error: BaseException, *, by_free_space: bool = True) -> str | None:
+    """'the disk that holds ``folder`` ran out of space (N bytes free now)' when ``error`` (or an
+    error it wraps) is ENOSPC / EDQUOT, or (``by_free_space``, for writers whose errors carry no errno) that disk
+    has under ``LOW_SPACE_BYTES`` free; None otherwise."""
+    free = _free_bytes(folder)
+    full = any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in wrapped_errors(error))
+    if not full and not (by_free_space and free is not None and free < LOW_SPACE_BYTES):
+        return None
+    shown = "unknown" if free is None else f"{free:,} bytes"
+    return f"the disk that holds {folder} ran out of space ({shown} free now)"
+
+
+def _free_bytes(folder: Path) -> int | None:
+    for path in (folder, *folder.parents):  # the folder itself may be gone or unfinished
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            continue
+    return None
+
+
+def wrapped_errors(error: BaseException) -> list[BaseException]:
+    """``error`` and what it wraps (causes, contexts, torch.distributed.checkpoint's per-rank failures)."""
+    out: list[BaseException] = []
+    todo: list[Any] = [error]
+    while todo:
+        e = todo.pop(0)  # breadth first: the outermost errors come first
+        if not isinstance(e, BaseException) or any(e is seen for seen in out):
+            continue
+        out.append(e)
+        todo += [e.__cause__, e.__context__]
+        failures = getattr(e, "failures", None)  # CheckpointException: {rank: exception}
+        if isinstance(failures, dict):  # each an exception, or (exception, its stack)
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return out

@@ -24,7 +24,9 @@ def _load():
 @pytest.mark.slow
 def test_tiny_mode_runs(tmp_path, capsys, shared_data_if_any):
     bench = _load()
-    shared = shared_data_if_any.parent if shared_data_if_any.is_dir() else tmp_path / "no-shared"  # ../shared: data, peers
+    shared = (
+        shared_data_if_any.parent if shared_data_if_any.is_dir() else tmp_path / "no-shared"
+    )  # ../shared: data, peers
     out = tmp_path / "plan.json"
     assert bench.main(["--tiny", "--shared", str(shared), "--json", str(out)]) == 0
     text = capsys.readouterr().out

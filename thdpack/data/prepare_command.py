@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from thdpack._optional import has_module
+from thdpack._publish import disk_full_note
 from thdpack.data._lock import FolderLock
 from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES, SAMPLE_FORMATS, TokenizeConfig
@@ -149,9 +150,21 @@ def run_prepare(args: argparse.Namespace) -> int:
     """Run ``thdpack prepare``; 0 on success, 2 with a message on stderr for bad input."""
     try:
         return _prepare(args)
-    except (ValueError, TypeError, OSError, ImportError) as err:
+    except OSError as err:
+        print(f"thdpack prepare: error: {_write_failure(args.out, err)}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, ImportError) as err:
         print(f"thdpack prepare: error: {err}", file=sys.stderr)
         return 2
+
+
+def _write_failure(out: Path, err: OSError) -> str:
+    """``err`` with the folder named when the error names no file (a write to a full disk says only
+    "[Errno 28] No space left on device")."""
+    full = disk_full_note(out, err, by_free_space=False)
+    if full is not None:
+        return f"{full} ({err}); free space there or choose another --out, then run again"
+    return str(err) if err.filename is not None else f"{err} (writing {out})"
 
 
 def plan_config_of(args: argparse.Namespace) -> PlanConfig:

@@ -27,6 +27,11 @@ the manifest is written, so two writers can never mix their files. A damaged sto
 memory-mapped on first access, so a store pickles cheaply into DataLoader workers, each of which
 maps the files itself; memory per access is the sample's size, whatever the store's.
 
+A memory-mapped file that is cut short while mapped kills the reading process with SIGBUS (no
+exception, no file named). ``check_unchanged()`` compares every mapped file's size, inode and
+modification time with what they were when it was mapped and raises a ``StoreError`` naming the
+file that changed; the trainer calls it before it reads each step's packs.
+
 >>> import tempfile
 >>> from thdpack.data.encode import SampleEncoder
 >>> encoder = SampleEncoder("gpt2")
@@ -45,7 +50,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, NoReturn, overload
 
 import numpy as np
 
@@ -86,6 +91,12 @@ __all__ = [
 _CHUNK = 1 << 20  # tokens per buffered write / copy
 
 
+def _file_identity(path: Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime in ns) of ``path``: what changes when it is rewritten or replaced."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 def token_dtype(vocab_size: int) -> np.dtype:
     """``uint16`` when every id fits (vocab_size <= 65,536), else ``int32``."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
@@ -111,8 +122,12 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
         self._offsets: np.ndarray | None = None
         self._mask: np.ndarray | None = None
         self._lengths: np.ndarray | None = None
+        self._mapped: dict[str, tuple[int, int, int, int]] = {}
 
     def _open(self) -> None:
+        names = [OFFSETS_FILE, *([TOKENS_FILE] if self.num_tokens else [])]
+        names += [LOSS_MASK_FILE] if self.manifest["has_loss_mask"] and self.num_tokens else []
+        self._mapped = {name: _file_identity(self.path / name) for name in names}
         offsets = np.load(self.path / OFFSETS_FILE, mmap_mode="r")
         check_offsets_ends(self.path / OFFSETS_FILE, offsets, self.num_tokens)
         if self.num_tokens == 0:  # numpy cannot memory-map an empty file
@@ -135,6 +150,30 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
 
     def __len__(self) -> int:
         return self._num_samples
+
+    def check_unchanged(self) -> None:
+        """``StoreError`` naming a memory-mapped file that was cut short, replaced or rewritten since
+        it was mapped (reading it could kill the process with SIGBUS); nothing mapped yet: no check."""
+        for name, (device, inode, size, mtime) in self._mapped.items():
+            file = self.path / name
+            try:
+                now = _file_identity(file)
+            except FileNotFoundError:
+                self._changed(file, "was deleted")
+            if now[2] != size:
+                self._changed(file, f"has {now[2]:,} bytes, {size:,} when it was opened (cut short or rewritten)")
+            if now[:2] != (device, inode):
+                self._changed(file, "was replaced by another file")
+            if now[3] != mtime:
+                self._changed(file, "was modified")
+
+    def _changed(self, file: Path, problem: str) -> NoReturn:
+        raise StoreError(
+            file,
+            f"{problem} while this process was reading the store",
+            "a store must not change while a run reads it: restore it (or write the new data to another "
+            "folder), then continue from the last checkpoint (train.resume=true)",
+        )
 
     @overload
     def __getitem__(self, index: int) -> dict[str, np.ndarray]: ...
@@ -165,7 +204,7 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
     def __getstate__(self) -> dict[str, Any]:
         # memory maps do not pickle well (they would copy the data): each process maps the files itself
         state = self.__dict__.copy()
-        state.update(_tokens=None, _offsets=None, _mask=None, _lengths=None)
+        state.update(_tokens=None, _offsets=None, _mask=None, _lengths=None, _mapped={})
         return state
 
     def __repr__(self) -> str:

@@ -85,6 +85,30 @@ class PackingStats:
         """True when num_packs reaches best_lower_bound_packs: no plan has fewer packs."""
         return self.num_packs <= max(self.best_lower_bound_packs, self.lower_bound_packs)
 
+    def removed(self) -> str:
+        """What the overflow policy did to the data, in words ("no token lost" only when none was).
+
+        >>> PackingStats(algorithm="bfd", pack_size=8, cp_size=1, num_packs=1, num_sequences=2, num_entries=2,
+        ...     real_tokens=7, cp_padding_tokens=0, capacity_tokens=8, lower_bound_packs=1,
+        ...     dropped_sequences=1, dropped_tokens=9).removed()
+        '1 sequences over pack_size=8 dropped (9 tokens, 56.2% of the tokens): not trained on'
+        """
+        over = f"sequences over pack_size={self.pack_size:,}"
+        if self.dropped_sequences:
+            share = _share(self.dropped_tokens, self.real_tokens + self.dropped_tokens)
+            return (
+                f"{self.dropped_sequences:,} {over} dropped ({self.dropped_tokens:,} tokens, {share}): not trained on"
+            )
+        if self.truncated_sequences:
+            share = _share(self.truncated_tokens, self.real_tokens + self.truncated_tokens)
+            return (
+                f"{self.truncated_sequences:,} {over} truncated, {self.truncated_tokens:,} tokens cut ({share}): "
+                "not trained on"
+            )
+        if self.split_sequences:
+            return f"{self.split_sequences:,} {over} split into pieces, no token lost"
+        return "no token lost"
+
     def to_dict(self) -> dict:
         """Plain JSON-ready dict, derived numbers included."""
         out = asdict(self)
@@ -144,6 +168,10 @@ class PackingStats:
             rows.append(("pack fullness", cells))
         width = max(len(name) for name, _ in rows)
         return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}% of the tokens" if whole else "all of the tokens"
 
 
 def weighted_percentiles(values: np.ndarray, weights: np.ndarray | None = None) -> dict[int, float]:

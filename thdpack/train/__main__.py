@@ -7,10 +7,16 @@
 
 Configs: ``configs/train.yaml`` composes the groups ``data model packing parallel attention
 train`` (``configs/<group>/*.yaml``) over the typed schema in ``thdpack.train.config``.
+
+Exit codes: 0 done, 2 a bad setting or input (the message says which and what to do), 1 a failure
+while training (a non-finite step, a checkpoint that could not be written, a rank that did not
+come within ``parallel.timeout_s``). A fatal signal (SIGSEGV, SIGBUS, ...) prints every thread's
+Python stack first (``faulthandler``).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -19,14 +25,37 @@ from pathlib import Path
 from thdpack._optional import require
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+REMOVED_KEYS = {"train.dtype": "use train.precision=fp32, bf16-mixed or fp64"}
+"""Settings that no longer exist, and what replaces them (Hydra's own refusal suggests ``+key=``,
+which fails as well)."""
+
+
+def removed_setting(argv: list[str]) -> str | None:
+    """The message for the first override in ``argv`` that sets a removed key, else None.
+
+    >>> removed_setting(["train.steps=3", "+train.dtype=bfloat16"])
+    'train.dtype was removed: use train.precision=fp32, bf16-mixed or fp64'
+    """
+    for arg in argv:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        if key in REMOVED_KEYS:
+            return f"{key} was removed: {REMOVED_KEYS[key]}"
+    return None
 
 
 def main() -> None:
+    removed = removed_setting(sys.argv[1:])
+    if removed is not None:
+        print(f"thdpack.train: bad config: {removed}", file=sys.stderr)
+        sys.exit(2)
+    faulthandler.enable(all_threads=True)  # a SIGBUS / SIGSEGV prints where every thread was
     require("hydra", "python -m thdpack.train")
     import hydra
     from omegaconf import DictConfig, OmegaConf
 
+    from thdpack.train.checkpoint import CheckpointSaveError
     from thdpack.train.config import register_configs
+    from thdpack.train.runtime import RankTimeoutError
     from thdpack.train.trainer import run
 
     register_configs()
@@ -45,19 +74,14 @@ def main() -> None:
         except ValueError as err:
             print(f"thdpack.train: bad config: {err}", file=sys.stderr)
             sys.exit(2)
-        out = Path(config.train.output_dir)
-        checkpoints = out / "checkpoints"
-        refused = (
-            checkpoints.is_dir() and any(checkpoints.iterdir()) and not (config.train.resume or config.train.overwrite)
-        )
-        if is_main and not refused:  # a run the trainer refuses must not overwrite the earlier run's config
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
         try:
-            run(config)
+            run(config, config_text=OmegaConf.to_yaml(cfg))
         except ValueError as err:
             print(f"thdpack.train: error: {err}", file=sys.stderr)
             sys.exit(2)
+        except (FloatingPointError, CheckpointSaveError, RankTimeoutError) as err:
+            print(f"thdpack.train: error: {err}", file=sys.stderr)
+            sys.exit(1)
 
     entry()
 

@@ -3,7 +3,8 @@
 Layout of ``<output_dir>/checkpoints/``::
 
     step_000020/dcp/          model + optimizer, torch.distributed.checkpoint (works for DDP and FSDP2)
-    step_000020/trainer.pt    scheduler, data stream, step, config (written by rank 0)
+    step_000020/trainer.pt    scheduler, data stream, step, config and the run's identity: its
+                              data, tokenizer and model (``thdpack.train.identity``; rank 0)
     step_000020/rng/rank_<r>.pt
     step_000020/checksums.json  size and sha256 of every file above, written last
     latest                    the newest complete checkpoint's folder name
@@ -19,7 +20,10 @@ falls back past damaged or unfinished ones with a warning naming the file
 
 One output_dir holds the checkpoints of one run: a fresh run into a folder that holds
 checkpoints is refused unless it resumes them (``train.resume=true``) or clears them
-(``train.overwrite=true``), so pruning (keep the newest ``keep_checkpoints``) never mixes runs.
+(``train.overwrite=true``), so pruning (keep the newest ``keep_checkpoints``) never mixes runs;
+and only one run writes it at a time (``thdpack.train.output_dir``). A save that fails (a full
+disk: torch says only "unexpected pos 576 vs 534") raises ``CheckpointSaveError`` naming the
+folder and, when the disk is full, saying so; its partial files are removed.
 """
 
 from __future__ import annotations
@@ -39,9 +43,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from thdpack._publish import digest_problem, file_digest, retract, write_json_atomic, write_text_atomic
+from thdpack._publish import (
+    digest_problem,
+    disk_full_note,
+    file_digest,
+    retract,
+    wrapped_errors,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
@@ -73,6 +86,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class Restored:
     step: int
     trainer: dict[str, Any]
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a failing file system); names the folder."""
 
 
 # -- files, manifests, verification --------------------------------------------------------
@@ -194,13 +211,18 @@ def save_checkpoint(
         _remove(folder)
     dist.barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder / "dcp")
-    (folder / "rng").mkdir(parents=True, exist_ok=True)
-    torch.save(rng_state(), folder / "rng" / f"rank_{rank}.pt")
-    if rank == 0:
-        torch.save({"step": step, **trainer_state}, folder / "trainer.pt")
-    if export is not None:
-        export(folder)
+    try:
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=folder / "dcp")
+        (folder / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(), folder / "rng" / f"rank_{rank}.pt")
+        if rank == 0:
+            torch.save({"step": step, **trainer_state}, folder / "trainer.pt")
+        if export is not None:
+            export(folder)
+    except (OSError, RuntimeError, CheckpointException) as err:
+        failure = _save_failed(folder, err)
+        _remove(folder)  # frees what it took; resume would set it aside anyway (no checksums.json)
+        raise failure from err
     dist.barrier()
     names = _broadcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
     digests = _digests_shared(folder, names)
@@ -217,6 +239,25 @@ def save_checkpoint(
         _prune(root, step, keep)
     dist.barrier()
     return folder
+
+
+def _save_failed(folder: Path, error: BaseException) -> CheckpointSaveError:
+    """What to tell the user when writing ``folder`` failed with ``error`` (torch's own words for a
+    full disk, "unexpected pos 576 vs 534", name neither the file nor the cause)."""
+    inner = next((e for e in wrapped_errors(error) if not isinstance(e, CheckpointException)), error)
+    said = (str(inner).strip().splitlines() or ["no message"])[0]
+    cause = disk_full_note(folder.parent, error)
+    fix = "free space there, or set train.output_dir to a larger disk" if cause else "check that file system"
+    return CheckpointSaveError(
+        f"could not save checkpoint {folder}: {cause or 'writing it failed'} ({type(inner).__name__}: {said}); "
+        f"{fix}, then continue from the last complete checkpoint with train.resume=true (the files of this "
+        "unfinished one were removed)"
+    )
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """The ``trainer.pt`` of checkpoint ``folder``: step, scheduler, data stream, config, identity."""
+    return torch.load(folder / "trainer.pt", weights_only=False)
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -357,5 +398,5 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: torch.op
     if not rng_file.exists():
         raise ValueError(f"{folder} has no RNG state for rank {rank}: resume with the world size that saved it")
     set_rng_state(torch.load(rng_file, weights_only=False))
-    trainer = torch.load(folder / "trainer.pt", weights_only=False)
+    trainer = read_trainer_state(folder)
     return Restored(step=int(trainer["step"]), trainer=trainer)

@@ -10,6 +10,7 @@ the limit and the fix; ``Config`` adds the checks that span groups.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 from thdpack.attention.config import AttentionConfig
@@ -36,8 +37,13 @@ def _one_of(name: str, value: str, options: tuple[str, ...]) -> None:
 
 
 def _at_least(name: str, value: int | float, minimum: int | float) -> None:
-    if value < minimum:
+    if not value >= minimum:  # `not >=`: NaN is refused too
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _finite(name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
 
 
 @dataclass(kw_only=True)
@@ -101,9 +107,23 @@ class ParallelConfig:
     """auto: cuda when available, else cpu."""
     backend: str = "auto"
     """torch.distributed backend; auto: nccl on cuda, gloo on cpu."""
+    timeout_s: float = 600.0
+    """How long a collective waits for the other ranks before the job fails (every process group
+    of the run). torch's own default is 30 minutes (gloo): a stopped or hung rank would hold the
+    whole allocation that long. Raise it when a legitimate wait inside training is longer (saving
+    a very large checkpoint to a slow file system); the long waits before training (building the
+    token cache, verifying a large store) use their own group and are not limited by it."""
+    watchdog_s: float = 60.0
+    """Report a step that has run longer than max(10 x the median step, watchdog_s), naming the
+    ranks that have not arrived (``output_dir/heartbeats``); 0 turns the watchdog off."""
 
     def __post_init__(self) -> None:
         _at_least("parallel.cp_size", self.cp_size, 1)
+        _finite("parallel.timeout_s", self.timeout_s)
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s must be > 0, got {self.timeout_s}")
+        _finite("parallel.watchdog_s", self.watchdog_s)
+        _at_least("parallel.watchdog_s", self.watchdog_s, 0)
         _one_of("parallel.dp_sharding", self.dp_sharding, DP_SHARDINGS)
         _one_of("parallel.device", self.device, DEVICES)
         _one_of("parallel.backend", self.backend, DIST_BACKENDS)
@@ -136,8 +156,14 @@ class TrainConfig:
     output_dir: str = "outputs/train"
     """metrics.jsonl, checkpoints/, loss.png, config.yaml go here."""
     resume: bool = False
-    """Continue from the newest valid checkpoint in output_dir (the data and batch settings must
-    match); damaged checkpoints are skipped with a warning naming the file."""
+    """Continue from the newest valid checkpoint in output_dir; damaged checkpoints are skipped with
+    a warning naming the file. The checkpoint's data (the store's checksums), tokenizer and model
+    settings must be this run's (a difference is refused, naming it), and so must the batch
+    settings."""
+    resume_data_changed: bool = False
+    """With resume: continue the checkpoint's model, optimizer and schedule on data (or a
+    tokenizer) other than the checkpoint's; the data stream then starts at the new data's
+    beginning. Without it such a resume is refused."""
     overwrite: bool = False
     """Delete the checkpoints an earlier run left in output_dir and start over (without it, a fresh
     run into an output_dir that holds checkpoints is refused)."""
@@ -178,10 +204,15 @@ class TrainConfig:
                 "train.resume=true and train.overwrite=true contradict each other: resume continues the "
                 "checkpoints in train.output_dir, overwrite deletes them; set one of them"
             )
+        if self.resume_data_changed and not self.resume:
+            raise ValueError("train.resume_data_changed=true applies to a resumed run: add train.resume=true")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.steps:
             raise ValueError(f"train.stop_at must be in [1, train.steps={self.steps}], got {self.stop_at}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            _finite(f"train.{name}", getattr(self, name))
         if not self.lr > 0 or not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"need 0 <= train.min_lr <= train.lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        _at_least("train.weight_decay", self.weight_decay, 0)
         _one_of("train.loss_reduction", self.loss_reduction, LOSS_REDUCTIONS)
         _one_of("train.precision", self.precision, PRECISIONS)
 

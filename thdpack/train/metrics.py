@@ -75,12 +75,14 @@ def padding_comparison(lengths: np.ndarray, stats: PackingStats) -> str:
         f"one document per {size}-token row: {len(lengths):,} rows, {100 * (1 - kept / slots):.1f}% of the slots "
         f"padding, {tokens - kept:,} tokens ({100 * (tokens - kept) / tokens:.1f}%) truncated away\n"
         f"packed: {stats.num_packs:,} rows, {100 * (1 - stats.efficiency):.2f}% padding "
-        f"({stats.cp_padding_tokens:,} for CP divisibility), no token lost"
+        f"({stats.cp_padding_tokens:,} for CP divisibility); {stats.removed()}"
     )
 
 
-def summary(history: list[dict[str, Any]], *, wall_seconds: float) -> str:
-    """The end-of-run report: loss, throughput, packing efficiency of the trained steps."""
+def summary(history: list[dict[str, Any]], *, wall_seconds: float, stats: PackingStats) -> str:
+    """The end-of-run report: loss, throughput, packing efficiency of the trained steps, and what the
+    overflow policy removed from every epoch (``stats``: an epoch's ``PackingStats``; the policy
+    removes the same from each, as it depends on the lengths only)."""
     if not history:
         return "no steps were run"
     tokens = sum(r["tokens"] for r in history)
@@ -95,6 +97,7 @@ def summary(history: list[dict[str, Any]], *, wall_seconds: float) -> str:
             f"useful tokens/s: {tokens / busy:,.0f} (training steps only, all ranks)",
             f"packing efficiency of the trained steps: {100 * tokens / capacity:.2f}% of {capacity:,} token slots "
             f"held real tokens (padding waste avoided: see the comparison at the start)",
+            f"packing.overflow, in every epoch: {stats.removed()}",
         ]
     )
 

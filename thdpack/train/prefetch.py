@@ -55,9 +55,20 @@ class StepPrefetcher:
     [1, 2, 3]
     """
 
-    def __init__(self, stream: StepStream, prepare: Callable[[Step], list[THDBatch]], *, depth: int = 2) -> None:
+    def __init__(
+        self,
+        stream: StepStream,
+        prepare: Callable[[Step], list[THDBatch]],
+        *,
+        depth: int = 2,
+        before_read: Callable[[], None] | None = None,
+    ) -> None:
         check_int("prefetch depth", depth, 0)
         self.stream, self.prepare, self.depth = stream, prepare, depth
+        self.before_read = before_read
+        """Called before each step's packs are read, in the thread that reads them; what it raises
+        is raised by :meth:`next` (the trainer checks that the store's files are unchanged:
+        ``TokenStore.check_unchanged``)."""
         self.wait_seconds = 0.0
         """How long the last :meth:`next` waited for its step (the host stalled the step by this)."""
         self._queue: queue.Queue[PreparedStep | _Failure] = queue.Queue(maxsize=max(depth, 1))
@@ -68,6 +79,8 @@ class StepPrefetcher:
             self._thread.start()
 
     def _make(self) -> PreparedStep:
+        if self.before_read is not None:
+            self.before_read()
         step = self.stream.next_step()
         return PreparedStep(step=step, micro_batches=self.prepare(step), stream_state=self.stream.state_dict())
 

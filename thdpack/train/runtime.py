@@ -5,6 +5,12 @@
 Rank ``r`` sits at mesh coordinate ``(r // cp_size, r % cp_size)``: the ranks of one CP group are
 consecutive, so on a multi-GPU node they share the fastest links (CP talks every layer).
 Without torchrun (``python -m thdpack.train``) the run is one process on its own gloo group.
+
+Every process group of the run waits ``parallel.timeout_s`` for a collective, the mesh's
+subgroups included (torch gives a subgroup its backend's default, 30 minutes for gloo, unless
+told otherwise). The waits before training that are expected to be long (the local main rank
+builds the token cache or verifies a large store while the others wait) go through
+``Runtime.long_barrier``, a gloo group without that limit.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,6 +50,8 @@ class Runtime:
     """The ranks with the same CP position in different data-parallel replicas."""
     world_mesh: DeviceMesh
     """1-D mesh over all dp x cp ranks: what FSDP2 shards over (CP ranks hold the same weights)."""
+    long_wait_group: dist.ProcessGroup
+    """A gloo group over every rank whose collectives wait a day: see ``long_barrier``."""
 
     @property
     def is_main(self) -> bool:
@@ -50,6 +59,11 @@ class Runtime:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def long_barrier(self) -> None:
+        """Wait for every rank, however long the slowest takes (up to a day): the ranks that wait
+        while the local main rank tokenizes the cache or verifies a store, before training."""
+        dist.barrier(group=self.long_wait_group)
 
 
 def _free_port() -> int:
@@ -82,8 +96,9 @@ def init_runtime(parallel: ParallelConfig) -> Runtime:
         raise ValueError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo on CPU")
     if parallel.dp_sharding == "fsdp" and device.type == "cpu" and backend != "gloo":
         raise ValueError("FSDP on CPU needs the gloo backend")
+    timeout = datetime.timedelta(seconds=parallel.timeout_s)
     if not dist.is_initialized():
-        kwargs = {"timeout": datetime.timedelta(minutes=30)}
+        kwargs = {"timeout": timeout}
         if launched:
             dist.init_process_group(backend, **kwargs)
         else:
@@ -93,7 +108,7 @@ def init_runtime(parallel: ParallelConfig) -> Runtime:
     rank = dist.get_rank()
     cp_size = parallel.cp_size
     dp_size = world_size // cp_size
-    mesh = init_device_mesh(device.type, (dp_size, cp_size), mesh_dim_names=("dp", "cp"))
+    mesh = _mesh(device.type, (dp_size, cp_size), ("dp", "cp"), backend, timeout)
     runtime = Runtime(
         rank=rank,
         world_size=world_size,
@@ -106,11 +121,48 @@ def init_runtime(parallel: ParallelConfig) -> Runtime:
         mesh=mesh,
         cp_group=mesh.get_group("cp"),
         dp_group=mesh.get_group("dp"),
-        world_mesh=init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp_cp",)),
+        world_mesh=_mesh(device.type, (world_size,), ("dp_cp",), backend, timeout),
+        long_wait_group=dist.new_group(backend="gloo", timeout=LONG_WAIT),
     )
     if mesh.get_local_rank("cp") != runtime.cp_rank or mesh.get_local_rank("dp") != runtime.dp_rank:
         raise AssertionError("DeviceMesh placed this rank elsewhere than rank // cp_size, rank % cp_size")
     return runtime
+
+
+LONG_WAIT = datetime.timedelta(days=1)
+
+
+def _mesh(
+    device_type: str, shape: tuple[int, ...], names: tuple[str, ...], backend: str, timeout: datetime.timedelta
+) -> DeviceMesh:
+    """``init_device_mesh`` whose new subgroups wait ``timeout`` too. A dimension spanning the
+    world reuses the default group (which has it) except where torch makes a new one (a gloo
+    default group on a machine with CUDA)."""
+    world = dist.get_world_size()
+    reuses_default = not (torch.cuda.is_available() and dist.get_backend() == "gloo")
+    override = {
+        name: (backend, _group_options(backend, timeout))
+        for name, size in zip(names, shape, strict=True)
+        if size != world or not reuses_default
+    }
+    return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override or None)
+
+
+def _group_options(backend: str, timeout: datetime.timedelta) -> Any:
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
+
+
+class RankTimeoutError(RuntimeError):
+    """A collective waited ``parallel.timeout_s`` for a rank that did not come."""
+
+
+def is_collective_timeout(error: BaseException) -> bool:
+    """True for the error a collective raises when a rank did not come within the timeout (gloo:
+    "Timed out waiting ..."; NCCL: a ``DistBackendError`` from its watchdog)."""
+    text = str(error)
+    return "Timed out waiting" in text or (isinstance(error, dist.DistBackendError) and "timeout" in text.lower())
 
 
 def shutdown() -> None:

@@ -127,6 +127,31 @@ def clip_grad_norm(model: torch.nn.Module, clip: float) -> torch.Tensor:
     return norm
 
 
+def parameters_finite(model: torch.nn.Module) -> torch.Tensor:
+    """0-d bool tensor on the device, True when every parameter is finite (no host sync: the
+    trainer reads it back with the step's loss). Under FSDP2 every rank checks its shards and the ranks agree
+    (one all-reduce), so that all of them stop together."""
+    params = [p.detach() for p in model.parameters()]
+    sharded = any(hasattr(p, "to_local") for p in params)  # DTensors under FSDP2
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+    finite = torch.stack([torch.isfinite(p).all() for p in local]).all()
+    if sharded:
+        flag = finite.to(torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        finite = flag.bool()
+    return finite
+
+
+def nonfinite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of the parameters (this rank's shards under FSDP2) that hold a NaN or an infinity."""
+    out = []
+    for name, p in model.named_parameters():
+        local = p.detach().to_local() if hasattr(p, "to_local") else p.detach()
+        if not bool(torch.isfinite(local).all()):
+            out.append(name)
+    return out
+
+
 def global_grad_norm(model: torch.nn.Module, clip: float) -> float:
     """:func:`clip_grad_norm` read back as a float (a host sync)."""
     return float(clip_grad_norm(model, clip))

@@ -36,15 +36,25 @@ from thdpack.packing.steps import Step, StepStream
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
-from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, save_checkpoint
+from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, read_trainer_state, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.hf_export import checkpoint_export, publish_hf_folder
+from thdpack.train.identity import check_resume_identity, run_identity
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
+from thdpack.train.output_dir import hold_output_dir
 from thdpack.train.precision import Precision
 from thdpack.train.prefetch import StepPrefetcher
-from thdpack.train.runtime import Runtime, init_runtime, shutdown
-from thdpack.train.step import clip_grad_norm, collate_micro_batches, forward_backward, prepare_micro_batches
+from thdpack.train.runtime import RankTimeoutError, Runtime, init_runtime, is_collective_timeout, shutdown
+from thdpack.train.step import (
+    clip_grad_norm,
+    collate_micro_batches,
+    forward_backward,
+    nonfinite_parameters,
+    parameters_finite,
+    prepare_micro_batches,
+)
 from thdpack.train.store_cache import check_model_tokenizer, open_token_store, pad_id_of, real_lengths_summary
+from thdpack.train.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -124,11 +134,26 @@ def host_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, red
     return [thd_pin_memory(mb) for mb in host] if runtime.device.type == "cuda" else host
 
 
-def run(cfg: Config) -> list[dict[str, Any]]:
-    """Train with ``cfg`` in this process (one rank of torchrun, or alone); returns the metrics."""
+def run(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
+    """Train with ``cfg`` in this process (one rank of torchrun, or alone); returns the metrics.
+
+    The main rank holds ``train.output_dir``'s lock for the whole run (``thdpack.train.output_dir``):
+    a second run into it stops at once, naming this one. ``config_text`` (the Hydra entry's composed
+    config) is written to ``output_dir/config.yaml`` once the run holds the folder and its
+    checkpoints passed the resume checks, so a refused run never overwrites an earlier run's.
+    """
     runtime = init_runtime(cfg.parallel)
     try:
-        return _train(cfg, runtime)
+        with hold_output_dir(Path(cfg.train.output_dir), is_main=runtime.is_main):
+            return _train(cfg, runtime, config_text)
+    except RuntimeError as err:
+        if is_collective_timeout(err):
+            raise RankTimeoutError(
+                f"rank {runtime.rank}: a collective waited parallel.timeout_s={cfg.parallel.timeout_s:g} s for ranks "
+                f"that did not come ({str(err).strip()}); a rank stopped, hung or died: see the watchdog's report "
+                "and that rank's output, then continue from the last checkpoint with train.resume=true"
+            ) from err
+        raise
     finally:
         shutdown()
 
@@ -157,7 +182,7 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
         cfg.data,
         vocab_size=model_vocab_size(cfg.model_config()),
         is_local_main=runtime.local_rank == 0,
-        barrier=dist.barrier,
+        barrier=runtime.long_barrier,  # tokenizing a cache or verifying a large store may take long
     )
     note = check_model_tokenizer(cfg.model_config(), store)
     if note is not None and runtime.is_main:
@@ -208,59 +233,132 @@ def build_training(cfg: Config, runtime: Runtime, vocab_size: int) -> Training:
     return Training(model=model, inner=inner, optimizer=optimizer, scheduler=scheduler, autocast=autocast)
 
 
-def resume_training(cfg: Config, runtime: Runtime, training: Training, stream: StepStream) -> int:
-    """The first step to run: 1, or the step after the checkpoint resumed (model, optimizer,
-    schedule, data stream and RNG restored)."""
+@dataclass(frozen=True)
+class Resume:
+    """The checkpoint a run continues from, its ``trainer.pt`` read and its identity checked."""
+
+    folder: Path
+    trainer: dict[str, Any]
+    data_changed: bool
+    """The data or tokenizer differ from the checkpoint's and ``train.resume_data_changed`` allows it."""
+
+    @property
+    def step(self) -> int:
+        return int(self.trainer["step"])
+
+
+def open_resume(cfg: Config, runtime: Runtime, identity: dict[str, Any]) -> Resume | None:
+    """The checkpoint to resume from (``train.resume``), or None to start at step 1.
+
+    Its ``trainer.pt`` is compared with the run before any weight is loaded: the data, tokenizer
+    and model it was trained with (``thdpack.train.identity``), and its step with ``train.steps``
+    (a checkpoint past the end is refused).
+    """
     train = cfg.train
     checkpoints = Path(train.output_dir) / "checkpoints"
-    resumed_from = open_checkpoints(checkpoints, resume=train.resume, overwrite=train.overwrite)
-    if resumed_from is None:
+    folder = open_checkpoints(checkpoints, resume=train.resume, overwrite=train.overwrite)
+    if folder is None:
         if train.resume:
             _say(runtime, f"train.resume=true but {checkpoints} holds no checkpoint: starting from step 1")
+        return None
+    trainer = read_trainer_state(folder)
+    changed = check_resume_identity(trainer, identity, folder=folder, data_changed=train.resume_data_changed)
+    resume = Resume(folder=folder, trainer=trainer, data_changed=changed)
+    if resume.step > train.steps:
+        raise ValueError(
+            f"checkpoint {folder} is at step {resume.step}, past train.steps={train.steps}; set train.steps above "
+            f"{resume.step} to train on from it, or start over with train.overwrite=true"
+        )
+    return resume
+
+
+def resume_training(
+    cfg: Config, runtime: Runtime, training: Training, stream: StepStream, resume: Resume | None
+) -> int:
+    """The first step to run: 1, or the step after the checkpoint ``resume`` (model, optimizer,
+    schedule, data stream and RNG restored; with other data, the stream starts at its beginning)."""
+    if resume is None:
         return 1
-    restored = load_checkpoint(resumed_from, model=training.model, optimizer=training.optimizer)
+    restored = load_checkpoint(resume.folder, model=training.model, optimizer=training.optimizer)
     scheduler, optimizer = training.scheduler, training.optimizer
     scheduler.load_state_dict(restored.trainer["scheduler"])
     # the schedule of *this* config at the restored step (train.steps may have been extended)
-    factor = lr_lambda(train)(scheduler.last_epoch)
+    factor = lr_lambda(cfg.train)(scheduler.last_epoch)
     for group, base_lr in zip(optimizer.param_groups, scheduler.base_lrs, strict=True):
         group["lr"] = base_lr * factor
-    stream.load_state_dict(restored.trainer["stream"])
-    _say(runtime, f"resumed from {resumed_from} (step {restored.step})")
+    if resume.data_changed:
+        _say(
+            runtime,
+            f"resumed from {resume.folder} (step {restored.step}) on other data (train.resume_data_changed=true): "
+            "the model, optimizer and schedule continue, the data stream starts at this data's beginning",
+        )
+    else:
+        stream.load_state_dict(restored.trainer["stream"])
+        _say(runtime, f"resumed from {resume.folder} (step {restored.step})")
     return restored.step + 1
 
 
-def _train(cfg: Config, runtime: Runtime) -> list[dict[str, Any]]:
+def _train(cfg: Config, runtime: Runtime, config_text: str | None) -> list[dict[str, Any]]:
     start_wall = time.perf_counter()
     train = cfg.train
     out = Path(train.output_dir)
     torch.manual_seed(train.seed)
-    if runtime.is_main:
-        out.mkdir(parents=True, exist_ok=True)
     _say(
         runtime,
         f"world {runtime.world_size} = dp {runtime.dp_size} x cp {runtime.cp_size} on {runtime.device} "
         f"({dist.get_backend()}), {cfg.parallel.dp_sharding.upper()}",
     )
     data = open_run_data(cfg, runtime)
+    identity = run_identity(cfg, data.store)
+    resume = open_resume(cfg, runtime, identity)  # before the model is built: another model is refused first
+    if runtime.is_main and config_text is not None:
+        (out / "config.yaml").write_text(config_text)
+    last_step = train.stop_at or train.steps
+    if resume is not None and resume.step >= last_step:
+        until = f"train.stop_at={train.stop_at}" if train.stop_at else f"train.steps={train.steps}"
+        _say(
+            runtime,
+            f"checkpoint {resume.folder} is at step {resume.step}, and this run ends at step {last_step} ({until}): "
+            f"nothing left to train; raise {until.split('=')[0]} to train on",
+        )
+        return []
     training = build_training(cfg, runtime, int(data.store.manifest["tokenizer"]["vocab_size"]))
-    first_step = resume_training(cfg, runtime, training, data.stream)
+    first_step = resume_training(cfg, runtime, training, data.stream, resume)
     metrics = MetricsLog(out / "metrics.jsonl", resume_step=first_step - 1) if runtime.is_main else None
     prepare = _host_batches(runtime, train.loss_reduction)
-    with StepPrefetcher(data.stream, prepare, depth=train.prefetch_steps) as steps:
-        last_saved = _loop(cfg, runtime, training, steps, metrics, first_step)
+    with (
+        StepPrefetcher(
+            data.stream, prepare, depth=train.prefetch_steps, before_read=data.store.check_unchanged
+        ) as steps,
+        _watchdog(cfg, runtime) as watchdog,
+    ):
+        last_saved = _loop(cfg, runtime, training, steps, metrics, first_step, identity, watchdog)
     if isinstance(training.inner, HFCausalLM) and runtime.is_main and last_saved is not None:
         published = publish_hf_folder(last_saved, out)
         print(f"wrote {published} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 
     history = metrics.history if metrics is not None else []
     if runtime.is_main:
-        print("\n" + summary(history, wall_seconds=time.perf_counter() - start_wall))
+        print("\n" + summary(history, wall_seconds=time.perf_counter() - start_wall, stats=data.dataset.stats))
         print(padding_comparison(data.store.lengths, data.dataset.stats))
         if train.plot and plot_loss(history, out / "loss.png"):
             print(f"wrote {out / 'loss.png'}")
         print(f"wrote {out / 'metrics.jsonl'}")
     return history
+
+
+def _watchdog(cfg: Config, runtime: Runtime) -> contextlib.AbstractContextManager[Watchdog | None]:
+    """The stall reporter of this rank (``thdpack.train.watchdog``); none for one process or with
+    ``parallel.watchdog_s=0``."""
+    if runtime.world_size == 1 or cfg.parallel.watchdog_s == 0:
+        return contextlib.nullcontext()
+    return Watchdog(
+        Path(cfg.train.output_dir) / "heartbeats",
+        rank=runtime.rank,
+        world_size=runtime.world_size,
+        report_after=cfg.parallel.watchdog_s,
+        timeout_s=cfg.parallel.timeout_s,
+    )
 
 
 def _host_batches(runtime: Runtime, reduction: str) -> Callable[[Step], list[THDBatch]]:
@@ -274,16 +372,21 @@ def _loop(
     steps: StepPrefetcher,
     metrics: MetricsLog | None,
     first_step: int,
+    identity: dict[str, Any],
+    watchdog: Watchdog | None,
 ) -> Path | None:
     """Steps ``first_step .. stop_at or steps``: no host sync inside a step until its optimizer
-    update is queued (the loss and the gradient norm are read back after it). Returns the last
-    checkpoint saved (None when the run had no step left)."""
+    update is queued (the loss, the gradient norm and whether every parameter is finite are read
+    back after it). A step whose loss, gradient or parameters are not finite stops the run before it
+    is saved. Returns the last checkpoint saved (None when the run had no step left)."""
     folder = None
     train = cfg.train
     model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     checkpoints = Path(train.output_dir) / "checkpoints"
     last_step = train.stop_at or train.steps
     for step_number in range(first_step, last_step + 1):
+        if watchdog is not None:
+            watchdog.step_started(step_number)
         tick = time.perf_counter()
         prepared = steps.next()
         step = prepared.step
@@ -294,6 +397,7 @@ def _loop(
         grad_norm_t = clip_grad_norm(model, train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()
+        finite_t = parameters_finite(training.inner)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         loss = float(step_loss.value())
@@ -321,14 +425,14 @@ def _loop(
             metrics.write(record)
             if step_number % train.log_every == 0 or step_number == train.steps:
                 print(record.line(train.steps), flush=True)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"step {step_number}: the loss is {loss}; lower train.lr or check the data")
+        _check_finite(step_number, loss, grad_norm, bool(finite_t), training.inner, folder)
         every = train.checkpoint_every
         if step_number == last_step or (every and step_number % every == 0):
             trainer_state = {
                 "scheduler": scheduler.state_dict(),
                 "stream": prepared.stream_state,
                 "config": _plain(cfg),
+                "identity": identity,
             }
             export = None
             if isinstance(training.inner, HFCausalLM) and (train.save_hf or step_number == last_step):
@@ -343,7 +447,30 @@ def _loop(
                 export=export,
             )
             _say(runtime, f"saved checkpoint {folder}")
+        if watchdog is not None:
+            watchdog.step_ended()
     return folder
+
+
+def _check_finite(
+    step: int, loss: float, grad_norm: float, params_finite: bool, model: torch.nn.Module, last_saved: Path | None
+) -> None:
+    """``FloatingPointError`` naming the step when its loss, its gradient norm or a parameter after
+    its update is not finite (the same on every rank: the values are global)."""
+    if math.isfinite(loss) and math.isfinite(grad_norm) and params_finite:
+        return
+    if not math.isfinite(loss):
+        what = f"the loss is {loss}"
+    elif not math.isfinite(grad_norm):
+        what = f"the loss is {loss:.4f} but the gradient norm is {grad_norm} (a gradient holds NaN or infinity)"
+    else:
+        names = nonfinite_parameters(model)
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        what = f"after the optimizer step, parameters hold NaN or infinity ({shown or 'on another rank'})"
+    kept = f"the last checkpoint is {last_saved}" if last_saved is not None else "no checkpoint of this run was saved"
+    raise FloatingPointError(
+        f"step {step}: {what}; lower train.lr or check the data. The run stops without saving this step ({kept})"
+    )
 
 
 def _plain(cfg: Config) -> dict[str, Any]:

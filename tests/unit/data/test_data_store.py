@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -174,3 +176,35 @@ def test_packed_dataset_over_a_store_trains_the_same_targets_in_both_sample_form
         pairs["labels"] == pairs["loss_mask"]
         and len(pairs["labels"]) == TokenStore(tmp_path).manifest["num_target_tokens"]
     )
+
+
+def cut_short(path):
+    with open(path / "tokens.bin", "r+b") as f:
+        f.truncate(4)
+    return "has 4 bytes, 18 when it was opened (cut short or rewritten)"
+
+
+def replaced(path):
+    copy = path / "loss_mask.bin.new"
+    copy.write_bytes((path / "loss_mask.bin").read_bytes())
+    os.replace(copy, path / "loss_mask.bin")  # the same bytes in another file
+    return "was replaced by another file"
+
+
+def touched(path):
+    stat = (path / "offsets.npy").stat()
+    os.utime(path / "offsets.npy", ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    return "was modified"
+
+
+@pytest.mark.parametrize("change", [cut_short, replaced, touched], ids=["cut short", "replaced", "touched"])
+def test_a_store_file_changed_while_mapped_is_named(tmp_path, gpt2, change):
+    """A memory-mapped file cut short kills its reader with SIGBUS: the store checks first (issue 17)."""
+    store = written_out_store(tmp_path, gpt2)
+    store.check_unchanged()  # nothing mapped yet: nothing to compare
+    assert store[0]["input_ids"].tolist() == [10, 11]
+    store.check_unchanged()
+    said = change(tmp_path)
+    name = {"cut_short": "tokens.bin", "replaced": "loss_mask.bin", "touched": "offsets.npy"}[change.__name__]
+    with pytest.raises(StoreError, match=re.escape(f"{tmp_path / name} {said} while this process was reading")):
+        store.check_unchanged()

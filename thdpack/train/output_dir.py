@@ -1,0 +1,79 @@
+"""One run per output_dir: rank 0 holds the folder's lock for the run's lifetime.
+
+Two runs writing one ``train.output_dir`` used to interleave ``metrics.jsonl`` and prune each
+other's checkpoints, both exiting 0. Now rank 0 takes the lock ``thdpack prepare`` takes for its
+folder (``thdpack.data._lock.FolderLock``: an exclusive ``flock`` on ``.<name>.lock`` beside the
+folder) before anything is written there, and holds it until the run ends; the other ranks learn
+the outcome from rank 0, so a second run stops at once on every rank, naming the first (pid and
+host). Only rank 0 locks: the ranks of one run share the folder by design (each writes its part
+of every checkpoint).
+
+A run that dies never blocks the next one: the kernel releases a ``flock`` when its holder exits,
+however it exits (``kill -9`` included), so the next run takes the lock at once and overwrites the
+stale holder line the dead run left in the lock file. Only a live holder blocks, a stopped one
+(``kill -STOP``) included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+
+from thdpack.data._lock import FolderLock
+from thdpack.data.manifest import StoreBusyError
+
+
+def lock_output_dir(out: Path) -> FolderLock:
+    """Create ``out`` and take its lock; ``ValueError`` naming the path when it cannot be written
+    (a read-only file system, no permission, a file of that name), ``StoreBusyError`` when another
+    process holds it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = FolderLock(out).acquire()
+    except OSError as err:
+        raise _unwritable(out, err) from err
+    try:  # an existing folder on a read-only file system passes the above
+        probe = out / ".thdpack-write-test"
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        lock.release()
+        raise _unwritable(out, err) from err
+    return lock
+
+
+def _unwritable(out: Path, err: OSError) -> ValueError:
+    return ValueError(
+        f"train.output_dir={out} cannot be written ({err.strerror or err}: {err.filename or out}); "
+        "choose a folder this process can write"
+    )
+
+
+@contextlib.contextmanager
+def hold_output_dir(out: Path, *, is_main: bool) -> Iterator[None]:
+    """Hold ``out``'s lock on the main rank while the body runs (collective: every rank calls it and
+    every rank raises the same ``ValueError`` when ``out`` is unwritable or another run holds it)."""
+    lock: FolderLock | None = None
+    refusal: str | None = None
+    if is_main:
+        try:
+            lock = lock_output_dir(out)
+        except StoreBusyError as err:
+            refusal = (
+                f"train.output_dir={out} {err.problem}: another training run is using it; wait for it to "
+                "finish, or choose another train.output_dir"
+            )
+        except ValueError as err:
+            refusal = str(err)
+    box = [refusal]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise ValueError(box[0])
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
