@@ -34,6 +34,7 @@ backward: 56 vs 67 ms at 1024 tokens, 0.47 vs 1.08 s at 4096, 0.77 vs 4.43 s at 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Literal
@@ -51,6 +52,7 @@ from thdpack.attention.backends.base import (
     CpAlgorithm,
 )
 from thdpack.attention.config import Backend, check_backend
+from thdpack.attention.placed import placed_attention
 from thdpack.attention.ring import TileKernel, ring_attention
 
 log = logging.getLogger("thdpack.attention")
@@ -159,8 +161,15 @@ def choose_backend(requested: str, s: CallFacts) -> tuple[Backend, str]:
 
 def attend_function(backend: Backend, s: CallFacts) -> AttendFn:
     """What attends a call that ``backend`` runs: its kernel, or on a CP shard the algorithm its
-    ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``)."""
+    ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``); on a shard of
+    a per-sequence placement both, part by part (:func:`thdpack.attention.placed.placed_attention`):
+    the split sequences by its ``split_algorithm``, the whole ones by its kernel."""
     row = BACKEND_TABLE[backend]
+    if s.placed:
+        algorithm = row.split_algorithm(s.cp_comm_type)
+        assert algorithm is not None, f"{backend!r} was chosen for a placed shard it cannot split"
+        split = row.attend if algorithm == "own" else CP_ALGORITHMS[algorithm]
+        return functools.partial(placed_attention, split=split, whole=row.attend)
     algorithm = row.cp[s.cp_comm_type] if s.cp else "own"
     return row.attend if algorithm == "own" else CP_ALGORITHMS[algorithm]
 

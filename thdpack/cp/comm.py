@@ -7,6 +7,10 @@ that method works (the tests drive the same algorithm with an in-process stub).
 
 Works with gloo (CPU) and NCCL (CUDA); uses ``batch_isend_irecv`` with even ranks sending
 first, so no backend can deadlock on the pairing order.
+
+:func:`placement_groups` gives the process groups of the aligned groups of CP ranks, for the
+sequences a per-sequence CP placement splits over fewer than all ranks; the groups are created
+once per CP group (every aligned group of every allowed size, in one order) and cached.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from thdpack.plan.placement import group_options
 
 
 class Pending(Protocol):
@@ -82,3 +88,36 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
     _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+_PLACEMENT_GROUPS: dict[dist.ProcessGroup, dict[tuple[int, int], dist.ProcessGroup]] = {}
+"""Per CP group: the process group of each aligned group of its ranks this process belongs to."""
+
+
+def placement_groups(cp_group: dist.ProcessGroup) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """``{(group_start, group_size): process group}`` of the aligned groups of ``cp_group``'s ranks
+    smaller than it that contain this process (for cp 8: its quad and its pair; ``cp_group``
+    itself serves the groups of all its ranks).
+
+    The first call for a ``cp_group`` creates every aligned group of every allowed size between 1
+    and the CP size (``thdpack.plan.placement.group_options``: for cp 8, two quads then four
+    pairs), in that one order, and caches them: a collective over ``cp_group``, so every rank of it
+    makes that call together (thdpack's attention does, on the first batch whose placement splits
+    a sequence over a smaller group: every rank knows the batch's placement). Each group is
+    created by its members only (``new_group(..., use_local_synchronization=True)``), so ranks
+    outside ``cp_group`` (the other data-parallel replicas) take no part; gloo and NCCL alike.
+    """
+    groups = _PLACEMENT_GROUPS.get(cp_group)
+    if groups is None:
+        cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
+        groups = {}
+        size_O, start_O = group_options(cp_size)
+        for size, start in zip(size_O.tolist(), start_O.tolist(), strict=True):
+            if size in (1, cp_size):
+                continue
+            ranks = [dist.get_global_rank(cp_group, r) for r in range(start, start + size)]
+            group = dist.new_group(ranks, use_local_synchronization=True)
+            if start <= cp_rank < start + size:
+                groups[(start, size)] = group
+        _PLACEMENT_GROUPS[cp_group] = groups
+    return groups

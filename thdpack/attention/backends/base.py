@@ -14,6 +14,11 @@ without CP needs the kernel; a call with CP needs the algorithm ``cp`` names for
 ``"all_gather"``    thdpack's all-gather of K/V (:mod:`thdpack.attention.allgather`), math tiles
 ==================  ===========================================================================
 
+A shard of a per-sequence CP placement (``CallFacts.placed``) runs in parts
+(:mod:`thdpack.attention.placed`): its split sequences through the algorithm ``cp`` names (a
+backend without one, ``sdpa`` / ``flex``, through thdpack's math algorithms:
+:meth:`AttentionBackend.split_algorithm`), its whole sequences through the backend's own kernel.
+
 :class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
 validated :class:`~thdpack.thd.meta.ThdMeta`, the :class:`AttentionConfig`, the
 resolved softmax scale and the CP group.
@@ -23,6 +28,7 @@ Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value)
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -58,6 +64,9 @@ class CallFacts:
     """V's head dim (None: not checked)."""
     capability: tuple[int, int] | None = None
     """The CUDA device's compute capability, e.g. (9, 0) on an H100 (None: not CUDA / not checked)."""
+    placed: bool = False
+    """A CP shard of a per-sequence placement: split sequences run a CP algorithm, whole ones the
+    backend's own kernel, without CP."""
 
     @property
     def cuda_half(self) -> bool:
@@ -79,6 +88,7 @@ class CallFacts:
         cp: bool,
         cp_comm_type: CpCommType,
         need_lse: bool,
+        placed: bool = False,
     ) -> CallFacts:
         """The facts of a call on ``q, k, v`` (device, dtype, head dims, the GPU's capability)."""
         device = q_TNH.device
@@ -93,7 +103,12 @@ class CallFacts:
             head_dim=q_TNH.shape[-1],
             head_dim_v=v_TNH.shape[-1],
             capability=capability,
+            placed=placed,
         )
+
+    def without_cp(self) -> CallFacts:
+        """The facts of the same call on one device (a placed shard's whole sequences)."""
+        return dataclasses.replace(self, cp=False, placed=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,17 +180,30 @@ class AttentionBackend:
         for comm, algorithm in self.cp.items():
             assert algorithm in CP_ALGORITHM_NAMES, f"{self.name}: unknown CP algorithm {algorithm!r} for {comm!r}"
 
+    def split_algorithm(self, cp_comm_type: CpCommType) -> CpAlgorithm | None:
+        """What runs the split sequences of a per-sequence placement's shard: the algorithm ``cp``
+        names, or for a backend without a CP path (``sdpa``, ``flex``: no LSE to merge in a ring,
+        or no CPU backward) thdpack's math algorithm for ``cp_comm_type``; None when refused."""
+        return self.cp.get(cp_comm_type) if self.cp else MATH_CP[cp_comm_type]
+
     def problem(self, s: CallFacts) -> Exception | None:
         """Why this backend cannot run a call in situation ``s`` (an exception to raise), or None."""
         if not s.cp:
             return self.kernel_problem(s)
-        algorithm = self.cp.get(s.cp_comm_type)
+        if s.placed:  # the whole sequences run this backend's kernel on one device
+            err = self.kernel_problem(s.without_cp())
+            if err is not None:
+                return err
+            algorithm = self.split_algorithm(s.cp_comm_type)
+        else:
+            algorithm = self.cp.get(s.cp_comm_type)
         if algorithm == "own":
             return self.kernel_problem(s)
-        if not self.cp:
+        if not self.cp and not s.placed:
             return ValueError(
                 f"backend {self.name!r} has no context-parallel path; with a cp_group use 'math' (any "
-                "device), 'flash' / 'varlen' (CUDA fp16/bf16 ring) or 'te'"
+                "device), 'flash' / 'varlen' (CUDA fp16/bf16 ring) or 'te' (or pack with cp_placement='adaptive', "
+                f"whose whole sequences {self.name!r} runs)"
             )
         if algorithm is None:
             return ValueError(
@@ -186,6 +214,10 @@ class AttentionBackend:
         if reason is not None:
             return ValueError(f"backend {self.name!r} under context parallelism: {reason}; use backend='math'")
         return None
+
+
+MATH_CP: dict[CpCommType, CpAlgorithm] = {"p2p": "ring_math", "all_gather": "all_gather"}
+"""thdpack's math-tile CP algorithm per exchange: the ``math`` backend's ``cp``."""
 
 
 def needs_cuda_half(backend: str, s: CallFacts) -> Exception | None:

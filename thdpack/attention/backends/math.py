@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import thdpack.attention.math_kernel as math_kernel
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
+from thdpack.attention.backends.base import MATH_CP, AttentionBackend, AttentionCall, AttentionOutput, CallFacts
 from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
 from thdpack.cp.partition import local_placement
 from thdpack.thd.tokens import TokenPlacement
@@ -82,6 +82,4 @@ def _attend_call(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, 
     return attend(q_TNH, k_TNH, v_TNH, local_placement(call.meta, q_TNH.device), causal=call.causal, scale=call.scale)
 
 
-BACKEND = AttentionBackend(
-    name="math", cp={"p2p": "ring_math", "all_gather": "all_gather"}, kernel_problem=kernel_problem, attend=_attend_call
-)
+BACKEND = AttentionBackend(name="math", cp=MATH_CP, kernel_problem=kernel_problem, attend=_attend_call)
