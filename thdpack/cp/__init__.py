@@ -1,13 +1,14 @@
-"""Context parallelism's data layout: Transformer Engine's load-balanced partition of a THD batch,
-and the collectives that move its shards.
+"""Context parallelism's data layout: Transformer Engine's load-balanced partition of a THD batch
+(or a per-sequence placement's layout), and the collectives that move its shards.
 
 ``partition_indices`` (TE's ``thd_get_partitioned_indices``), ``shard`` / ``unshard`` / ``gather``
-of THD batches, and the ring / row communication (``comm``) that the CP attention algorithms in
-``thdpack.attention`` (ring, all-gather) use.
+of THD batches, ``shard_indices`` (a rank's global token indices, under either layout), and the
+ring / row communication (``comm``) that the CP attention algorithms in ``thdpack.attention``
+(ring, all-gather) use.
 """
 
 from __future__ import annotations
 
-from thdpack.cp.partition import gather, local_placement, partition_indices, shard, unshard
+from thdpack.cp.partition import gather, local_placement, partition_indices, shard, shard_indices, unshard
 
-__all__ = ["gather", "local_placement", "partition_indices", "shard", "unshard"]
+__all__ = ["gather", "local_placement", "partition_indices", "shard", "shard_indices", "unshard"]

@@ -315,6 +315,13 @@ def _with_placement(meta: ThdMeta, placement: PackPlacement | Sequence[PackPlace
     def where(s: int) -> str:
         return f"pack {int(pack_S[s])}: entry {int(column_S[s])}"
 
+    carried = meta.placement
+    if carried is not None and not all(np.array_equal(a, b) for a, b in zip(carried, layout, strict=True)):
+        raise ValueError(
+            f"this THD batch already carries a CP placement (for cp_size={meta.groups.cp_size}) that differs from "
+            "the one given; shard it without a placement, or build the batch from the packs of the plan whose "
+            "placement you pass"
+        )
     if len(layout.lengths_S) != meta.num_sequences:
         raise ValueError(
             f"the placement describes {len(layout.lengths_S)} entries ({len(packs)} packs: their sequences, then "

@@ -333,8 +333,7 @@ class ThdMeta:
         if self._groups is not None:
             raise ValueError(
                 f"this THD batch already carries a CP placement (for cp_size={self._groups.cp_size}) that differs "
-                "from the one given; shard it without a placement, or build the batch from the packs of the plan "
-                "whose placement you pass"
+                "from the one given"
             )
         groups = _checked_groups(groups, self._lengths_S, self._padded_S, 1, where, True)
         return ThdMeta(self._lengths_S, self._padded_S, 1, 0, self.max_seqlen, groups=groups)
