@@ -126,7 +126,7 @@ def host_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, red
 
 def run(cfg: Config) -> list[dict[str, Any]]:
     """Train with ``cfg`` in this process (one rank of torchrun, or alone); returns the metrics."""
-    runtime = init_runtime(cfg.parallel)
+    runtime = init_runtime(cfg.parallel, cp_placement=cfg.packing_config.plan.cp_placement)
     try:
         return _train(cfg, runtime)
     finally:
@@ -176,6 +176,14 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
         first_plan=first_plan,
     )
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
+    placement = dataset.plan.placement
+    if placement is not None:
+        whole, entries = int((placement.group_size == 1).sum()), len(placement.lengths)
+        _say(
+            runtime,
+            f"cp placement: adaptive ({dataset.plan.cost_model}): {whole:,} of {entries:,} sequences whole on one CP "
+            f"rank, {entries - whole:,} split over a group of ranks",
+        )
     train = cfg.train
     stream = dataset.step_stream(micro_batches=train.micro_batches, packs_per_micro_batch=train.packs_per_micro_batch)
     return RunData(store=store, dataset=dataset, stream=stream)
