@@ -15,11 +15,17 @@ Preferences (fastest first):
 
 =================================  ===============================================================
 CUDA fp16/bf16, no CP              te, flash, varlen, flex, sdpa, math
-CUDA fp16/bf16, CP                 te (TE's own CP), flash (thdpack ring, FlashAttention-2 tiles), math
+CUDA fp16/bf16, CP                 te (TE's own CP), flash (thdpack ring, FlashAttention-2 tiles), varlen
+                                   (the same ring), math
 CUDA fp32                          flex (fused Triton kernel), math
 CPU, with or without CP            math (exact tiles with backward; flex has no CPU backward in
                                    torch >= 2.11; sdpa needs a dense T x T mask, returns no LSE)
 =================================  ===============================================================
+
+On a shard of a per-sequence CP placement a backend runs its whole sequences with its own kernel
+and its split ones with its CP algorithm (``AttentionBackend.split_algorithm``), so it must be
+able to do both: ``flash`` then needs flash-attn (its kernel), ``varlen`` torch >= 2.10, and
+``sdpa`` / ``flex`` (no CP path of their own) take thdpack's math algorithms for the split part.
 
 Every candidate states its own problem (``AttentionBackend.problem``), so ``auto`` skips what
 would crash on the GPU at hand: FlashAttention-2 kernels (``flash``, ``varlen``, the ring's FA2
@@ -103,6 +109,8 @@ PREFERENCES: dict[SituationKind, tuple[Preference, ...]] = {
     "cuda half, cp": (
         ("te", "Transformer Engine's fused kernels and its own context parallelism"),
         ("flash", "thdpack's ring with FlashAttention-2 tiles"),
+        # the same ring; differs from flash only for a placement's whole sequences (varlen_attn there)
+        ("varlen", "thdpack's ring with FlashAttention-2 tiles, whole sequences through torch varlen_attn"),
         ("math", "thdpack's ring with exact math tiles"),
     ),
     "cp": (("math", "thdpack's ring with exact math tiles (no CUDA fp16/bf16 kernels apply)"),),
