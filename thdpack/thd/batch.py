@@ -247,25 +247,30 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         batch[key] = stacked
     entry_keys = [key for key in ENTRY_KEYS if key in packs[0]]
     lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in entry_keys}
-    for i, padded in enumerate(lengths["seq_lens_padded"]):
-        for key in entry_keys:
-            if padded.ndim != 1 or lengths[key][i].shape != padded.shape:
-                raise ValueError(
-                    f"pack {i} has {key} {lengths[key][i].tolist()} and seq_lens_padded {padded.tolist()}; both must "
-                    "be 1-D with one entry per sequence"
-                )
-    S = max(len(real) for real in lengths["seq_lens"])
+    counts_B = [len(padded) for padded in lengths["seq_lens_padded"]]
     for key in entry_keys:
-        matrix_BS = np.full((len(packs), S), SEQ_LENS_SENTINEL, dtype=np.int64)
-        for i, row in enumerate(lengths[key]):
-            matrix_BS[i, : len(row)] = row
+        if any(row.ndim != 1 for row in lengths[key]) or [len(row) for row in lengths[key]] != counts_B:
+            i = next(i for i, row in enumerate(lengths[key]) if row.ndim != 1 or len(row) != counts_B[i])
+            raise ValueError(
+                f"pack {i} has {key} {lengths[key][i].tolist()} and seq_lens_padded "
+                f"{lengths['seq_lens_padded'][i].tolist()}; both must be 1-D with one entry per sequence"
+            )
+    # every key's (B, S) matrix in one masked assignment: the sentinel, then the packs' rows in order
+    present_BS = np.arange(max(counts_B)) < np.array(counts_B)[:, None]
+    for key in entry_keys:
+        matrix_BS = np.full(present_BS.shape, SEQ_LENS_SENTINEL, dtype=np.int64)
+        matrix_BS[present_BS] = np.concatenate(lengths[key])
         batch[key] = torch.from_numpy(matrix_BS)
     return batch
 
 
 def _as_lengths(value: Any, pack_index: int, key: str) -> np.ndarray:
-    """A pack's seq_lens / seq_lens_padded as an int64 numpy array (metadata is tiny: numpy is cheapest)."""
-    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    """A pack's per-entry key (seq_lens, ...) as an int64 numpy array (metadata is tiny: numpy is cheapest)."""
+    if isinstance(value, torch.Tensor):  # a plain CPU tensor converts without the detach / cpu calls
+        plain = value.device.type == "cpu" and not value.requires_grad
+        array = value.numpy() if plain else value.detach().cpu().numpy()
+    else:
+        array = np.asarray(value)
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"pack {pack_index} has {key} of dtype {array.dtype}; lengths must be integers")
     return array.astype(np.int64, copy=False)

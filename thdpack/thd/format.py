@@ -41,13 +41,12 @@ is found, checked and rebuilt.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from thdpack.plan.placement import CpLayout
 from thdpack.thd.meta import CU_KEYS, META_KEY, EntryGroups, ThdMeta, thd_meta
 
 SEQ_LENS_SENTINEL = -1000
@@ -168,7 +167,8 @@ def bshd_meta(batch: Mapping[str, Any]) -> ThdMeta:
     real_BS = _host(batch["seq_lens"])
     padded_BS = _host(batch["seq_lens_padded"])
     present_BS = padded_BS != SEQ_LENS_SENTINEL
-    for key, matrix_BS in [("seq_lens", real_BS)] + [(k, _host(batch[k])) for k in PLACEMENT_KEYS if k in batch]:
+    placed = {key: _host(batch[key]) for key in PLACEMENT_KEYS if key in batch}
+    for key, matrix_BS in [("seq_lens", real_BS), *placed.items()]:
         mismatch = present_BS != (matrix_BS != SEQ_LENS_SENTINEL)
         if mismatch.any():
             b, s = np.argwhere(mismatch)[0]
@@ -189,8 +189,8 @@ def bshd_meta(batch: Mapping[str, Any]) -> ThdMeta:
         return f"pack {pack_S[s]}: sequence {column_S[s]}"
 
     real_S, padded_S = real_BS[present_BS], padded_BS[present_BS]
-    groups = _placement_groups(batch, present_BS, padded_S, L, where) if PLACEMENT_KEYS[0] in batch else None
-    meta = ThdMeta.from_lengths(real_S, padded_S, where=where, copy=False, groups=groups)
+    groups, pack_S = _placement_groups(placed, present_BS) if placed else (None, None)
+    meta = ThdMeta.from_lengths(real_S, padded_S, where=where, copy=False, groups=groups, pack_S=pack_S)
     row_sums_B = np.where(present_BS, padded_BS, 0).sum(1)
     wrong = row_sums_B != L
     if wrong.any():
@@ -207,19 +207,15 @@ def _host(matrix: torch.Tensor) -> np.ndarray:
     return matrix.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
-def _placement_groups(
-    batch: Mapping[str, Any], present_BS: np.ndarray, padded_S: np.ndarray, L: int, where: Callable[[int], str]
-) -> EntryGroups:
-    """The entries' CP groups of a placed batch, checked per pack (``CpLayout.check``); the CP size
-    is the number of ranks the groups of every pack cover."""
-    missing = [key for key in PLACEMENT_KEYS if key not in batch]
+def _placement_groups(placed: Mapping[str, np.ndarray], present_BS: np.ndarray) -> tuple[EntryGroups, np.ndarray]:
+    """The entries' CP groups of a placed batch (``placed``: its ``PLACEMENT_KEYS`` matrices) and
+    the pack of each entry (``ThdMeta.from_lengths`` checks them per pack); the CP size is the
+    number of ranks the groups of every pack cover."""
+    missing = [key for key in PLACEMENT_KEYS if key not in placed]
     if missing:
-        raise ValueError(f"the batch has {PLACEMENT_KEYS[0]} but lacks {missing}; a CP placement needs both keys")
-    size_S = _host(batch["cp_group_size"])[present_BS]
-    start_S = _host(batch["cp_group_start"])[present_BS]
-    pack_S = np.nonzero(present_BS)[0]
-    covered_B = np.zeros(present_BS.shape[0], dtype=np.int64)
-    np.maximum.at(covered_B, pack_S, start_S + size_S)
+        raise ValueError(f"the batch has {sorted(placed)} but lacks {missing}; a CP placement needs both keys")
+    size_BS, start_BS = placed["cp_group_size"], placed["cp_group_start"]
+    covered_B = np.where(present_BS, start_BS + size_BS, 0).max(1)
     if (covered_B != covered_B[0]).any():
         b = int(np.argmax(covered_B != covered_B[0]))
         raise ValueError(
@@ -229,5 +225,4 @@ def _placement_groups(
     cp_size = int(covered_B[0])
     if cp_size < 1:
         raise ValueError(f"pack 0 is placed over {cp_size} CP ranks; a group starts at rank >= 0 and has >= 1 rank")
-    CpLayout(np.zeros_like(padded_S), padded_S, size_S, start_S).check(cp_size, where, pack_S)
-    return EntryGroups(size_S, start_S, cp_size)
+    return EntryGroups(size_BS[present_BS], start_BS[present_BS], cp_size), np.nonzero(present_BS)[0]

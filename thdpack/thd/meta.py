@@ -243,13 +243,15 @@ class ThdMeta:
         where: Callable[[int], str] = _default_where,
         copy: bool = True,
         groups: EntryGroups | None = None,
+        pack_S: np.ndarray | None = None,
     ) -> ThdMeta:
         """The validated record. Raises ``ValueError`` / ``TypeError`` naming the offending sequence
         (``where(s)`` says which: ``"sequence 3"``, ``"pack 1: sequence 0"``), its value and the fix.
 
         ``groups``: every entry's CP group under a per-sequence placement (None: TE's layout). The
         slot rule then holds per entry with its own ``2g`` and every rank must hold an equal share
-        of the tokens (``CpLayout.check``); a shard's ``cp_size`` must be the placement's.
+        of the tokens (``CpLayout.check``), of every pack when ``pack_S`` ((S,) the pack of each
+        entry) says where packs begin; a shard's ``cp_size`` must be the placement's.
 
         >>> ThdMeta.from_lengths([3, 4], [4, 4], cp_size=2, cp_rank=1)
         ThdMeta(lengths=(3, 4), lengths_padded=(4, 4), cp_size=2, cp_rank=1, max_seqlen=4)
@@ -283,7 +285,7 @@ class ThdMeta:
         if groups is None:
             check_cp_multiple(padded_S, int(cp_size), where)
         else:
-            groups = _checked_groups(groups, real_S, padded_S, int(cp_size), where, copy)
+            groups = _checked_groups(groups, real_S, padded_S, int(cp_size), where, copy, pack_S)
         widest = int(padded_S.max()) if padded_S.size else 0
         if max_seqlen is None:
             max_seqlen = widest
@@ -513,9 +515,10 @@ def _checked_groups(
     cp_size: int,
     where: Callable[[int], str],
     copy: bool,
+    pack_S: np.ndarray | None = None,
 ) -> EntryGroups:
-    """``groups`` (int64 arrays, copied unless ``copy`` is False) after ``CpLayout.check``; a
-    shard's ``cp_size`` (1 for a global batch) must be the placement's."""
+    """``groups`` (int64 arrays, copied unless ``copy`` is False) after ``CpLayout.check`` (per pack
+    with ``pack_S``); a shard's ``cp_size`` (1 for a global batch) must be the placement's."""
     make = np.array if copy else np.asarray
     size_S = make(groups.size_S, dtype=np.int64).reshape(-1)
     start_S = make(groups.start_S, dtype=np.int64).reshape(-1)
@@ -527,7 +530,7 @@ def _checked_groups(
         )
     if cp_size != 1 and cp_size != placed_for:
         raise ValueError(f"the shard has cp_size={cp_size} but its CP placement is for cp_size={placed_for}")
-    CpLayout(real_S, padded_S, size_S, start_S).check(placed_for, where)
+    CpLayout(real_S, padded_S, size_S, start_S).check(placed_for, where, pack_S)
     return EntryGroups(size_S, start_S, placed_for)
 
 
