@@ -128,7 +128,7 @@ def shard_indices(meta: ThdMeta, rank: int | None = None) -> np.ndarray:
     """(T / cp_size,) global token indices CP rank ``rank`` (default: the record's) holds, in shard
     order, for the shard record ``meta`` (any rank's of the batch): TE's partition
     (``partition_from_lengths``, int32), or under a per-sequence placement its split groups'
-    chunks then its whole entries (``placement_indices``, int64). The CP all-to-all and any other
+    chunks then its whole entries (``placement_indices``, int32 too). The CP all-to-all and any other
     view of a shard's rows map them to the global batch with it.
 
     >>> groups = EntryGroups(np.array([2, 1, 1, 1]), np.array([0, 1, 0, 1]), 2)

@@ -112,8 +112,8 @@ class CpLayout(NamedTuple):
     """(S,) int64 first rank of each entry's group."""
 
     def rank_indices(self, cp_size: int, rank: int) -> np.ndarray:
-        """(T_local,) int64 global token indices rank ``rank`` holds, in its local order (the
-        module docstring's); ``placement_indices`` on this layout."""
+        """(T_local,) global token indices rank ``rank`` holds, in its local order (the module
+        docstring's); ``placement_indices`` on this layout."""
         return placement_indices(self.slots_S, self.group_size_S, self.group_start_S, cp_size, rank)
 
     @classmethod
