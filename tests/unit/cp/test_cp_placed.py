@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from placement_cases import MIXED_PACKS, batch_placements, placed_batch, placed_metadata
 
+from thdpack.attention import simulated_ring_attention
 from thdpack.cp import local_placement, partition_indices, shard, shard_indices, unshard
 from thdpack.cp.partition import partition_from_lengths
 from thdpack.packing import SampleTokens, assemble_pack, build_pack
@@ -268,3 +269,10 @@ def _swapped(pack: PackPlacement) -> PackPlacement:
 def test_layout_check_without_packs_names_the_rank():
     with pytest.raises(ValueError, match=r"^rank 0 holds 3 tokens, over its budget of 2.5 \(the pack's 5 tokens"):
         CpLayout(np.array([3, 2]), np.array([3, 2]), np.array([1, 1]), np.array([0, 1])).check(2)
+
+
+def test_the_simulated_ring_refuses_a_placed_batch():
+    thd = placed_metadata(MIXED_PACKS[2])
+    x = torch.zeros(int(thd["cu_seqlens_padded"][-1]), 2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="simulated_ring_attention runs one ring over Transformer Engine's layout"):
+        simulated_ring_attention(x, x, x, thd, cp_size=2)
