@@ -8,6 +8,11 @@ Stage times are the median of ``--reps`` repetitions (p10 / p90 alongside; the m
 shared and noisy). By default torch runs on one thread, as it does in a DataLoader worker,
 where ``thd_collate`` and ``shard`` run. Targets (DESIGN.md): collate + to_thd + shard of
 8 packs x 8192 tokens <= 1 ms on CPU; partition_indices of 1M tokens <= 1 ms on an H100.
+
+The same stages also run on packs planned by ``plan_packs`` over one set of lognormal lengths,
+once in TE's layout and once with ``cp_placement="adaptive"`` (short sequences whole on one rank,
+one padding entry per rank, the groups validated per pack, the placement's shard order); the
+``adaptive / te`` row is the ratio of the two sums (issue 16: within 1.5x).
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from thdpack._optional import has_transformer_engine
 from thdpack.cp import partition_indices, shard
+from thdpack.packing import pack_from_segments
+from thdpack.plan import plan_packs
 from thdpack.thd import collate, thd_collate, to_thd
 
 SEED = 1234
 TARGET_BATCH_US = 1000.0
 TARGET_PARTITION_CUDA_US = 1000.0
+TARGET_ADAPTIVE_RATIO = 1500.0
+"""Issue 16: collate + to_thd + shard of an adaptive placement's packs within 1.5x of TE's (x 1000)."""
 
 
 def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, cap: int) -> np.ndarray:
@@ -73,6 +82,29 @@ def make_packs(num_packs: int, pack_size: int, cp_size: int, seed: int = SEED) -
             }
         )
     return packs
+
+
+def make_planned_packs(
+    num_packs: int, pack_size: int, cp_size: int, cp_placement: str, seed: int = SEED
+) -> list[dict[str, torch.Tensor]]:
+    """``num_packs`` packs of ``plan_packs(..., cp_placement=...)`` over lognormal lengths (evenly
+    spaced over the plan, which lists packs largest sequence first), built by the packer: the
+    same lengths and the same choice of packs for ``"te"`` and ``"adaptive"``."""
+    rng = np.random.default_rng(seed)
+    lengths = lognormal_lengths(rng, 20 * num_packs * pack_size // 800, 800.0, pack_size)
+    plan = plan_packs(lengths, pack_size, cp_size=cp_size, cp_placement=cp_placement)
+    samples = [{"input_ids": np.arange(1, n + 1)} for n in lengths.tolist()]
+    chosen = np.linspace(0, len(plan) - 1, num_packs).round().astype(int).tolist()
+    placement = plan.placement
+    return [
+        dict(
+            pack_from_segments(
+                samples, plan.segments(i), pack_size, cp_size=cp_size,
+                placement=None if placement is None else placement.pack(i),
+            )
+        )
+        for i in chosen
+    ]  # fmt: skip
 
 
 def time_cpu(fn: Callable[[], object], reps: int) -> dict[str, float]:
@@ -148,6 +180,25 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((name, time_cpu(fn, args.reps), None))
     total = sum(r[1]["median_us"] for r in rows[:3])
     rows.append(("collate + to_thd + shard (sum of medians)", {"median_us": total}, TARGET_BATCH_US))
+    if args.cp_size > 1:  # the same lengths planned in TE's layout and in an adaptive placement
+        sums = {}
+        for mode in ("te", "adaptive"):
+            packs_m = make_planned_packs(args.packs, args.pack_size, args.cp_size, mode)
+            batch_m = collate(packs_m)
+            thd_m = to_thd(batch_m)
+            entries = int(thd_m["cu_seqlens"].numel() - 1)
+            planned = {
+                f"{mode} plan ({entries} entries): collate": lambda p=packs_m: collate(p),
+                f"{mode} plan: to_thd": lambda b=batch_m: to_thd(b),
+                f"{mode} plan: shard (rank 0)": lambda t=thd_m: shard(t, args.cp_size, 0),
+            }
+            first = len(rows)
+            for name, fn in planned.items():
+                rows.append((name, time_cpu(fn, args.reps), None))
+            sums[mode] = sum(r[1]["median_us"] for r in rows[first:])
+            rows.append((f"{mode} plan: collate + to_thd + shard (sum of medians)", {"median_us": sums[mode]}, None))
+        ratio = 1000 * sums["adaptive"] / sums["te"]
+        rows.append(("adaptive / te, collate + to_thd + shard (x 1000)", {"median_us": ratio}, TARGET_ADAPTIVE_RATIO))
 
     cu = partition_case(args.partition_tokens, args.partition_seqs, args.cp_size)
     T = int(cu[-1])

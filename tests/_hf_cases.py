@@ -40,6 +40,7 @@ from thdpack.format_rules import cp_multiple
 from thdpack.loss import count_loss_tokens
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
 from thdpack.packing import pack_from_segments
+from thdpack.plan.placement import PackPlacement
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
 
@@ -84,6 +85,33 @@ def packed_row(row_samples: Sequence[Mapping[str, Any]], cp_size: int = 1) -> TH
     pack_size = sum(-(-n // m) * m for n in lengths) + 2 * m
     n = len(lengths)
     return thd_collate([pack_from_segments(row_samples, (range(n), [0] * n, lengths), pack_size, cp_size=cp_size)])
+
+
+def placed_row(row_samples: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
+    """Every sample in one row laid out by a per-sequence CP placement: the longest split over all
+    ranks, the next two over a pair of ranks each (cp >= 4; else over all), the rest whole on the
+    least-loaded rank; two tokens of tail padding per rank."""
+    lengths = [len(s["input_ids"]) for s in row_samples]
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: dict[tuple[int, int], list[int]] = {}
+    load = [0] * cp_size
+
+    def put(i: int, start: int, size: int) -> None:
+        groups.setdefault((start, size), []).append(i)
+        slot = -(-lengths[i] // (2 * size)) * 2 * size if size > 1 else lengths[i]
+        for r in range(start, start + size):
+            load[r] += slot // size
+
+    pairs = [(0, 2), (2, 2)] if cp_size >= 4 else [(0, cp_size), (0, cp_size)]
+    for i, (start, size) in zip(order[:3], [(0, cp_size), *pairs], strict=True):
+        put(i, start, size)
+    for i in order[3:]:
+        put(i, load.index(min(load)), 1)
+    pack_size = cp_size * (max(load) + 2)
+    placement = PackPlacement.from_groups(lengths, groups, cp_size=cp_size, pack_size=pack_size)
+    n = len(lengths)
+    segments = (range(n), [0] * n, lengths)
+    return thd_collate([pack_from_segments(row_samples, segments, pack_size, cp_size=cp_size, placement=placement)])
 
 
 @dataclass

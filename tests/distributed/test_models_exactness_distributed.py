@@ -8,7 +8,10 @@ shards its micro-batches with ``cp.shard``, runs ``Transformer(shard, cp_group=.
 global-denominator loss of ``thdpack.loss`` and the gradient average over the flattened DP x CP
 group (ring CP; at dp 2 x cp 2 also all-gather and all-to-all CP). The loss, every parameter
 gradient and every real token's logits must equal the unpacked single-process oracle
-(``_model_oracle``) to 1e-10; each planted layout bug must break that.
+(``_model_oracle``) to 1e-10; each planted layout bug must break that. The same holds under a
+per-sequence CP placement (``cp_placement="adaptive"``: short sequences whole on one rank, long
+ones split over a pair of ranks or all of them) at dp x cp in {1x2, 1x3, 1x4, 2x2}, with the ring,
+the all-gather and the all-to-all.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ FAULT_CASES = [
     (2, 2, "cross_sequence_attention", "logits"),
     (2, 2, "mean_of_means", "grads"),
 ]
+# (dp, cp, cp_comm_type) under cp_placement="adaptive"
+ADAPTIVE = [(1, 2, "p2p"), (1, 3, "p2p"), (1, 4, "p2p"), (2, 2, "p2p"), (1, 4, "all_gather"), (1, 4, "a2a")]
+ADAPTIVE_FAULTS = [(1, 4, "local_positions", "logits"), (1, 4, "foreign_shard", "logits")]
 TOL = 1e-10
 
 
@@ -59,6 +65,8 @@ def all_cases(rank: int, world: int) -> dict:
     cases = [(dp, cp, reduction, "none") for dp, cp in LAYOUTS for reduction in REDUCTIONS]
     cases += [(dp, cp, "token_mean", fault) for dp, cp, fault, _ in FAULT_CASES]
     groups = {(dp, cp): make_groups(StepSpread(dp_size=dp, cp_size=cp), rank) for dp, cp in LAYOUTS}
+    for dp, cp in ((1, 3), (1, 4)):  # the adaptive placement's pairs of cp 4 are made with the groups
+        groups[dp, cp] = make_groups(StepSpread(dp_size=dp, cp_size=cp, cp_placement="adaptive"), rank)
     for dp, cp, reduction, fault in cases:
         spread = StepSpread(dp_size=dp, cp_size=cp, reduction=reduction, fault=fault)
         if rank >= spread.world_size:
@@ -69,6 +77,18 @@ def all_cases(rank: int, world: int) -> dict:
         if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP, Ulysses a2a
             for comm in ("all_gather", "a2a"):
                 results[comm] = packed_step(_model(comm), batches[rank_groups.dp_rank], spread, rank_groups)
+    adaptive = [(dp, cp, comm, "none") for dp, cp, comm in ADAPTIVE] + [
+        (dp, cp, "p2p", f) for dp, cp, f, _ in ADAPTIVE_FAULTS
+    ]
+    for dp, cp, comm, fault in adaptive:
+        spread = StepSpread(dp_size=dp, cp_size=cp, fault=fault, cp_placement="adaptive")
+        if rank >= spread.world_size:
+            continue
+        batches = global_micro_batches(samples, spread, pack_size_for(sample_lengths(spread), cp, "adaptive"))
+        rank_groups = groups[dp, cp]
+        results["adaptive", dp, cp, comm, fault] = packed_step(
+            _model(comm), batches[rank_groups.dp_rank], spread, rank_groups
+        )
     return results
 
 
@@ -101,3 +121,25 @@ def test_a_wrong_layout_fails_the_comparison(rank_results, oracles, dp_size, cp_
     ranks = [rank_results[r][dp_size, cp_size, "token_mean", fault] for r in range(dp_size * cp_size)]
     errors = compare(ranks, oracles["token_mean"])
     assert errors[quantity] > 1e-4, f"{fault} went unnoticed: {errors}"
+
+
+@pytest.mark.parametrize(("dp_size", "cp_size", "cp_comm_type"), ADAPTIVE)
+def test_adaptive_placement_step_equals_unpacked(rank_results, oracles, dp_size, cp_size, cp_comm_type):
+    ranks = [rank_results[r]["adaptive", dp_size, cp_size, cp_comm_type, "none"] for r in range(dp_size * cp_size)]
+    errors = compare(ranks, oracles["token_mean"])
+    assert max(errors.values()) <= TOL, f"adaptive dp {dp_size} x cp {cp_size} ({cp_comm_type}): {errors}"
+
+
+@pytest.mark.parametrize(("dp_size", "cp_size", "fault", "quantity"), ADAPTIVE_FAULTS)
+def test_a_wrong_adaptive_layout_fails_the_comparison(rank_results, oracles, dp_size, cp_size, fault, quantity):
+    ranks = [rank_results[r]["adaptive", dp_size, cp_size, "p2p", fault] for r in range(dp_size * cp_size)]
+    errors = compare(ranks, oracles["token_mean"])
+    assert errors[quantity] > 1e-4, f"{fault} went unnoticed under the adaptive placement: {errors}"
+
+
+def test_the_adaptive_packs_mix_whole_pair_split_and_all_split_sequences():
+    spread = StepSpread(cp_size=4, cp_placement="adaptive")
+    batches = global_micro_batches(_samples(), spread, pack_size_for(sample_lengths(spread), 4, "adaptive"))
+    metas = [thd["thd_meta"] for thd in batches[0]]
+    sizes = {int(g) for meta in metas for g, n in zip(meta.groups.size_S, meta.lengths, strict=True) if n}
+    assert sizes == {1, 2, 4}

@@ -9,7 +9,9 @@ One 4-rank launch hosts both CP sizes through subgroups, every architecture insi
 also plants a bug (the shard's positions left out, so transformers
 counts 0..T_local-1 on every rank and RoPE is wrong) that the comparison must catch, and asks
 ``hf_packed_kwargs`` for HF's own sdpa on a shard, which must be refused; Llama also runs with
-all-to-all CP (``cp_comm_type="a2a"``).
+all-to-all CP (``cp_comm_type="a2a"``). The adapter passes a per-sequence CP placement through
+unchanged: Llama and Qwen2 on a row whose sequences are whole on one rank, split over a pair of
+ranks (cp 4) or over all of them are exact too.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from _hf_cases import (
     hf_model,
     packed_row,
     packed_step,
+    placed_row,
     samples,
     unpacked_step,
 )
@@ -33,6 +36,7 @@ from thdpack.testing import run_distributed
 pytestmark = pytest.mark.distributed
 
 CP_SIZES = [2, 4]
+PLACED_ARCHITECTURES = ["Llama", "Qwen2"]
 TOL = 1e-10
 
 
@@ -60,6 +64,10 @@ def cp_steps(rank: int, world: int) -> dict:
             packed_step(hf_model("Llama", "sdpa"), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
         except ValueError as err:
             out["sdpa"] = str(err)
+        placed = placed_row(samples(), cp_size)
+        for arch in PLACED_ARCHITECTURES:
+            model = hf_model(arch, name)
+            out["placed", arch] = packed_step(model, placed, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
         results[cp_size] = out
     return results
 
@@ -101,3 +109,11 @@ def test_the_comparison_catches_positions_left_out(rank_results, references, cp_
 def test_hugging_face_attention_is_refused_on_a_shard(rank_results, cp_size):
     for result in rank_results:
         assert "the model's attention 'sdpa' cannot run a CP shard" in result[cp_size].get("sdpa", "no error")
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_an_adaptive_placement_passes_through_the_adapter(rank_results, references, cp_size):
+    for arch in PLACED_ARCHITECTURES:
+        for rank, result in enumerate(rank_results):
+            errors = differences(result[cp_size]["placed", arch], references[arch])
+            assert max(errors.values()) <= TOL, f"{arch}, adaptive cp {cp_size}, rank {rank}: {errors}"

@@ -47,6 +47,15 @@ def test_exact_layouts_pass(capsys, argv):
     assert out.rstrip().splitlines()[-1].startswith("PASS: the packed step equals the unpacked one")
 
 
+@pytest.mark.parametrize("cp_size", ["3", "4"])
+def test_the_adaptive_placement_passes(capsys, cp_size):
+    assert run_verify(_args("--cp-size", cp_size, "--cp-placement", "adaptive")) == 0
+    out = capsys.readouterr().out
+    assert "cp_placement adaptive" in out and "whole on one rank" in out
+    assert f"split over {cp_size}" in out and ("split over 2" in out) == (cp_size == "4")
+    assert out.rstrip().splitlines()[-1].startswith("PASS: the packed step equals the unpacked one")
+
+
 def test_a_planted_fault_exits_non_zero(capsys):
     assert run_verify(_args("--cp-size", "2", "--inject-fault", "local_positions")) == 1
     out = capsys.readouterr().out

@@ -89,6 +89,21 @@ def test_resume_gives_identical_losses(tmp_path, cache):
     assert losses(split) == losses(straight)
 
 
+def test_adaptive_cp_placement_trains_and_resumes_exactly(tmp_path, cache):
+    """packing.cp_placement=adaptive under torchrun, cp 2 with DDP: short sequences whole on one
+    rank, long ones split; a run stopped at step 4 and resumed gives the straight run's losses."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    adaptive = ("parallel.cp_size=2", "packing.cp_placement=adaptive", "train.steps=6", "train.checkpoint_every=3")
+    result = torchrun(straight, cache, *adaptive)
+    assert "cp placement: adaptive (tiles): " in result.stdout and "split over a group of ranks" in result.stdout
+    values = losses(straight)
+    assert len(values) == 6 and all(v == v for v in values) and values[-1] < values[0]
+    torchrun(split, cache, *adaptive, "train.stop_at=4")
+    result = torchrun(split, cache, *adaptive, "train.resume=true")
+    assert "(step 4)" in result.stdout
+    assert losses(split) == values
+
+
 def test_bad_config_is_a_message(tmp_path, cache):
     result = torchrun(tmp_path, cache, "packing.pack_size=258", check=False)
     assert result.returncode != 0

@@ -50,7 +50,11 @@ def thd_attention(
             ``max_seqlen`` (Python int >= the widest slot); on a CP shard the record
             ``thdpack.cp.shard`` gives it (or ``cp_size`` / ``cp_rank`` keys). A batch thdpack
             made carries its validated record; any other is validated by the first call, which
-            stores the record in it (``thdpack.thd.meta``), so every layer can pass it.
+            stores the record in it (``thdpack.thd.meta``), so every layer can pass it. A shard
+            of a per-sequence CP placement (``cp_placement="adaptive"``; its record says) runs
+            its split sequences through the CP algorithm within their group of ranks and its
+            whole sequences through the backend's kernel, communicating nothing for them
+            (:mod:`thdpack.attention.placed`).
         config: how to attend (:class:`~thdpack.attention.AttentionConfig`): ``backend``
             (``"auto"`` = fastest available, logged on ``thdpack.attention``; the environment
             variable ``THDPACK_ATTENTION_BACKEND`` forces one), ``causal``, ``softmax_scale``
@@ -93,7 +97,9 @@ def thd_attention(
     meta.check_cp_group(cp_group)
     meta.check_token_count(q.shape[0], "q")
     cp = meta.cp_size > 1
-    situation = CallFacts.of(q, k, v, cp=cp, cp_comm_type=config.cp_comm_type, need_lse=return_lse)
+    situation = CallFacts.of(
+        q, k, v, cp=cp, cp_comm_type=config.cp_comm_type, need_lse=return_lse, placed=cp and meta.groups is not None
+    )
     backend, reason = choose_backend(config.backend, situation)
     log_choice(backend, reason, situation)
     call = AttentionCall(

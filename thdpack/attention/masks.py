@@ -150,7 +150,7 @@ def segment_ids(batch: Mapping[str, Any]) -> torch.Tensor:
     >>> segment_ids(batch).tolist()
     [[1, 1, 2, 2, 2, 0]]
     """
-    meta = bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    meta = bshd_meta(batch)
     B, L = batch["input_ids"].shape
     rows = global_placement(meta, batch["input_ids"].device)
     present_BS = batch["seq_lens_padded"] != SEQ_LENS_SENTINEL

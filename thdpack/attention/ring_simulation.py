@@ -140,6 +140,12 @@ def simulated_ring_attention(
     """
     whole = thd_meta(thd).unsharded()
     whole.check_token_count(q_TNH.shape[0], "q (the global batch's, as simulated_ring_attention takes)")
+    if whole.groups is not None:
+        raise ValueError(
+            "simulated_ring_attention runs one ring over Transformer Engine's layout, but this batch has a "
+            "per-sequence CP placement (whole sequences and groups of ranks); run thd_attention on its shards "
+            "over a process group (thdpack.testing.run_distributed on gloo)"
+        )
     shards = []
     for rank in range(cp_size):
         index = partition_from_lengths(whole.lengths_padded_S, cp_size, rank)

@@ -15,14 +15,21 @@ Preferences (fastest first):
 
 =================================  ===============================================================
 CUDA fp16/bf16, no CP              te, flash, varlen, flex, sdpa, math
-CUDA fp16/bf16, CP                 te (TE's own CP), flash (thdpack ring, FlashAttention-2 tiles), math
+CUDA fp16/bf16, CP                 te (TE's own CP), flash (thdpack ring, FlashAttention-2 tiles), varlen
+                                   (the same ring), math
 CUDA fp32                          flex (fused Triton kernel), math
 CPU, with or without CP            math (exact tiles with backward; flex has no CPU backward in
                                    torch >= 2.11; sdpa needs a dense T x T mask, returns no LSE)
 =================================  ===============================================================
 
+On a shard of a per-sequence CP placement a backend runs its whole sequences with its own kernel
+and its split ones with its CP algorithm (``AttentionBackend.split_algorithm``), so it must be
+able to do both: ``flash`` then needs flash-attn (its kernel), ``varlen`` torch >= 2.10, and
+``sdpa`` / ``flex`` (no CP path of their own) take thdpack's math algorithms for the split part.
+
 With ``cp_comm_type="a2a"`` the kernel runs on whole sequences after thdpack's all-to-all
-(:mod:`thdpack.attention.a2a`; ``te`` runs its own), so the preferences are those of the same
+(:mod:`thdpack.attention.a2a`; ``te`` runs its own, except on a placement's shard, where
+``te``'s kernel runs inside thdpack's all-to-all too), so the preferences are those of the same
 device and dtype without CP, and the log line says so.
 
 Every candidate states its own problem (``AttentionBackend.problem``), so ``auto`` skips what
@@ -38,6 +45,7 @@ backward: 56 vs 67 ms at 1024 tokens, 0.47 vs 1.08 s at 4096, 0.77 vs 4.43 s at 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Literal
@@ -56,6 +64,7 @@ from thdpack.attention.backends.base import (
     CpAlgorithm,
 )
 from thdpack.attention.config import Backend, check_backend
+from thdpack.attention.placed import placed_attention
 from thdpack.attention.ring import TileKernel, ring_attention
 
 log = logging.getLogger("thdpack.attention")
@@ -99,10 +108,9 @@ CP_ALGORITHMS: dict[CpAlgorithm, AttendFn] = {
 """thdpack's context-parallel algorithms (``"own"`` is the backend's own ``attend``, ``"a2a"`` the
 backend's kernel inside the all-to-all: :data:`A2A_ALGORITHMS`)."""
 
-A2A_ALGORITHMS: dict[Backend, AttendFn] = {
-    name: a2a_attend(row.attend) for name, row in BACKEND_TABLE.items() if row.cp.get("a2a") == "a2a"
-}
-"""Per backend whose ``cp`` names ``"a2a"``: thdpack's all-to-all around its kernel."""
+A2A_ALGORITHMS: dict[Backend, AttendFn] = {name: a2a_attend(row.attend) for name, row in BACKEND_TABLE.items()}
+"""Per backend: thdpack's all-to-all around its kernel (for ``te``, whose ``cp`` names its own
+all-to-all, only on a per-sequence placement's shard, whose layout TE's does not know)."""
 
 SituationKind = Literal["cuda half, cp", "cp", "cuda half", "cuda", "cpu"]
 Preference = tuple[Backend, str]
@@ -112,6 +120,8 @@ PREFERENCES: dict[SituationKind, tuple[Preference, ...]] = {
     "cuda half, cp": (
         ("te", "Transformer Engine's fused kernels and its own context parallelism"),
         ("flash", "thdpack's ring with FlashAttention-2 tiles"),
+        # the same ring; differs from flash only for a placement's whole sequences (varlen_attn there)
+        ("varlen", "thdpack's ring with FlashAttention-2 tiles, whole sequences through torch varlen_attn"),
         ("math", "thdpack's ring with exact math tiles"),
     ),
     "cp": (("math", "thdpack's ring with exact math tiles (no CUDA fp16/bf16 kernels apply)"),),
@@ -174,8 +184,17 @@ def choose_backend(requested: str, s: CallFacts) -> tuple[Backend, str]:
 
 def attend_function(backend: Backend, s: CallFacts) -> AttendFn:
     """What attends a call that ``backend`` runs: its kernel, or on a CP shard the algorithm its
-    ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``)."""
+    ``cp`` names for ``s.cp_comm_type`` (the backend's own ``attend`` for ``"own"``); on a shard of
+    a per-sequence placement both, part by part (:func:`thdpack.attention.placed.placed_attention`):
+    the split sequences by its ``split_algorithm``, the whole ones by its kernel."""
     row = BACKEND_TABLE[backend]
+    if s.placed and s.cp_comm_type == "a2a":  # the all-to-all gathers whole sequences from any layout
+        return A2A_ALGORITHMS[backend]
+    if s.placed:
+        algorithm = row.split_algorithm(s.cp_comm_type)
+        assert algorithm is not None, f"{backend!r} was chosen for a placed shard it cannot split"
+        split = row.attend if algorithm == "own" else CP_ALGORITHMS[algorithm]
+        return functools.partial(placed_attention, split=split, whole=row.attend)
     algorithm = row.cp[s.cp_comm_type] if s.cp else "own"
     if algorithm == "own":
         return row.attend

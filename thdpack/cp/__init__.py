@@ -1,9 +1,10 @@
-"""Context parallelism's data layout: Transformer Engine's load-balanced partition of a THD batch,
-and the collectives that move its shards.
+"""Context parallelism's data layout: Transformer Engine's load-balanced partition of a THD batch
+(or a per-sequence placement's layout), and the collectives that move its shards.
 
 ``partition_indices`` (TE's ``thd_get_partitioned_indices``), ``shard`` / ``unshard`` / ``gather``
-of THD batches, and the ring / row communication (``comm``) that the CP attention algorithms in
-``thdpack.attention`` (ring, all-gather) use.
+of THD batches, ``rank_token_indices`` (a rank's global token indices, under either layout), and the
+ring / row communication (``comm``) that the CP attention algorithms in ``thdpack.attention``
+(ring, all-gather) use.
 """
 
 from __future__ import annotations

@@ -9,6 +9,13 @@ metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, num
 ``shard`` applies the partition to a THD batch (``thdpack.to_thd``); ``unshard`` and
 ``gather`` invert it.
 
+A batch of a per-sequence CP placement (its record's ``groups``: packs of ``plan_packs(...,
+cp_placement="adaptive")``, docs/design/cp_placement.md) is sharded by its placement instead:
+rank ``r`` keeps its split groups' chunks (largest group first, TE's layout within each group),
+then its whole entries (``thdpack.plan.placement.placement_indices``). :func:`rank_token_indices`
+gives any rank's global token indices for both layouts: the one index map every view of a shard
+(``shard``, ``unshard``, ``gather``, ``local_placement``) derives from.
+
 Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``S`` sequences, ``W = cp_size``.
 """
 
@@ -23,8 +30,9 @@ import torch.distributed as dist
 
 from thdpack._optional import has_transformer_engine, require
 from thdpack.format_rules import cp_multiple
+from thdpack.plan.placement import CpLayout, PackPlacement, placement_indices, rank_groups
 from thdpack.thd.format import THD_METADATA_KEYS, THDBatch, check_token_rows
-from thdpack.thd.meta import ThdMeta, attach_meta, check_cp, cu_lengths, thd_meta
+from thdpack.thd.meta import EntryGroups, ThdMeta, attach_meta, check_cp, cu_lengths, thd_meta
 from thdpack.thd.tokens import TokenPlacement, global_placement
 
 PartitionImpl = Literal["auto", "te", "torch", "numpy"]
@@ -123,19 +131,31 @@ def rank_token_indices(meta: ThdMeta, rank: int | None = None) -> np.ndarray:
     Every view of a shard that needs to know where its rows come from reads it: the token
     placement (:func:`local_placement`), the all-gather's and the all-to-all's global order
     (:func:`gather_order`). The layout is Transformer Engine's (``partition_from_lengths`` of the
-    slots); a per-document placement gives its own map here. ``rank`` must be a rank of the
-    record's CP group (0 for a global record). Cached on ``meta`` per rank.
+    slots) or, under a per-sequence placement, the split groups' chunks then the whole entries
+    (``placement_indices``). ``meta`` is the record of any rank's shard of the batch; ``rank``
+    must be a rank of its CP group (0 for a global record). Cached on ``meta`` per rank.
 
     >>> from thdpack.thd.meta import ThdMeta
     >>> meta = ThdMeta.from_lengths([3, 8], [4, 8], cp_size=2, cp_rank=0)
     >>> rank_token_indices(meta).tolist(), rank_token_indices(meta, 1).tolist()
     ([0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9])
+    >>> groups = EntryGroups(np.array([2, 1, 1, 1]), np.array([0, 1, 0, 1]), 2)
+    >>> meta = ThdMeta.from_lengths([6, 3, 0, 0], [8, 3, 4, 1], groups=groups).for_rank(2, 0)
+    >>> rank_token_indices(meta).tolist(), rank_token_indices(meta, 1).tolist()
+    ([0, 1, 6, 7, 11, 12, 13, 14], [2, 3, 4, 5, 8, 9, 10, 15])
     """
     rank = meta.cp_rank if rank is None else rank
     check_cp(meta.cp_size, rank)
 
     def build() -> np.ndarray:
-        index_T = partition_from_lengths(meta.lengths_padded_S, meta.cp_size, rank).astype(np.int64)
+        placement = meta.placement
+        if placement is None:
+            index_T = partition_from_lengths(meta.lengths_padded_S, meta.cp_size, rank)
+        else:
+            index_T = placement_indices(
+                placement.slots_S, placement.group_size_S, placement.group_start_S, meta.cp_size, rank
+            )
+        index_T = index_T.astype(np.int64)
         index_T.flags.writeable = False
         return index_T
 
@@ -204,10 +224,12 @@ def gather_order(meta: ThdMeta, device: torch.device | str) -> GatherOrder:
 
 
 def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None = None) -> TokenPlacement:
-    """The rows CP rank ``rank`` (default: the record's) holds, in ``shard`` order: the global
-    placement taken at ``partition_indices`` (chunk ``r`` then chunk ``2W-1-r`` of every sequence).
-    ``rank`` must be a rank of the record's CP group (0 for a global record). Cached on ``meta``
-    per (rank, device).
+    """The rows CP rank ``rank`` (default: the record's) holds, in ``shard`` order (``rank_token_indices``):
+    the global placement taken at them. ``rank`` must be a rank of the record's CP group (0 for a
+    global record). Cached on ``meta`` per (rank, device). Under TE's layout run ``s`` is sequence
+    ``s`` (chunk ``r`` then chunk ``2W-1-r`` of it); under a per-sequence placement the runs are
+    the rank's entries in its order (``TokenPlacement.sequences``: its split groups' sequences,
+    largest group first, then its whole ones).
 
     >>> from thdpack.thd.meta import ThdMeta
     >>> meta = ThdMeta.from_lengths([3, 4], [4, 4], cp_size=2, cp_rank=0)
@@ -226,13 +248,22 @@ def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None 
         if meta.cp_size == 1:
             return global_placement(meta, device)
         index_T = rank_token_indices(meta, rank)
-        whole = global_placement(meta, "cpu")
+        whole = global_placement(meta.unsharded(), "cpu")
         valid_T = whole.valid_T.numpy()[index_T]
         seg_T = whole.seg_T.numpy()[index_T]
         valid_S = np.bincount(seg_T, weights=valid_T, minlength=meta.num_sequences).astype(np.int64)
-        counts = tuple(n // meta.cp_size for n in meta.lengths_padded)
-        pos_T = whole.pos_T[torch.tensor(index_T)]
-        return TokenPlacement(counts, tuple(valid_S.tolist()), pos_T.to(device))
+        pos_T = whole.pos_T[torch.tensor(index_T)].to(device)
+        placement = meta.placement
+        if placement is None:
+            counts = tuple(n // meta.cp_size for n in meta.lengths_padded)
+            return TokenPlacement(counts, tuple(valid_S.tolist()), pos_T)
+        runs = [entries for _, _, entries in rank_groups(placement.group_size_S, placement.group_start_S, rank)]
+        entries_S = np.concatenate(runs)
+        counts_S = placement.slots_S[entries_S] // placement.group_size_S[entries_S]
+        keep = counts_S > 0  # an entry with an empty slot has no rows here
+        entries_S = entries_S[keep]
+        counts, valid = tuple(counts_S[keep].tolist()), tuple(valid_S[entries_S].tolist())
+        return TokenPlacement(counts, valid, pos_T, sequences=tuple(entries_S.tolist()))
 
     return meta.cached(("local placement", rank, device), build)
 
@@ -259,23 +290,38 @@ def _partition_indices_torch(
     return (torch.arange(local_T, device=cu_S1.device) + offset_T).to(torch.int32)
 
 
-def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
+def shard(
+    thd: Mapping[str, Any],
+    cp_size: int,
+    cp_rank: int,
+    *,
+    placement: PackPlacement | Sequence[PackPlacement] | None = None,
+) -> THDBatch:
     """The THD batch that CP rank ``cp_rank`` of ``cp_size`` computes on (TE's input convention).
 
     Args:
         thd: a global THD batch (``thdpack.to_thd``): every padded slot a multiple of
-            ``2*cp_size`` (pack with ``cp_size``), ``cu_seqlens_padded[-1] == T``.
+            ``2*cp_size`` (pack with ``cp_size``), ``cu_seqlens_padded[-1] == T``; or the batch of
+            packs of a per-sequence CP placement, whose record carries the placement (the packs
+            of ``plan_packs(..., cp_placement="adaptive")`` do: ``cp_size`` must be its CP size).
         cp_size: context-parallel world size (>= 1).
         cp_rank: this rank, ``0 <= cp_rank < cp_size``.
+        placement: the placement of a batch whose record does not carry one (packs made
+            elsewhere, laid out by it): the ``PackPlacement`` of each of its packs, in order (one
+            for a batch of one pack). It must describe the batch: as many entries (each pack's
+            sequences, then one padding entry per rank), the same real lengths and slots.
 
     Returns:
         A new dict: every per-token tensor (``input_ids``, ``labels``, ``position_ids``,
-        ``padding_mask`` and any other (T, ...) tensor) re-indexed with
-        ``partition_indices`` to (T / cp_size, ...); the GLOBAL ``cu_seqlens``,
-        ``cu_seqlens_padded`` and ``max_seqlen`` kept, as TE expects (it divides them itself);
-        ``thd_meta`` the shard's record (``cp_size``, ``cp_rank``: which shard it is), made from
-        the batch's without validating again. Positions stay the global position within each
-        sequence, so RoPE needs no correction. Non-tensor values pass through.
+        ``padding_mask`` and any other (T, ...) tensor) re-indexed with the rank's
+        ``rank_token_indices`` to (T / cp_size, ...): TE's ``partition_indices``, or under a
+        placement the rank's split groups' chunks (largest group first, TE's order within each)
+        then its whole entries; the GLOBAL ``cu_seqlens``, ``cu_seqlens_padded`` and
+        ``max_seqlen`` kept, as TE expects (it divides them itself); ``thd_meta`` the shard's
+        record (``cp_size``, ``cp_rank``: which shard it is; the placement, and so its
+        ``parts``), made from the batch's without validating again. Positions stay the global
+        position within each sequence, so RoPE needs no correction; labels travel with their
+        tokens. Non-tensor values pass through.
 
     The P6 pack of nemo_te_spec.md (S2): sequences of 3, 2, 1 tokens in slots of 4, 4, 12.
 
@@ -293,14 +339,33 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
     ([0, 3, 5, 6], [0, 4, 8, 20], 12)
     >>> rank1["thd_meta"].cp_size, rank1["thd_meta"].cp_rank
     (2, 1)
+
+    Under a per-sequence placement (docs/design/cp_placement.md): 6 tokens split over both
+    ranks (slot 8), 3 whole on rank 1, 1 whole on rank 0, then a padding entry per rank.
+
+    >>> from thdpack.packing import assemble_pack, read_sample
+    >>> from thdpack.thd import thd_collate
+    >>> samples = [{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [10, 20, 30]}, {"input_ids": [100]}]
+    >>> place = PackPlacement.from_groups([6, 3, 1], {(0, 2): [0], (1, 1): [1], (0, 1): [2]}, cp_size=2, pack_size=16)
+    >>> pieces = [read_sample(sample, i) for i, sample in enumerate(samples)]
+    >>> thd = thd_collate([assemble_pack(pieces, 16, cp_size=2, placement=place)])
+    >>> rank0, rank1 = (shard(thd, 2, r) for r in (0, 1))
+    >>> rank0["input_ids"].tolist(), rank0["position_ids"].tolist()
+    ([1, 2, 0, 0, 100, 0, 0, 0], [0, 1, 6, 7, 0, 0, 1, 2])
+    >>> rank1["input_ids"].tolist(), rank1["position_ids"].tolist()
+    ([3, 4, 5, 6, 10, 20, 30, 0], [2, 3, 4, 5, 0, 1, 2, 0])
+    >>> [(p.group_size, p.rows) for p in rank1["thd_meta"].parts]   # the ring over both ranks, then whole
+    [(2, slice(0, 4, None)), (1, slice(4, 8, None))]
     """
     meta = thd_meta(thd)
+    if placement is not None:
+        meta = _with_placement(meta, placement)
     local = meta.for_rank(cp_size, cp_rank)
     check_token_rows(thd, meta)
     if cp_size == 1:  # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
         return dict(thd)
     # computed on the host from the validated record (no device read), then moved with the tokens
-    index_T = torch.from_numpy(partition_from_lengths(meta.lengths_padded_S, cp_size, cp_rank))
+    index_T = torch.tensor(rank_token_indices(local))  # a copy: the cached map is read-only
     out: THDBatch = {}
     for key, value in thd.items():
         if key in ("cp_size", "cp_rank"):  # a batch made elsewhere may say it is unsharded; the record says
@@ -311,6 +376,46 @@ def shard(thd: Mapping[str, Any], cp_size: int, cp_rank: int) -> THDBatch:
             out[key] = value.index_select(0, index_T.to(value.device))
     attach_meta(out, local)
     return out
+
+
+def _with_placement(meta: ThdMeta, placement: PackPlacement | Sequence[PackPlacement]) -> ThdMeta:
+    """``meta`` (a global record) with the groups of ``placement``, which must describe its entries."""
+    packs = [placement] if isinstance(placement, PackPlacement) else list(placement)
+    if not packs or not all(isinstance(p, PackPlacement) for p in packs):
+        raise TypeError("placement must be a PackPlacement or a sequence of them (one per pack of the batch)")
+    cp = packs[0].cp_size
+    if any(p.cp_size != cp for p in packs):
+        raise ValueError(f"the packs' placements are for cp_size {sorted({p.cp_size for p in packs})}; use one CP size")
+    layouts = [p.layout() for p in packs]
+    layout = CpLayout.concat(layouts)
+    pack_S = np.concatenate([np.full(len(x.lengths_S), i) for i, x in enumerate(layouts)])
+    column_S = np.concatenate([np.arange(len(x.lengths_S)) for x in layouts])
+
+    def where(s: int) -> str:
+        return f"pack {int(pack_S[s])}: entry {int(column_S[s])}"
+
+    carried = meta.placement
+    if carried is not None and not all(np.array_equal(a, b) for a, b in zip(carried, layout, strict=True)):
+        raise ValueError(
+            f"this THD batch already carries a CP placement (for cp_size={meta.groups.cp_size}) that differs from "
+            "the one given; shard it without a placement, or build the batch from the packs of the plan whose "
+            "placement you pass"
+        )
+    if len(layout.lengths_S) != meta.num_sequences:
+        raise ValueError(
+            f"the placement describes {len(layout.lengths_S)} entries ({len(packs)} packs: their sequences, then "
+            f"{cp} padding entries each) but the batch has {meta.num_sequences}; a sequence of the batch would be "
+            "placed never or twice: pass the placements of the batch's packs, in order"
+        )
+    wrong = (layout.lengths_S != meta.lengths_S) | (layout.slots_S != meta.lengths_padded_S)
+    if wrong.any():
+        s = int(np.argmax(wrong))
+        raise ValueError(
+            f"{where(s)} has {int(meta.lengths_S[s])} real tokens in a slot of {int(meta.lengths_padded_S[s])}, but "
+            f"the placement has {int(layout.lengths_S[s])} in a slot of {int(layout.slots_S[s])}; lay the packs out by "
+            "their placement (build_pack / assemble_pack(..., placement=...))"
+        )
+    return meta.with_groups(EntryGroups(layout.group_size_S, layout.group_start_S, cp), where)
 
 
 def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
@@ -349,8 +454,7 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
                 raise ValueError(f"shards[{r}] has a different {key} than shards[0]; shards must be of one batch")
     whole = thd_meta(first).unsharded()
     # position in the rank-major concatenation -> global token index, then its inverse
-    slots_S = whole.lengths_padded_S
-    gathered_to_global_T = np.concatenate([partition_from_lengths(slots_S, cp_size, r) for r in range(cp_size)])
+    gathered_to_global_T = np.concatenate([rank_token_indices(thd_meta(first), r) for r in range(cp_size)])
     global_to_gathered_T = torch.from_numpy(np.argsort(gathered_to_global_T, kind="stable"))
     out: THDBatch = {}
     for key, value in first.items():

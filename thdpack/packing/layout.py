@@ -12,6 +12,17 @@ the pack ("tail padding") is added to the last sequence's padded length, so
     seq_lens_padded [4, 12]     (3 -> 4; 5 -> 8, + 4 tail)
     position_ids    0 1 2 3 0 1 2 3 4 5 6 7 8 9 10 11
 
+Under a per-sequence CP placement (``plan_packs(..., cp_placement="adaptive")``) the layout is
+the placement's (docs/design/cp_placement.md section 2, :func:`placed_seq_lens_padded`): a split
+sequence's slot is its length rounded up to a multiple of ``2g`` (its group's ``g`` ranks), a
+whole one's is its length, and the tail is one padding entry per rank (real length 0, slot =
+that rank's unused budget), never added to the last sequence:
+
+    seq_lens [6, 3, 1], pack_size 16, cp_size 2; 6 split over both ranks, 3 whole on rank 1, 1 on rank 0
+    tokens          a a a a a a . . b b b c . . . .
+    seq_lens        [6, 3, 1, 0, 0]
+    seq_lens_padded [8, 3, 1, 3, 1]     (6 -> 8; rank 0: 4 + 1 + 3 tail; rank 1: 4 + 3 + 1 tail)
+
 Position ids restart at 0 for every sequence and run on through its CP padding and, for the
 last sequence, through the tail padding (NeMo does the same and clamps at ``pack_size - 1``;
 the clamp never fires here because the last entry is at most ``pack_size`` long). Padding
@@ -29,6 +40,7 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.format_rules import IGNORE_INDEX, check_pack_size, cp_multiple, round_up_to_cp
+from thdpack.plan.placement import CpLayout, PackPlacement
 
 
 def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> np.ndarray:
@@ -64,6 +76,44 @@ def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> 
         )
     padded[-1] += pack_size - used
     return padded
+
+
+def placed_seq_lens_padded(seq_lens: np.ndarray, placement: PackPlacement) -> CpLayout:
+    """The entries of one pack laid out by its CP placement: :func:`pack_seq_lens_padded`'s twin.
+
+    Args:
+        seq_lens: (S,) int >= 1, the real lengths of the pack's sequences in placement order; they
+            must be the lengths ``placement`` was made for.
+        placement: the pack's placement (``plan.placement.pack(i)``).
+
+    Returns:
+        The pack's ``CpLayout`` (``PackPlacement.layout``): ``lengths_S`` the pack's ``seq_lens``
+        (the real lengths, then ``cp_size`` zeros), ``slots_S`` its ``seq_lens_padded`` (sum ==
+        ``pack_size``), ``group_size_S`` / ``group_start_S`` its ``cp_group_size`` / ``cp_group_start``.
+
+    >>> pack = PackPlacement.from_groups([6, 3, 1], {(0, 2): [0], (1, 1): [1], (0, 1): [2]}, cp_size=2, pack_size=16)
+    >>> layout = placed_seq_lens_padded(np.array([6, 3, 1]), pack)
+    >>> layout.lengths_S.tolist(), layout.slots_S.tolist()
+    ([6, 3, 1, 0, 0], [8, 3, 1, 3, 1])
+    >>> placed_seq_lens_padded(np.array([6, 4, 1]), pack)
+    Traceback (most recent call last):
+    ...
+    ValueError: sequence 1 of the pack has 4 tokens but its CP placement was made for 3; ...
+    """
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    if seq_lens.shape != placement.lengths_S.shape:
+        raise ValueError(
+            f"the pack has {seq_lens.size} sequences but its CP placement places {placement.lengths_S.size}; "
+            "a placement describes the pack of the plan it came with (plan.placement.pack(i) for plan[i])"
+        )
+    wrong = seq_lens != placement.lengths_S
+    if wrong.any():
+        s = int(np.argmax(wrong))
+        raise ValueError(
+            f"sequence {s} of the pack has {int(seq_lens[s])} tokens but its CP placement was made for "
+            f"{int(placement.lengths_S[s])}; pass the samples the plan was made for"
+        )
+    return placement.layout()
 
 
 def position_ids(seq_lens_padded: np.ndarray) -> np.ndarray:

@@ -8,7 +8,9 @@ derived inside the sequence and its last token predicts nothing. Samples are nev
 ``build_pack(samples, plan, i)`` builds pack ``i`` of a plan; ``pack_from_segments`` takes the
 segments by hand. A pack is a dict of int64 tensors (``Pack``): ``input_ids``, ``labels``,
 ``position_ids`` of length ``pack_size``, ``seq_lens`` (real lengths) and ``seq_lens_padded``
-(see ``layout``).
+(see ``layout``). The packs of a plan with a per-sequence CP placement (``cp_placement=
+"adaptive"``) are laid out by it (``layout.placed_seq_lens_padded``) and also carry each entry's
+group: ``cp_group_size`` and ``cp_group_start``.
 
 Plan entries can be parts of a sequence (``overflow="truncate"`` / ``"split"``): the pack then
 takes ``input_ids[start:start+length]`` and the matching labels. A split piece's last label
@@ -28,11 +30,27 @@ import numpy as np
 import torch
 
 from thdpack.format_rules import IGNORE_INDEX
-from thdpack.packing.layout import apply_loss_mask, next_token_labels, pack_seq_lens_padded, position_ids
+from thdpack.packing.layout import (
+    apply_loss_mask,
+    next_token_labels,
+    pack_seq_lens_padded,
+    placed_seq_lens_padded,
+    position_ids,
+)
 from thdpack.plan.packplan import PackPlan
+from thdpack.plan.placement import PackPlacement
 
 
-class Pack(TypedDict):
+class _PlacedKeys(TypedDict, total=False):
+    """The keys a pack of a per-sequence CP placement adds (one per entry, padding entries included)."""
+
+    cp_group_size: torch.Tensor
+    """(S,) ranks of each entry's group: 1 = whole on one rank, g > 1 = split over g ranks."""
+    cp_group_start: torch.Tensor
+    """(S,) first rank of each entry's group."""
+
+
+class Pack(_PlacedKeys):
     """One pack in NeMo AutoModel's format; every tensor int64."""
 
     input_ids: torch.Tensor
@@ -44,7 +62,8 @@ class Pack(TypedDict):
     seq_lens: torch.Tensor
     """(S,) real lengths, in placement order."""
     seq_lens_padded: torch.Tensor
-    """(S,) CP-rounded lengths, tail padding added to the last; sums to T."""
+    """(S,) CP-rounded lengths, tail padding added to the last (a CP placement: in one padding entry
+    per rank); sums to T."""
 
 
 @dataclass(frozen=True)
@@ -131,12 +150,22 @@ def check_pad_id(pad_id: object) -> int:
     return int(pad_id)
 
 
-def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: int = 1, pad_id: int = 0) -> Pack:
+def assemble_pack(
+    pieces: Sequence[SampleTokens],
+    pack_size: int,
+    *,
+    cp_size: int = 1,
+    pad_id: int = 0,
+    placement: PackPlacement | None = None,
+) -> Pack:
     """Lay ``pieces`` out back to back in a pack of ``pack_size`` tokens.
 
     Each piece starts at a multiple of ``2*cp_size`` (CP padding after each piece; tail padding
     at the end). Padding gets ``pad_id`` and label -100. Raises ``ValueError`` when the pieces
-    do not fit.
+    do not fit. With a ``placement`` (of ``pack_size`` tokens and ``cp_size`` ranks) the pieces are
+    laid out by it instead (``layout.placed_seq_lens_padded``: split pieces padded to ``2g``,
+    whole ones not, one padding entry per rank) and the pack carries ``cp_group_size`` /
+    ``cp_group_start``.
 
     >>> a = SampleTokens(np.array([1, 2, 3]), np.array([2, 3, -100]))
     >>> b = SampleTokens(np.array([4, 5]), np.array([5, -100]))
@@ -148,7 +177,17 @@ def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: in
     """
     check_pad_id(pad_id)
     seq_lens = np.array([len(p) for p in pieces], dtype=np.int64)
-    seq_lens_padded = pack_seq_lens_padded(seq_lens, pack_size, cp_size)
+    placed = None
+    if placement is None:
+        seq_lens_padded = pack_seq_lens_padded(seq_lens, pack_size, cp_size)
+    else:
+        if (placement.pack_size, placement.cp_size) != (pack_size, cp_size):
+            raise ValueError(
+                f"the CP placement is for packs of {placement.pack_size} tokens over cp_size={placement.cp_size}, "
+                f"not pack_size={pack_size}, cp_size={cp_size}; pass the plan's pack and CP sizes"
+            )
+        placed = placed_seq_lens_padded(seq_lens, placement)
+        seq_lens, seq_lens_padded = placed.lengths_S, placed.slots_S
     # destination of every real token: its piece's slot start plus its offset in the piece
     slot_starts = np.cumsum(seq_lens_padded) - seq_lens_padded
     real_starts = np.cumsum(seq_lens) - seq_lens
@@ -157,13 +196,17 @@ def assemble_pack(pieces: Sequence[SampleTokens], pack_size: int, *, cp_size: in
     labels_T = np.full(pack_size, IGNORE_INDEX, dtype=np.int64)
     input_ids_T[dest_T] = np.concatenate([p.input_ids for p in pieces])
     labels_T[dest_T] = np.concatenate([p.labels for p in pieces])
-    return Pack(
+    pack = Pack(
         input_ids=torch.from_numpy(input_ids_T),
         labels=torch.from_numpy(labels_T),
         position_ids=torch.from_numpy(position_ids(seq_lens_padded)),
         seq_lens=torch.from_numpy(seq_lens),
         seq_lens_padded=torch.from_numpy(seq_lens_padded),
     )
+    if placed is not None:
+        pack["cp_group_size"] = torch.from_numpy(placed.group_size_S)
+        pack["cp_group_start"] = torch.from_numpy(placed.group_start_S)
+    return pack
 
 
 def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int, *, pad_id: int = 0) -> Pack:
@@ -183,11 +226,6 @@ def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int,
     >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
     ([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [5, 3], [8, 4])
     """
-    if plan.placement is not None:
-        raise ValueError(
-            "this plan was made with cp_placement='adaptive', whose packs thdpack cannot lay out yet; "
-            "plan with cp_placement='te' (the default)"
-        )
     return pack_from_segments(
         samples,
         plan.segments(index),
@@ -195,6 +233,7 @@ def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int,
         cp_size=plan.cp_size,
         pad_id=pad_id,
         sample_lengths=plan.sequence_lengths,
+        placement=None if plan.placement is None else plan.placement.pack(index),
     )
 
 
@@ -206,11 +245,13 @@ def pack_from_segments(
     cp_size: int = 1,
     pad_id: int = 0,
     sample_lengths: np.ndarray | None = None,
+    placement: PackPlacement | None = None,
 ) -> Pack:
     """One pack of ``pack_size`` tokens from ``samples`` and ``segments`` ``(indices, starts, lengths)``
     laid out by hand (``build_pack`` takes them from a plan).
 
-    Entry ``j`` takes tokens ``[starts[j], starts[j] + lengths[j])`` of ``samples[indices[j]]``.
+    Entry ``j`` takes tokens ``[starts[j], starts[j] + lengths[j])`` of ``samples[indices[j]]``;
+    ``placement``: the pack's CP placement (``assemble_pack``).
     Raises ``ValueError`` naming the sample when an entry reaches past the sample's end, or when
     ``sample_lengths`` (the lengths the segments were planned for) disagree with the sample.
 
@@ -245,4 +286,4 @@ def pack_from_segments(
                 f"{start + length}); the plan was made for other lengths (pass the samples' lengths)"
             )
         pieces.append(tokens if start == 0 and length == len(tokens) else tokens.piece(start, length))
-    return assemble_pack(pieces, pack_size, cp_size=cp_size, pad_id=pad_id)
+    return assemble_pack(pieces, pack_size, cp_size=cp_size, pad_id=pad_id, placement=placement)

@@ -41,7 +41,8 @@ Legend: ``S`` sequences (entries) of a pack, ``E`` entries of a plan, ``P`` pack
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -111,8 +112,8 @@ class CpLayout(NamedTuple):
     """(S,) int64 first rank of each entry's group."""
 
     def rank_indices(self, cp_size: int, rank: int) -> np.ndarray:
-        """(T_local,) int64 global token indices rank ``rank`` holds, in its local order (the
-        module docstring's); ``placement_indices`` on this layout."""
+        """(T_local,) global token indices rank ``rank`` holds, in its local order (the module
+        docstring's); ``placement_indices`` on this layout."""
         return placement_indices(self.slots_S, self.group_size_S, self.group_start_S, cp_size, rank)
 
     @classmethod
@@ -121,16 +122,87 @@ class CpLayout(NamedTuple):
         split groups gather the sequences of every pack, in batch order, then its whole entries."""
         return cls(*(np.concatenate([getattr(x, f) for x in layouts]) for f in cls._fields))
 
+    def check(
+        self,
+        cp_size: int,
+        where: Callable[[int], str] = lambda s: f"sequence {s}",
+        pack_S: np.ndarray | None = None,
+    ) -> None:
+        """``ValueError`` naming the first faulty entry (``where(s)``) and its value: a group size not
+        allowed for ``cp_size`` (``group_sizes``), a misaligned group, a split entry whose slot is
+        not a multiple of ``2 * group_size`` (TE's rule within the group; a whole entry's slot is
+        free), or a rank over its share: every rank must hold ``sum(slots) / cp_size`` tokens of
+        the layout, or with ``pack_S`` ((S,) the pack of each entry, packs in order) of every pack
+        (its budget), so that the shards are equal. Real lengths within the slots are the THD
+        record's check.
+
+        >>> CpLayout(np.array([5, 2]), np.array([6, 2]), np.array([2, 1]), np.array([0, 1])).check(2)
+        Traceback (most recent call last):
+        ...
+        ValueError: sequence 0 is split over 2 ranks but has a slot of 6 tokens, not a multiple of 2*2=4; ...
+        """
+        check_groups(self.group_size_S, self.group_start_S, cp_size, where)
+        split = self.group_size_S > 1
+        bad = split & (self.slots_S % (2 * self.group_size_S) != 0)
+        if bad.any():
+            s = int(np.argmax(bad))
+            g, slot = int(self.group_size_S[s]), int(self.slots_S[s])
+            raise ValueError(
+                f"{where(s)} is split over {g} ranks but has a slot of {slot} tokens, not a multiple of 2*{g}={2 * g}; "
+                f"TE's layout cuts a split sequence into 2*{g} equal chunks: pad it to {-(-slot // (2 * g)) * 2 * g}"
+            )
+        named = pack_S is not None
+        pack_S = np.zeros(len(self.slots_S), dtype=np.int64) if pack_S is None else np.asarray(pack_S, dtype=np.int64)
+        num_packs = int(pack_S[-1]) + 1 if len(pack_S) else 0
+        share_S = self.slots_S // self.group_size_S
+        tokens_PR = rank_sums(pack_S, share_S, self.group_start_S, self.group_size_S, num_packs, cp_size)
+        size_P = np.bincount(pack_S, weights=self.slots_S, minlength=num_packs).round().astype(np.int64)
+        over = tokens_PR * cp_size > size_P[:, None]
+        if over.any():
+            p, r = (int(x) for x in np.unravel_index(int(np.argmax(over)), over.shape))
+            what = f"pack {p}: rank {r}" if named else f"rank {r}"
+            raise ValueError(
+                f"{what} holds {int(tokens_PR[p, r])} tokens, over its budget of {size_P[p] / cp_size:g} (the pack's "
+                f"{int(size_P[p])} tokens / cp_size={cp_size}); every rank of a pack holds an equal share (its "
+                "padding entry fills what its sequences leave: PackPlacement.layout)"
+            )
+
+
+def rank_groups(group_size_S: np.ndarray, group_start_S: np.ndarray, rank: int) -> list[tuple[int, int, np.ndarray]]:
+    """``[(group_start, group_size, entries)]``: the groups holding entries of ``rank``, in its
+    local order (split groups largest first, then its whole entries as ``(rank, 1, ...)``), each
+    with its entries in storage order; groups without an entry of ``rank`` are left out.
+
+    >>> [(g0, g, e.tolist()) for g0, g, e in rank_groups(np.array([2, 1, 4, 1]), np.array([0, 1, 0, 0]), 1)]
+    [(0, 4, [2]), (0, 2, [0]), (1, 1, [1])]
+    """
+    group_size_S = np.asarray(group_size_S, dtype=np.int64)
+    mine = _rank_entries(group_size_S, np.asarray(group_start_S, dtype=np.int64), rank)
+    sizes = group_size_S[mine]
+    out, begin = [], 0
+    for end in [*(np.flatnonzero(sizes[1:] != sizes[:-1]) + 1).tolist(), len(mine)] if len(mine) else []:
+        g = int(sizes[begin])  # one aligned group of each size contains the rank
+        out.append((rank - rank % g, g, mine[begin:end]))
+        begin = end
+    return out
+
+
+def _rank_entries(group_size_S: np.ndarray, group_start_S: np.ndarray, rank: int) -> np.ndarray:
+    """(M,) int64 the entries whose group contains ``rank``: largest group first, then storage order."""
+    mine = np.flatnonzero((group_start_S <= rank) & (rank < group_start_S + group_size_S))
+    return mine[np.argsort(-group_size_S[mine], kind="stable")]
+
 
 def placement_indices(
     slots_S: np.ndarray, group_size_S: np.ndarray, group_start_S: np.ndarray, cp_size: int, rank: int
 ) -> np.ndarray:
-    """(T_local,) int64 global token indices of ``rank``, in its local order.
+    """(T_local,) global token indices of ``rank``, in its local order: int32 (as Transformer
+    Engine's) while the layout holds fewer than 2**31 tokens, else int64.
 
     Entries are stored back to back in their slots (entry ``s`` at ``sum(slots_S[:s])``). The
     rank's split groups come first, largest first, each with its entries in order, an entry giving
     chunk ``j = rank - start`` then chunk ``2g-1-j`` of its slot (``chunk = slot / 2g``); then its
-    whole entries in order. With every entry on ``g == cp_size`` this is exactly
+    whole entries in order (``rank_groups``). With every entry on ``g == cp_size`` this is exactly
     ``thdpack.cp.partition.partition_from_lengths(slots_S, cp_size, rank)``: Transformer Engine's
     ``thd_get_partitioned_indices``.
 
@@ -145,9 +217,7 @@ def placement_indices(
     if not 0 <= rank < cp_size:
         raise ValueError(f"rank must be in [0, {cp_size}), got {rank}")
     starts_S = np.cumsum(slots_S) - slots_S
-    mine = np.flatnonzero((group_start_S <= rank) & (rank < group_start_S + group_size_S))
-    g_M = group_size_S[mine]
-    mine = mine[np.lexsort((mine, -g_M))]  # largest group first, then storage order (stable)
+    mine = _rank_entries(group_size_S, group_start_S, rank)
     g_M = group_size_S[mine]
     split_M = g_M > 1
     chunk_M = np.where(split_M, slots_S[mine] // (2 * g_M), slots_S[mine])
@@ -159,7 +229,11 @@ def placement_indices(
     run_len = np.stack((chunk_M, np.where(split_M, chunk_M, 0)), 1).reshape(-1)
     local_start = np.cumsum(run_len) - run_len
     total = int(run_len.sum())
-    return np.repeat(run_start - local_start, run_len) + np.arange(total, dtype=np.int64)
+    # the per-token work in the narrowest exact dtype (int32 halves the memory traffic, as TE's kernel)
+    dtype = np.int32 if int(slots_S.sum()) < 2**31 else np.int64
+    index_T = np.repeat((run_start - local_start).astype(dtype), run_len)
+    index_T += np.arange(total, dtype=dtype)
+    return index_T
 
 
 def rank_sums(
@@ -178,6 +252,54 @@ def rank_sums(
 def _where(pack: int, position: int, sequence_ids: np.ndarray | None, entry: int) -> str:
     named = "" if sequence_ids is None else f" (dataset sequence {int(sequence_ids[entry])})"
     return f"pack {pack}: sequence {position} of the pack{named}"
+
+
+def check_groups(
+    group_size_E: np.ndarray, group_start_E: np.ndarray, cp_size: int, where: Callable[[int], str]
+) -> None:
+    """``ValueError`` naming the first entry (``where(e)``) whose group size is not allowed for
+    ``cp_size`` (``group_sizes``), or whose group is misaligned or reaches past the last rank."""
+    allowed = group_sizes(cp_size)
+    bad = ~_allowed_table(cp_size).take(group_size_E, mode="clip")
+    if bad.any():
+        e = int(np.argmax(bad))
+        g = int(group_size_E[e])
+        reason = "does not divide" if g < 1 or cp_size % g else "is not a power of 2 below"
+        raise ValueError(
+            f"{where(e)} is placed on a group of {g} ranks, which {reason} cp_size={cp_size}; "
+            f"valid group sizes: {', '.join(map(str, allowed))} (1 = whole on one rank)"
+        )
+    bad = (group_start_E < 0) | (group_start_E % group_size_E != 0) | (group_start_E + group_size_E > cp_size)
+    if bad.any():
+        e = int(np.argmax(bad))
+        g, g0 = int(group_size_E[e]), int(group_start_E[e])
+        raise ValueError(
+            f"{where(e)} is placed on ranks {g0}..{g0 + g - 1} (a group of {g} starting at rank {g0}); a group "
+            f"of {g} must start at a multiple of {g} in [0, {cp_size - g}] (groups are aligned)"
+        )
+
+
+@functools.cache
+def _allowed_table(cp_size: int) -> np.ndarray:
+    """(cp_size + 2,) bool, True at the allowed group sizes (a lookup: ``np.isin`` costs tens of
+    microseconds per batch); sizes below 0 or above ``cp_size`` clip onto False entries."""
+    table = np.zeros(cp_size + 2, dtype=bool)
+    table[list(group_sizes(cp_size))] = True
+    table.flags.writeable = False
+    return table
+
+
+def check_budgets(tokens_PR: np.ndarray, budget: int, pack_size: int, cp_size: int) -> None:
+    """``ValueError`` naming the first pack and rank of ``tokens_PR`` ((P, R) tokens each rank
+    holds of each pack) over its ``budget`` (``pack_size / cp_size``)."""
+    over = tokens_PR > budget
+    if over.any():
+        p, r = (int(x) for x in np.unravel_index(int(np.argmax(over)), over.shape))
+        raise ValueError(
+            f"pack {p}: rank {r} holds {int(tokens_PR[p, r])} tokens, over its budget of {budget} "
+            f"(pack_size={pack_size} / cp_size={cp_size}); place fewer sequences whole on rank {r} "
+            "or split them over a group"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -305,44 +427,18 @@ class CpPlacement:
         ``sequence_ids[entry]`` when given) and the value for the first fault: a group size that is
         not allowed (does not divide ``cp_size`` or is not a power of 2), a misaligned group, a
         sequence of length < 1, a rank over its budget."""
-        allowed = group_sizes(self.cp_size)
         pack_E = self.pack_of_entry()
 
         def where(entry: int) -> str:
             pack = int(pack_E[entry])
             return _where(pack, entry - int(self.offsets[pack]), sequence_ids, entry)
 
-        bad = ~np.isin(self.group_size, allowed)
-        if bad.any():
-            e = int(np.argmax(bad))
-            g = int(self.group_size[e])
-            reason = "does not divide" if g < 1 or self.cp_size % g else "is not a power of 2 below"
-            raise ValueError(
-                f"{where(e)} is placed on a group of {g} ranks, which {reason} cp_size={self.cp_size}; "
-                f"valid group sizes: {', '.join(map(str, allowed))} (1 = whole on one rank)"
-            )
-        bad = (self.group_start < 0) | (self.group_start % self.group_size != 0)
-        bad |= self.group_start + self.group_size > self.cp_size
-        if bad.any():
-            e = int(np.argmax(bad))
-            g, g0 = int(self.group_size[e]), int(self.group_start[e])
-            raise ValueError(
-                f"{where(e)} is placed on ranks {g0}..{g0 + g - 1} (a group of {g} starting at rank {g0}); a group "
-                f"of {g} must start at a multiple of {g} in [0, {self.cp_size - g}] (groups are aligned)"
-            )
+        check_groups(self.group_size, self.group_start, self.cp_size, where)
         bad = self.lengths < 1
         if bad.any():
             e = int(np.argmax(bad))
             raise ValueError(f"{where(e)} has length {int(self.lengths[e])}; every sequence has at least 1 token")
-        tokens_PR = self.rank_tokens()
-        over = tokens_PR > self.budget
-        if over.any():
-            p, r = (int(x) for x in np.unravel_index(int(np.argmax(over)), over.shape))
-            raise ValueError(
-                f"pack {p}: rank {r} holds {int(tokens_PR[p, r])} tokens, over its budget of {self.budget} "
-                f"(pack_size={self.pack_size} / cp_size={self.cp_size}); place fewer sequences whole on rank {r} "
-                "or split them over a group"
-            )
+        check_budgets(self.rank_tokens(), self.budget, self.pack_size, self.cp_size)
 
     def to_arrays(self) -> dict[str, np.ndarray]:
         """The group arrays to save beside a plan (lengths and offsets are the plan's)."""

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from thdpack.thd.format import (
+    ENTRY_KEYS,
     INT_TOKEN_KEYS,
-    LENGTH_KEYS,
     PACK_KEYS,
     SEQ_LENS_SENTINEL,
     THDBatch,
@@ -70,7 +70,7 @@ def collate(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
     ([[3, 5, -1000], [3, 2, 1]], [[4, 12, -1000], [4, 4, 8]])
     """
     batch = _stack_packs(packs)
-    bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    bshd_meta(batch)
     return batch
 
 
@@ -109,7 +109,7 @@ def to_thd(batch: Mapping[str, Any]) -> THDBatch:
     ThdMeta(lengths=(3, 2), lengths_padded=(4, 4), cp_size=1, cp_rank=0, max_seqlen=4)
     """
     check_bshd(batch)
-    return _flatten(batch, bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]))
+    return _flatten(batch, bshd_meta(batch))
 
 
 def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
@@ -120,7 +120,7 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
     ``thd_to_device`` moves the batch without a host sync.
     """
     batch = _stack_packs(packs)
-    return _flatten(batch, bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1]))
+    return _flatten(batch, bshd_meta(batch))
 
 
 def thd_to_device(thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True) -> THDBatch:
@@ -183,8 +183,9 @@ def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[
             for key, value in batch.items()
         }
         width = int((chunk["seq_lens_padded"] != SEQ_LENS_SENTINEL).sum(1).max())
-        for key in LENGTH_KEYS:
-            chunk[key] = chunk[key][:, :width]
+        for key in ENTRY_KEYS:
+            if key in chunk:
+                chunk[key] = chunk[key][:, :width]
         chunks.append(chunk)
     return chunks
 
@@ -203,7 +204,7 @@ def sequence_lengths(batch: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tens
     (tensor([1, 2, 3]), tensor([2, 2, 4]))
     """
     check_bshd(batch)
-    meta = bshd_meta(batch["seq_lens"], batch["seq_lens_padded"], batch["input_ids"].shape[1])
+    meta = bshd_meta(batch)
     return torch.tensor(meta.lengths, dtype=torch.int64), torch.tensor(meta.lengths_padded, dtype=torch.int64)
 
 
@@ -228,7 +229,7 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         raise ValueError("pack 0 has 0 tokens; packs need pack_size >= 1")
     batch: dict[str, torch.Tensor] = {}
     for key in keys:
-        if key in LENGTH_KEYS:
+        if key in ENTRY_KEYS:
             continue
         rows = [_as_tensor(pack[key], i, key) for i, pack in enumerate(packs)]
         for i, row in enumerate(rows):
@@ -244,25 +245,32 @@ def _stack_packs(packs: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
                 raise TypeError(f"{key} must hold integers, got {stacked.dtype}")
             stacked = stacked.to(torch.int64)
         batch[key] = stacked
-    lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in LENGTH_KEYS}
-    for i, (real, padded) in enumerate(zip(lengths["seq_lens"], lengths["seq_lens_padded"], strict=True)):
-        if real.ndim != 1 or padded.shape != real.shape:
+    entry_keys = [key for key in ENTRY_KEYS if key in packs[0]]
+    lengths = {key: [_as_lengths(p[key], i, key) for i, p in enumerate(packs)] for key in entry_keys}
+    counts_B = [len(padded) for padded in lengths["seq_lens_padded"]]
+    for key in entry_keys:
+        if any(row.ndim != 1 for row in lengths[key]) or [len(row) for row in lengths[key]] != counts_B:
+            i = next(i for i, row in enumerate(lengths[key]) if row.ndim != 1 or len(row) != counts_B[i])
             raise ValueError(
-                f"pack {i} has seq_lens {real.tolist()} and seq_lens_padded {padded.tolist()}; both must be "
-                "1-D with one entry per sequence"
+                f"pack {i} has {key} {lengths[key][i].tolist()} and seq_lens_padded "
+                f"{lengths['seq_lens_padded'][i].tolist()}; both must be 1-D with one entry per sequence"
             )
-    S = max(len(real) for real in lengths["seq_lens"])
-    for key in LENGTH_KEYS:
-        matrix_BS = np.full((len(packs), S), SEQ_LENS_SENTINEL, dtype=np.int64)
-        for i, row in enumerate(lengths[key]):
-            matrix_BS[i, : len(row)] = row
+    # every key's (B, S) matrix in one masked assignment: the sentinel, then the packs' rows in order
+    present_BS = np.arange(max(counts_B)) < np.array(counts_B)[:, None]
+    for key in entry_keys:
+        matrix_BS = np.full(present_BS.shape, SEQ_LENS_SENTINEL, dtype=np.int64)
+        matrix_BS[present_BS] = np.concatenate(lengths[key])
         batch[key] = torch.from_numpy(matrix_BS)
     return batch
 
 
 def _as_lengths(value: Any, pack_index: int, key: str) -> np.ndarray:
-    """A pack's seq_lens / seq_lens_padded as an int64 numpy array (metadata is tiny: numpy is cheapest)."""
-    array = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    """A pack's per-entry key (seq_lens, ...) as an int64 numpy array (metadata is tiny: numpy is cheapest)."""
+    if isinstance(value, torch.Tensor):  # a plain CPU tensor converts without the detach / cpu calls
+        plain = value.device.type == "cpu" and not value.requires_grad
+        array = value.numpy() if plain else value.detach().cpu().numpy()
+    else:
+        array = np.asarray(value)
     if array.size and array.dtype.kind not in "iu":
         raise TypeError(f"pack {pack_index} has {key} of dtype {array.dtype}; lengths must be integers")
     return array.astype(np.int64, copy=False)
@@ -298,7 +306,7 @@ def _flatten(batch: Mapping[str, Any], meta: ThdMeta) -> THDBatch:
         padding_mask=torch.from_numpy(~real_rows(meta.lengths_padded_S, meta.lengths_S)).to(device),
     )
     for key, value in batch.items():
-        if key not in thd and key not in LENGTH_KEYS:
+        if key not in thd and key not in ENTRY_KEYS:
             thd[key] = flat(value)
     attach_meta(thd, meta)
     return thd

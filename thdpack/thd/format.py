@@ -6,7 +6,9 @@ Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences i
 
 BSHD batch (``thdpack.collate``): ``input_ids``, ``labels``, ``position_ids`` (B, L) int64;
 ``seq_lens`` (real lengths) and ``seq_lens_padded`` (slot widths) (B, S) int64, each row
-right-padded with ``SEQ_LENS_SENTINEL``; extra per-token keys (B, L, ...). (``to_thd`` also takes
+right-padded with ``SEQ_LENS_SENTINEL``; packs of a per-sequence CP placement also
+``cp_group_size`` / ``cp_group_start`` (B, S) int64 alike (:data:`PLACEMENT_KEYS`); extra
+per-token keys (B, L, ...). (``to_thd`` also takes
 (B, L, H) input embeddings as ``input_ids``, as NeMo AutoModel's pipeline stages pass them.)
 
 THD batch (a plain ``dict``; CONTRACT.md "THD batch"):
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack.thd.meta import CU_KEYS, META_KEY, ThdMeta, thd_meta
+from thdpack.thd.meta import CU_KEYS, META_KEY, EntryGroups, ThdMeta, thd_meta
 
 SEQ_LENS_SENTINEL = -1000
 """Fills ``seq_lens`` / ``seq_lens_padded`` rows past a pack's last sequence (NeMo's value)."""
@@ -59,6 +61,11 @@ THD_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", META_KEY, 
 
 INT_TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
+PLACEMENT_KEYS = ("cp_group_size", "cp_group_start")
+"""Per-entry keys of the packs of a per-sequence CP placement (``thdpack.plan.placement``): each
+entry's group size (1 = whole on one rank) and first rank; the batch's record takes them."""
+ENTRY_KEYS = LENGTH_KEYS + PLACEMENT_KEYS
+"""Keys with one value per entry of a pack (a pack's ``(S,)``, a BSHD batch's ``(B, S)``)."""
 
 THDBatch = dict[str, Any]
 """A THD batch: this module's table."""
@@ -125,10 +132,11 @@ def check_bshd(batch: Mapping[str, Any]) -> None:
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor):
             continue
-        if key in LENGTH_KEYS:
+        if key in ENTRY_KEYS:
             if value.dim() != 2 or value.shape[0] != B or value.shape != batch["seq_lens_padded"].shape:
                 raise ValueError(
-                    f"{key} has shape {tuple(value.shape)}; seq_lens and seq_lens_padded must both be (B, S) with B={B}"
+                    f"{key} has shape {tuple(value.shape)}; seq_lens, seq_lens_padded (and the CP placement's "
+                    f"cp_group_size / cp_group_start) must all be (B, S) with B={B}"
                 )
         elif value.dim() < 2 or value.shape[:2] != (B, L):
             raise ValueError(
@@ -136,30 +144,38 @@ def check_bshd(batch: Mapping[str, Any]) -> None:
             )
 
 
-def bshd_meta(seq_lens_BS: torch.Tensor, seq_lens_padded_BS: torch.Tensor, L: int) -> ThdMeta:
-    """Validate a BSHD batch's length matrices; return the record of its THD form.
+def bshd_meta(batch: Mapping[str, Any]) -> ThdMeta:
+    """Validate a BSHD batch's per-entry matrices; return the record of its THD form.
 
     Args:
-        seq_lens_BS, seq_lens_padded_BS: (B, S) integer, each row's lengths then the sentinel.
-        L: the row length; every row's padded lengths must sum to it.
+        batch: ``input_ids`` (B, L, ...) (only its shape is read); ``seq_lens`` and
+            ``seq_lens_padded`` (B, S) integer, each row's lengths then the sentinel; every row's
+            padded lengths must sum to ``L``. Packs of a per-sequence CP placement also carry
+            ``cp_group_size`` / ``cp_group_start`` (B, S) alike: the batch is then laid out for the
+            CP size the groups cover (every rank has its padding entry), and every rank of every
+            pack must hold ``L / cp_size`` tokens (``CpLayout.check``).
 
     Returns:
         The batch's :class:`ThdMeta` (sequences row-major, sentinels dropped; ``max_seqlen`` the
-        widest slot). Its per-sequence checks are ``ThdMeta.from_lengths``'s, naming the pack.
+        widest slot; a placed batch's groups). Its per-sequence checks are
+        ``ThdMeta.from_lengths``'s, naming the pack.
 
     Runs in numpy on the host: a few dozen tiny checks cost microseconds there, tens of
     microseconds as torch ops.
     """
-    real_BS = seq_lens_BS.detach().cpu().numpy().astype(np.int64, copy=False)
-    padded_BS = seq_lens_padded_BS.detach().cpu().numpy().astype(np.int64, copy=False)
+    L = batch["input_ids"].shape[1]
+    real_BS = _host(batch["seq_lens"])
+    padded_BS = _host(batch["seq_lens_padded"])
     present_BS = padded_BS != SEQ_LENS_SENTINEL
-    mismatch = present_BS != (real_BS != SEQ_LENS_SENTINEL)
-    if mismatch.any():
-        b, s = np.argwhere(mismatch)[0]
-        raise ValueError(
-            f"pack {b}: seq_lens[{s}]={real_BS[b, s]} but seq_lens_padded[{s}]={padded_BS[b, s]}; "
-            f"both must hold a length there or both the sentinel {SEQ_LENS_SENTINEL}"
-        )
+    placed = {key: _host(batch[key]) for key in PLACEMENT_KEYS if key in batch}
+    for key, matrix_BS in [("seq_lens", real_BS), *placed.items()]:
+        mismatch = present_BS != (matrix_BS != SEQ_LENS_SENTINEL)
+        if mismatch.any():
+            b, s = np.argwhere(mismatch)[0]
+            raise ValueError(
+                f"pack {b}: {key}[{s}]={matrix_BS[b, s]} but seq_lens_padded[{s}]={padded_BS[b, s]}; "
+                f"both must hold a value there or both the sentinel {SEQ_LENS_SENTINEL}"
+            )
     gap = present_BS[:, 1:] & ~present_BS[:, :-1]
     if gap.any():
         b = np.argwhere(gap)[0][0]
@@ -172,7 +188,9 @@ def bshd_meta(seq_lens_BS: torch.Tensor, seq_lens_padded_BS: torch.Tensor, L: in
         pack_S, column_S = np.nonzero(present_BS)
         return f"pack {pack_S[s]}: sequence {column_S[s]}"
 
-    meta = ThdMeta.from_lengths(real_BS[present_BS], padded_BS[present_BS], where=where, copy=False)
+    real_S, padded_S = real_BS[present_BS], padded_BS[present_BS]
+    groups, pack_S = _placement_groups(placed, present_BS) if placed else (None, None)
+    meta = ThdMeta.from_lengths(real_S, padded_S, where=where, copy=False, groups=groups, pack_S=pack_S)
     row_sums_B = np.where(present_BS, padded_BS, 0).sum(1)
     wrong = row_sums_B != L
     if wrong.any():
@@ -180,5 +198,31 @@ def bshd_meta(seq_lens_BS: torch.Tensor, seq_lens_padded_BS: torch.Tensor, L: in
         raise ValueError(
             f"pack {b}: seq_lens_padded={padded_BS[b][present_BS[b]].tolist()} sums to {row_sums_B[b]}, "
             f"not the pack length {L}; the pack's tail padding belongs to its last entry"
+            + (" (to the padding entries of a CP placement)" if groups is not None else "")
         )
     return meta
+
+
+def _host(matrix: torch.Tensor) -> np.ndarray:
+    return matrix.detach().cpu().numpy().astype(np.int64, copy=False)
+
+
+def _placement_groups(placed: Mapping[str, np.ndarray], present_BS: np.ndarray) -> tuple[EntryGroups, np.ndarray]:
+    """The entries' CP groups of a placed batch (``placed``: its ``PLACEMENT_KEYS`` matrices) and
+    the pack of each entry (``ThdMeta.from_lengths`` checks them per pack); the CP size is the
+    number of ranks the groups of every pack cover."""
+    missing = [key for key in PLACEMENT_KEYS if key not in placed]
+    if missing:
+        raise ValueError(f"the batch has {sorted(placed)} but lacks {missing}; a CP placement needs both keys")
+    size_BS, start_BS = placed["cp_group_size"], placed["cp_group_start"]
+    covered_B = np.where(present_BS, start_BS + size_BS, 0).max(1)
+    if (covered_B != covered_B[0]).any():
+        b = int(np.argmax(covered_B != covered_B[0]))
+        raise ValueError(
+            f"pack {b} is placed over {covered_B[b]} CP ranks but pack 0 over {covered_B[0]}; the packs of a batch "
+            "share one CP size (every rank has its padding entry in every pack)"
+        )
+    cp_size = int(covered_B[0])
+    if cp_size < 1:
+        raise ValueError(f"pack 0 is placed over {cp_size} CP ranks; a group starts at rank >= 0 and has >= 1 rank")
+    return EntryGroups(size_BS[present_BS], start_BS[present_BS], cp_size), np.nonzero(present_BS)[0]

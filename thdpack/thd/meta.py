@@ -27,6 +27,15 @@ elsewhere: a host copy of the two ``cu`` tensors, a device sync on an accelerato
 stale record's ``cp_size`` / ``cp_rank`` unless the batch's keys give them (no tensor says which
 shard a batch is), and stores it in the batch in place of the stale one.
 
+Under a per-sequence CP placement (``plan_packs(..., cp_placement="adaptive")``,
+``thdpack.plan.placement``) the record also holds every entry's group (:class:`EntryGroups`:
+whole on one rank, or split over an aligned group of ranks in TE's layout within the group) and
+the CP size the placement is for; :attr:`ThdMeta.placement` is then the batch's ``CpLayout``,
+and a shard's record lists the parts its rank computes (:attr:`ThdMeta.parts`: one per split
+group, largest first, then the whole entries), each with its own record. The slot rule then
+holds per entry with its own ``2g`` (a whole entry's slot is free), checked once, where the batch
+is made.
+
 A mapping made elsewhere (NeMo's, Transformer Engine's: ``cu_seqlens`` and optional
 ``cu_seqlens_padded``, ``max_seqlen``, ``cp_size``, ``cp_rank``) is validated from its tensors
 by the first :func:`thd_meta`, which stores the record in it (when it is a mutable mapping),
@@ -38,13 +47,14 @@ Legend: ``S`` sequences, ``T`` tokens.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from thdpack.format_rules import check_cp_multiple, check_cp_size
+from thdpack.plan.placement import CpLayout, rank_groups
 
 _T = TypeVar("_T")
 
@@ -97,6 +107,38 @@ def cu_from_lengths(lengths_S: Sequence[int] | np.ndarray, device: torch.device 
     return torch.from_numpy(cu).to(device)
 
 
+class EntryGroups(NamedTuple):
+    """Where each entry of a batch runs under a per-sequence CP placement (``thdpack.plan.placement``)."""
+
+    size_S: np.ndarray
+    """(S,) int64 ranks of each entry's group: 1 = whole on one rank, ``g > 1`` = split over ``g``."""
+    start_S: np.ndarray
+    """(S,) int64 first rank of each entry's group (aligned: a multiple of its size)."""
+    cp_size: int
+    """The context-parallel size the placement is for (a shard's ``cp_size`` must equal it)."""
+
+    def key(self) -> tuple[Any, ...]:
+        return (tuple(self.size_S.tolist()), tuple(self.start_S.tolist()), self.cp_size)
+
+
+class ShardPart(NamedTuple):
+    """One part of a placed CP shard: the rows one attention call computes
+    (:attr:`ThdMeta.parts`)."""
+
+    group_start: int
+    """First rank of the part's group (the rank itself for the whole part)."""
+    group_size: int
+    """Ranks of the group; 1 = the whole part (entries whole on this rank: no communication)."""
+    rows: slice
+    """The part's rows of the shard (``[start, stop)``, parts back to back in shard order)."""
+    entries_S: np.ndarray
+    """(S_part,) int64 the batch entries of the part, in its order."""
+    meta: ThdMeta
+    """The part's own record: for a split group a TE-layout shard of its entries (``cp_size`` =
+    ``group_size``, ``cp_rank`` = rank - ``group_start``); for the whole part an unsharded batch of
+    its entries (entries with an empty slot left out: they have no rows)."""
+
+
 def _same_int(value: Any, expected: int) -> bool:
     """``value`` is the Python int ``expected`` (a tensor is never compared: that would sync)."""
     return isinstance(value, int) and not isinstance(value, bool) and value == expected
@@ -109,7 +151,7 @@ class ThdMeta:
     equal records describe the same layout, whichever tensors they are attached to.
     """
 
-    __slots__ = ("_cache", "_lengths_S", "_padded_S", "_tensors", "cp_rank", "cp_size", "max_seqlen")
+    __slots__ = ("_cache", "_groups", "_lengths_S", "_padded_S", "_tensors", "cp_rank", "cp_size", "max_seqlen")
 
     def __init__(
         self,
@@ -120,10 +162,13 @@ class ThdMeta:
         max_seqlen: int,
         *,
         cache: dict[Any, Any] | None = None,
+        groups: EntryGroups | None = None,
     ):
         """Use :meth:`from_lengths`; this stores already validated, read-only arrays."""
         lengths_S.flags.writeable = padded_S.flags.writeable = False
-        self._lengths_S, self._padded_S = lengths_S, padded_S
+        if groups is not None:
+            groups.size_S.flags.writeable = groups.start_S.flags.writeable = False
+        self._lengths_S, self._padded_S, self._groups = lengths_S, padded_S, groups
         self.cp_size, self.cp_rank, self.max_seqlen = cp_size, cp_rank, max_seqlen
         self._cache: dict[Any, Any] = {} if cache is None else cache
         # (cu_seqlens, its _version, cu_seqlens_padded or None, its _version): the tensors described
@@ -149,8 +194,26 @@ class ThdMeta:
         """(S,) int64 slot lengths, a read-only numpy array."""
         return self._padded_S
 
+    @property
+    def groups(self) -> EntryGroups | None:
+        """Every entry's CP group under a per-sequence placement, or None: TE's layout (every
+        sequence split over all ``cp_size`` ranks)."""
+        return self._groups
+
+    @property
+    def placement(self) -> CpLayout | None:
+        """The batch's global layout under a per-sequence placement (``CpLayout``: per entry its
+        real length, slot and group, padding entries included; its CP size is
+        ``groups.cp_size``), or None for TE's layout."""
+        if self._groups is None:
+            return None
+        return self.cached(
+            "placement", lambda: CpLayout(self._lengths_S, self._padded_S, self._groups.size_S, self._groups.start_S)
+        )
+
     def _fields(self) -> tuple[Any, ...]:
-        return (self.lengths, self.lengths_padded, self.cp_size, self.cp_rank, self.max_seqlen)
+        groups = None if self._groups is None else self.cached("groups key", self._groups.key)
+        return (self.lengths, self.lengths_padded, self.cp_size, self.cp_rank, self.max_seqlen, groups)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ThdMeta) and self._fields() == other._fields()
@@ -159,9 +222,13 @@ class ThdMeta:
         return hash(self._fields())
 
     def __repr__(self) -> str:
+        placed = ""
+        if self._groups is not None:
+            size, start, cp = self._groups.key()
+            placed = f", group_size={size}, group_start={start}, placed for cp_size={cp}"
         return (
             f"ThdMeta(lengths={self.lengths}, lengths_padded={self.lengths_padded}, cp_size={self.cp_size}, "
-            f"cp_rank={self.cp_rank}, max_seqlen={self.max_seqlen})"
+            f"cp_rank={self.cp_rank}, max_seqlen={self.max_seqlen}{placed})"
         )
 
     @classmethod
@@ -175,9 +242,16 @@ class ThdMeta:
         max_seqlen: Any = None,
         where: Callable[[int], str] = _default_where,
         copy: bool = True,
+        groups: EntryGroups | None = None,
+        pack_S: np.ndarray | None = None,
     ) -> ThdMeta:
         """The validated record. Raises ``ValueError`` / ``TypeError`` naming the offending sequence
         (``where(s)`` says which: ``"sequence 3"``, ``"pack 1: sequence 0"``), its value and the fix.
+
+        ``groups``: every entry's CP group under a per-sequence placement (None: TE's layout). The
+        slot rule then holds per entry with its own ``2g`` and every rank must hold an equal share
+        of the tokens (``CpLayout.check``), of every pack when ``pack_S`` ((S,) the pack of each
+        entry) says where packs begin; a shard's ``cp_size`` must be the placement's.
 
         >>> ThdMeta.from_lengths([3, 4], [4, 4], cp_size=2, cp_rank=1)
         ThdMeta(lengths=(3, 4), lengths_padded=(4, 4), cp_size=2, cp_rank=1, max_seqlen=4)
@@ -208,7 +282,10 @@ class ThdMeta:
                 f"{where(s)} has {real_S[s]} real tokens but a padded slot of {padded_S[s]}; a slot must hold its "
                 "sequence (cu_seqlens counts real tokens, cu_seqlens_padded the slots that hold them)"
             )
-        check_cp_multiple(padded_S, int(cp_size), where)
+        if groups is None:
+            check_cp_multiple(padded_S, int(cp_size), where)
+        else:
+            groups = _checked_groups(groups, real_S, padded_S, int(cp_size), where, copy, pack_S)
         widest = int(padded_S.max()) if padded_S.size else 0
         if max_seqlen is None:
             max_seqlen = widest
@@ -222,24 +299,91 @@ class ThdMeta:
                 f"max_seqlen={max_seqlen} is below the widest padded slot ({widest}); kernels may then write out of "
                 "bounds or skip keys: use max(diff(cu_seqlens_padded)), which thdpack.to_thd computes"
             )
-        return cls(real_S, padded_S, int(cp_size), int(cp_rank), max_seqlen)
+        return cls(real_S, padded_S, int(cp_size), int(cp_rank), max_seqlen, groups=groups)
 
     def for_rank(self, cp_size: int, cp_rank: int) -> ThdMeta:
-        """The record of this (global) batch's shard for ``cp_rank`` of ``cp_size``."""
+        """The record of this (global) batch's shard for ``cp_rank`` of ``cp_size`` (a placed
+        batch: the placement's ``cp_size``)."""
         if self.cp_size != 1:
             raise ValueError(
                 f"this THD batch is already CP rank {self.cp_rank}'s shard of cp_size={self.cp_size}; shard the "
                 "global batch (unshard / gather restores it)"
             )
         check_cp(cp_size, cp_rank)
-        check_cp_multiple(self._padded_S, int(cp_size))
-        return ThdMeta(self._lengths_S, self._padded_S, int(cp_size), int(cp_rank), self.max_seqlen)
+        if self._groups is None:
+            check_cp_multiple(self._padded_S, int(cp_size))
+        elif cp_size != self._groups.cp_size:
+            raise ValueError(
+                f"this THD batch is laid out for cp_size={self._groups.cp_size} (its CP placement: every sequence "
+                f"whole on one of {self._groups.cp_size} ranks or split over a group of them), not cp_size={cp_size}; "
+                f"shard it with cp_size={self._groups.cp_size}, or plan the packs for cp_size={cp_size}"
+            )
+        return ThdMeta(
+            self._lengths_S, self._padded_S, int(cp_size), int(cp_rank), self.max_seqlen, groups=self._groups
+        )
+
+    def with_groups(self, groups: EntryGroups, where: Callable[[int], str] = _default_where) -> ThdMeta:
+        """This (global, TE-layout) record with every entry's CP group, validated as
+        :meth:`from_lengths` validates ``groups``; ``self`` when it already carries these groups."""
+        if self._groups is not None and self.cached("groups key", self._groups.key) == groups.key():
+            return self
+        if self.cp_size != 1:
+            raise ValueError(
+                f"this THD batch is CP rank {self.cp_rank}'s shard of cp_size={self.cp_size}; give the placement "
+                "with the global batch"
+            )
+        if self._groups is not None:
+            raise ValueError(
+                f"this THD batch already carries a CP placement (for cp_size={self._groups.cp_size}) that differs "
+                "from the one given"
+            )
+        groups = _checked_groups(groups, self._lengths_S, self._padded_S, 1, where, True)
+        return ThdMeta(self._lengths_S, self._padded_S, 1, 0, self.max_seqlen, groups=groups)
 
     def unsharded(self) -> ThdMeta:
         """The record of the global batch this shard belongs to (``self`` for a global record)."""
         if self.cp_size == 1:
             return self
-        return ThdMeta(self._lengths_S, self._padded_S, 1, 0, self.max_seqlen)
+        return ThdMeta(self._lengths_S, self._padded_S, 1, 0, self.max_seqlen, groups=self._groups)
+
+    @property
+    def parts(self) -> tuple[ShardPart, ...]:
+        """The parts this CP shard's rank computes, back to back in shard order: one per split group
+        holding entries of the rank (largest group first), then its whole entries (when they take
+        rows). A TE-layout shard is one part, over all ``cp_size`` ranks, described by ``self``.
+
+        >>> groups = EntryGroups(np.array([2, 1, 1, 1, 1]), np.array([0, 1, 0, 0, 1]), 2)
+        >>> meta = ThdMeta.from_lengths([6, 3, 1, 0, 0], [8, 3, 1, 3, 1], groups=groups).for_rank(2, 1)
+        >>> [(p.group_start, p.group_size, p.rows, p.entries_S.tolist()) for p in meta.parts]
+        [(0, 2, slice(0, 4, None), [0]), (1, 1, slice(4, 8, None), [1, 4])]
+        >>> meta.parts[0].meta.cp_size, meta.parts[0].meta.cp_rank, meta.parts[1].meta.lengths
+        (2, 1, (3, 0))
+        """
+        if self.cp_size == 1:
+            raise ValueError("an unsharded THD batch has no CP parts; shard it (thdpack.cp.shard) first")
+        return self.cached("parts", self._build_parts)
+
+    def _build_parts(self) -> tuple[ShardPart, ...]:
+        if self._groups is None:
+            everything = np.arange(self.num_sequences, dtype=np.int64)
+            return (ShardPart(0, self.cp_size, slice(0, self.local_tokens), everything, self),)
+        parts, start = [], 0
+        for g0, g, entries in rank_groups(self._groups.size_S, self._groups.start_S, self.cp_rank):
+            if g == 1:
+                entries = entries[self._padded_S[entries] > 0]  # an empty slot has no rows
+            real, slots = self._lengths_S[entries], self._padded_S[entries]
+            rows = int(slots.sum()) // g
+            if rows == 0:
+                continue
+            widest = int(slots.max())
+            if g > 1:
+                meta = ThdMeta.from_lengths(real, slots, cp_size=g, cp_rank=self.cp_rank - g0, max_seqlen=widest)
+            else:
+                meta = ThdMeta.from_lengths(real, slots, max_seqlen=widest)
+            parts.append(ShardPart(g0, g, slice(start, start + rows), entries, meta))
+            start += rows
+        assert start == self.local_tokens, f"the parts hold {start} rows, the shard {self.local_tokens}"
+        return tuple(parts)
 
     @property
     def num_sequences(self) -> int:
@@ -350,8 +494,9 @@ class ThdMeta:
         attached = self
         if self._tensors is not None:
             attached = ThdMeta(
-                self._lengths_S, self._padded_S, self.cp_size, self.cp_rank, self.max_seqlen, cache=self._cache
-            )
+                self._lengths_S, self._padded_S, self.cp_size, self.cp_rank, self.max_seqlen, cache=self._cache,
+                groups=self._groups,
+            )  # fmt: skip
         attached._tensors = (cu_seqlens, cu_seqlens._version, cu_seqlens_padded, padded_version)
         return attached
 
@@ -359,7 +504,34 @@ class ThdMeta:
         """Pickles (into and out of DataLoader workers) without the device-side cache, with the tensors it
         describes: pickled together with its batch, it describes the unpickled batch's tensors."""
         tensors = (None, None) if self._tensors is None else (self._tensors[0], self._tensors[2])
-        return (_unpickle, (self._lengths_S, self._padded_S, self.cp_size, self.cp_rank, self.max_seqlen, *tensors))
+        fields = (self._lengths_S, self._padded_S, self.cp_size, self.cp_rank, self.max_seqlen)
+        return (_unpickle, (*fields, *tensors, self._groups))
+
+
+def _checked_groups(
+    groups: EntryGroups,
+    real_S: np.ndarray,
+    padded_S: np.ndarray,
+    cp_size: int,
+    where: Callable[[int], str],
+    copy: bool,
+    pack_S: np.ndarray | None = None,
+) -> EntryGroups:
+    """``groups`` (int64 arrays, copied unless ``copy`` is False) after ``CpLayout.check`` (per pack
+    with ``pack_S``); a shard's ``cp_size`` (1 for a global batch) must be the placement's."""
+    make = np.array if copy else np.asarray
+    size_S = make(groups.size_S, dtype=np.int64).reshape(-1)
+    start_S = make(groups.start_S, dtype=np.int64).reshape(-1)
+    placed_for = check_cp_size(groups.cp_size)
+    if size_S.shape != real_S.shape or start_S.shape != real_S.shape:
+        raise ValueError(
+            f"the CP placement gives groups for {size_S.size} / {start_S.size} entries but the batch has "
+            f"{real_S.size}; one group per entry (padding entries included)"
+        )
+    if cp_size != 1 and cp_size != placed_for:
+        raise ValueError(f"the shard has cp_size={cp_size} but its CP placement is for cp_size={placed_for}")
+    CpLayout(real_S, padded_S, size_S, start_S).check(placed_for, where, pack_S)
+    return EntryGroups(size_S, start_S, placed_for)
 
 
 def _unpickle(
@@ -370,11 +542,27 @@ def _unpickle(
     max_seqlen: int,
     cu_seqlens: torch.Tensor | None,
     cu_seqlens_padded: torch.Tensor | None,
+    groups: EntryGroups | None = None,
 ) -> ThdMeta:
-    meta = ThdMeta(lengths_S, padded_S, cp_size, cp_rank, max_seqlen)
+    meta = ThdMeta(lengths_S, padded_S, cp_size, cp_rank, max_seqlen, groups=groups)
     if cu_seqlens is not None:
         meta._attached_to({"cu_seqlens": cu_seqlens, "cu_seqlens_padded": cu_seqlens_padded})
     return meta
+
+
+def _kept_groups(stale: ThdMeta | None, num_sequences: int) -> EntryGroups | None:
+    """The CP placement a stale record passes on to the record rebuilt from the batch's tensors (no
+    tensor says it, as none says the shard): kept while the batch has as many entries (checked again
+    with the new lengths); a global batch with other entries has no placement any more, a shard
+    with other entries is refused."""
+    if stale is None or stale.groups is None or stale.num_sequences == num_sequences:
+        return None if stale is None else stale.groups
+    if stale.cp_size == 1:
+        return None
+    raise ValueError(
+        f"this CP shard's placement describes {stale.num_sequences} entries but its cu_seqlens now describe "
+        f"{num_sequences}; shard the global batch again (thdpack.cp.shard) after changing its sequences"
+    )
 
 
 def attach_meta(thd: MutableMapping[str, Any], meta: ThdMeta) -> ThdMeta:
@@ -425,5 +613,6 @@ def thd_meta(thd: Mapping[str, Any]) -> ThdMeta:
         cp_rank=thd.get("cp_rank", 0 if carried is None else carried.cp_rank),
         max_seqlen=thd.get("max_seqlen"),
         copy=False,
+        groups=_kept_groups(carried, len(real_S)),
     )
     return attach_meta(thd, meta) if isinstance(thd, MutableMapping) else meta._attached_to(thd)

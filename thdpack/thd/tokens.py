@@ -39,6 +39,10 @@ def _rows_of(counts: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
 class TokenPlacement:
     """Rows of a batch or shard: sequence by sequence, each sequence's real tokens first.
 
+    "Sequence" ``s`` of a placement is its ``s``-th run of rows: sequence ``s`` of the batch, or on
+    a shard of a per-sequence CP placement the batch's sequence ``sequences[s]`` (a rank holds its
+    split groups' sequences first, then its whole ones). Masks compare runs of one placement.
+
     Args:
         counts: (S,) host ints, rows of each sequence here (0 allowed).
         valid_counts: (S,) host ints, how many of them are real tokens (a prefix of the rows).
@@ -46,6 +50,7 @@ class TokenPlacement:
             CP shard), on the device of the tensors it describes; None: rows are whole slots in
             storage order (a global batch), so positions count 0, 1, ... within each slot.
         device: where the per-row tensors live (``pos_T``'s device when given).
+        sequences: (S,) host ints, the batch's sequence of each run (None: run ``s`` is sequence ``s``).
 
     >>> p = TokenPlacement((4, 4), (3, 2))
     >>> p.seg_T.tolist(), p.pos_T.tolist(), p.padding_mask_T.int().tolist()
@@ -59,13 +64,18 @@ class TokenPlacement:
         pos_T: torch.Tensor | None = None,
         *,
         device: torch.device | str = "cpu",
+        sequences: tuple[int, ...] | None = None,
     ) -> None:
         if len(counts) != len(valid_counts) or any(v > c for c, v in zip(counts, valid_counts, strict=True)):
             raise ValueError(f"valid_counts {valid_counts} must be <= counts {counts}, one per sequence")
         if pos_T is not None and pos_T.shape != (sum(counts),):
             raise ValueError(f"pos_T has shape {tuple(pos_T.shape)}, but the counts describe {sum(counts)} rows")
+        if sequences is not None and len(sequences) != len(counts):
+            raise ValueError(f"sequences {sequences} must name one batch sequence per count of {counts}")
         self.counts = tuple(counts)
         self.valid_counts = tuple(valid_counts)
+        self.sequences = tuple(range(len(counts))) if sequences is None else tuple(sequences)
+        """(S,) the batch's sequence of each run of rows."""
         self.device = torch.device(device) if pos_T is None else pos_T.device
         if pos_T is not None:
             self.pos_T = pos_T
@@ -134,7 +144,8 @@ class TokenPlacement:
         for back in (False, True):
             index_T = (starts_S[seg_T] + within_T + (half_S[seg_T] if back else 0)).to(self.device)
             valid = tuple(max(v - h, 0) if back else min(v, h) for v, h in zip(self.valid_counts, half, strict=True))
-            out.append((index_T, TokenPlacement(half, valid, self.pos_T.index_select(0, index_T))))
+            placement = TokenPlacement(half, valid, self.pos_T.index_select(0, index_T), sequences=self.sequences)
+            out.append((index_T, placement))
         return out[0], out[1]
 
 

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from thdpack.cp.comm import create_placement_groups
+from thdpack.plan.config import CpPlacementMode
 from thdpack.train.config import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -72,8 +74,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_runtime(parallel: ParallelConfig) -> Runtime:
-    """Join (or create) the process group and build the dp x cp mesh; validates the sizes."""
+def init_runtime(parallel: ParallelConfig, *, cp_placement: CpPlacementMode = "te") -> Runtime:
+    """Join (or create) the process group and build the dp x cp mesh; validates the sizes. With
+    ``cp_placement="adaptive"`` also the process groups of the smaller groups of CP ranks a
+    sequence may be split over (``thdpack.cp.comm.create_placement_groups``; cp >= 4)."""
     launched = dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if world_size % parallel.cp_size:
@@ -126,6 +130,8 @@ def init_runtime(parallel: ParallelConfig) -> Runtime:
     )
     if mesh.get_local_rank("cp") != runtime.cp_rank or mesh.get_local_rank("dp") != runtime.dp_rank:
         raise AssertionError("DeviceMesh placed this rank elsewhere than rank // cp_size, rank % cp_size")
+    if cp_placement == "adaptive":
+        create_placement_groups([list(range(d * cp_size, (d + 1) * cp_size)) for d in range(dp_size)])
     return runtime
 
 

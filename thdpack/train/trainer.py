@@ -142,7 +142,7 @@ def run(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
     config) is written to ``output_dir/config.yaml`` once the run holds the folder and its
     checkpoints passed the resume checks, so a refused run never overwrites an earlier run's.
     """
-    runtime = init_runtime(cfg.parallel)
+    runtime = init_runtime(cfg.parallel, cp_placement=cfg.packing_config.plan.cp_placement)
     try:
         with hold_output_dir(Path(cfg.train.output_dir), is_main=runtime.is_main):
             return _train(cfg, runtime, config_text)
@@ -205,6 +205,14 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
         first_plan=first_plan,
     )
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
+    placement = dataset.plan.placement
+    if placement is not None:
+        whole, entries = int((placement.group_size == 1).sum()), len(placement.lengths)
+        _say(
+            runtime,
+            f"cp placement: adaptive ({dataset.plan.cost_model}): {whole:,} of {entries:,} sequences whole on one CP "
+            f"rank, {entries - whole:,} split over a group of ranks",
+        )
     train = cfg.train
     stream = dataset.step_stream(micro_batches=train.micro_batches, packs_per_micro_batch=train.packs_per_micro_batch)
     return RunData(store=store, dataset=dataset, stream=stream)

@@ -1,6 +1,7 @@
 """``thdpack verify``: prove on this machine that packing + context parallelism is exact.
 
     thdpack verify --cp-size 2                          # 2 processes, gloo on CPU, fp64
+    thdpack verify --cp-size 4 --cp-placement adaptive  # short sequences whole, long ones split over groups
     thdpack verify --cp-size 2 --dp-size 2 --dtype float32 --reduction sequence_mean
     thdpack verify --cp-size 2 --inject-fault local_positions   # watch it catch a RoPE bug
 
@@ -32,8 +33,10 @@ from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
+from thdpack.plan.config import CP_PLACEMENTS
 from thdpack.testing import run_distributed
 from thdpack.thd.batch import thd_to_device
+from thdpack.thd.meta import thd_meta
 from thdpack.verify.exactness import (
     FAULTS,
     StepSpread,
@@ -68,6 +71,13 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (default auto)")
     parser.add_argument("--dtype", choices=VERIFY_DTYPES, default="float64", help="precision (default float64)")
     parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="CP K/V exchange")
+    parser.add_argument(
+        "--cp-placement",
+        choices=CP_PLACEMENTS,
+        default="te",
+        help="te: every sequence split over all CP ranks; adaptive: short ones whole on one rank, long ones split "
+        "over a group (default te)",
+    )
     parser.add_argument("--reduction", choices=LOSS_REDUCTIONS, default="token_mean", help="loss normalisation")
     parser.add_argument("--micro-steps", type=int, default=2, help="gradient-accumulation micro-steps (default 2)")
     parser.add_argument("--model", choices=MODEL_PRESETS, default="tiny", help="model preset (default tiny)")
@@ -138,6 +148,7 @@ def _job(args: argparse.Namespace) -> VerifyJob:
         micro_steps=args.micro_steps,
         reduction=args.reduction,
         fault=args.inject_fault,
+        cp_placement=args.cp_placement,
     )
     config = ModelConfig.preset(
         args.model, attention=AttentionConfig(backend=args.backend, cp_comm_type=args.cp_comm_type)
@@ -163,7 +174,7 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     groups = make_groups(spread, rank)
     lengths = sample_lengths(spread)
     samples = make_samples(lengths, config.vocab_size, job.seed)
-    pack_size = pack_size_for(lengths, spread.cp_size)
+    pack_size = pack_size_for(lengths, spread.cp_size, spread.cp_placement)
     batches = global_micro_batches(samples, spread, pack_size)
     micro_batches = [thd_to_device(thd, device) for thd in batches[groups.dp_rank]]
     half = job.dtype == "bfloat16"
@@ -189,8 +200,25 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
         packs=sum(int(thd["input_ids"].shape[0]) // pack_size for per_rank in batches for thd in per_rank),
         backend=backend_log.messages[0] if backend_log.messages else "no attention call logged",
         device=str(device.type),
+        placement=_placement_counts(batches, spread.cp_size),
     )
     return report
+
+
+def _placement_counts(batches: list[list[Any]], cp_size: int) -> str:
+    """How the step's sequences sit on the CP ranks: ``"5 whole, 3 split over 2, 2 over 4"``."""
+    if cp_size == 1:
+        return "no CP"
+    counts: dict[int, int] = {}
+    for per_rank in batches:
+        for thd in per_rank:
+            meta = thd_meta(thd)
+            sizes = meta.groups.size_S if meta.groups is not None else [cp_size] * meta.num_sequences
+            for n, g in zip(meta.lengths, sizes, strict=True):
+                if n > 0:  # padding entries hold no sequence
+                    counts[int(g)] = counts.get(int(g), 0) + 1
+    whole = counts.pop(1, 0)
+    return ", ".join([f"{whole} whole on one rank"] + [f"{n} split over {g}" for g, n in sorted(counts.items())])
 
 
 def _all_max(values: torch.Tensor) -> torch.Tensor:
@@ -226,10 +254,11 @@ def _header(job: VerifyJob, report: dict[str, Any]) -> str:
         [
             f"thdpack verify: dp {spread.dp_size} x cp {spread.cp_size} = {spread.world_size} processes "
             f"({transport}, {report['device']}), {job.dtype}, {spread.micro_steps} micro-steps, "
-            f"{spread.reduction}{fault}",
+            f"{spread.reduction}, cp_placement {spread.cp_placement}{fault}",
             f"  data: {report['sequences']} sequences, {report['tokens']} tokens, {report['packs']} packs of "
             f"{report['pack_size']}; model: {job.config.n_layers} layers, dim {job.config.dim}, "
             f"{job.config.n_heads}/{job.config.n_kv_heads} heads",
+            f"  sequences on the CP ranks: {report['placement']}",
             f"  attention: {report['backend']}",
         ]
     )

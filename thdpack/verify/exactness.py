@@ -3,7 +3,8 @@ the reference decoder against the same step on every sequence alone.
 
 The packed step is the whole thdpack pipeline, as a trainer runs it:
 
-    plan_packs -> build_pack -> deal packs to (micro-step, DP rank) -> thd_collate -> cp.shard
+    plan_packs (TE's layout or a per-sequence CP placement) -> build_pack
+    -> deal packs to (micro-step, DP rank) -> thd_collate -> cp.shard
     -> Transformer(shard, cp_group=...) -> thdpack.loss.StepLoss (global denominator) -> backward
     -> gradients all-reduced (average) over the flattened DP x CP group, G = dp_size * cp_size
 
@@ -32,13 +33,15 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from thdpack._settings import check_int
-from thdpack.cp.partition import shard
+from thdpack.cp.comm import create_placement_groups
+from thdpack.cp.partition import local_placement, shard
 from thdpack.format_rules import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dealing import round_robin
 from thdpack.packing.packer import build_pack, pack_from_segments
 from thdpack.plan.api import plan_packs
+from thdpack.plan.config import CP_PLACEMENTS, CpPlacementMode
 from thdpack.thd.batch import thd_collate
 from thdpack.thd.format import THDBatch
 from thdpack.thd.meta import thd_meta
@@ -76,6 +79,9 @@ class StepSpread:
     """``"token_mean"`` or ``"sequence_mean"`` (``thdpack.loss``)."""
     fault: Fault = "none"
     """A layout bug to plant (``FAULTS``), or ``"none"``."""
+    cp_placement: CpPlacementMode = "te"
+    """How the packs place their sequences on the CP ranks: ``"te"`` (every sequence split over all)
+    or ``"adaptive"`` (whole on one rank or split over a group: ``thdpack.plan.adaptive``)."""
 
     def __post_init__(self) -> None:
         for name in ("dp_size", "cp_size", "micro_steps"):
@@ -84,6 +90,8 @@ class StepSpread:
             raise ValueError(f"unknown reduction {self.reduction!r}; valid: {', '.join(map(repr, LOSS_REDUCTIONS))}")
         if self.fault not in FAULTS:
             raise ValueError(f"unknown fault {self.fault!r}; valid: {', '.join(map(repr, FAULTS))}")
+        if self.cp_placement not in CP_PLACEMENTS:
+            raise ValueError(f"unknown cp_placement {self.cp_placement!r}; valid: {', '.join(CP_PLACEMENTS)}")
         if self.fault in ("local_positions", "foreign_shard") and self.cp_size == 1:
             raise ValueError(f"fault {self.fault!r} only exists under context parallelism; use cp_size >= 2")
 
@@ -113,7 +121,10 @@ def make_groups(spread: StepSpread, rank: int) -> RankGroups:
     """
     dp_size, cp_size = spread.dp_size, spread.cp_size
     dp_cp = dist.new_group(list(range(dp_size * cp_size)))
-    cps = [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size))) for d in range(dp_size)]
+    cp_ranks = [list(range(d * cp_size, (d + 1) * cp_size)) for d in range(dp_size)]
+    cps = [dist.new_group(ranks) for ranks in cp_ranks]
+    if spread.cp_placement == "adaptive":
+        create_placement_groups(cp_ranks)  # the groups of ranks a sequence may be split over
     dp_rank, cp_rank = divmod(rank, cp_size)
     return RankGroups(dp_rank, cp_rank, dp_cp, cps[dp_rank] if dp_rank < dp_size else None)
 
@@ -140,10 +151,14 @@ def make_samples(lengths: Sequence[int], vocab_size: int, seed: int) -> list[dic
     return samples
 
 
-def pack_size_for(lengths: Sequence[int], cp_size: int) -> int:
-    """The smallest multiple of ``2*cp_size`` that is >= 24 and >= the longest sequence."""
+def pack_size_for(lengths: Sequence[int], cp_size: int, cp_placement: CpPlacementMode = "te") -> int:
+    """The smallest multiple of ``2*cp_size`` that is >= 24 and >= the longest sequence; under
+    ``cp_placement="adaptive"`` also >= ``10 * cp_size`` (a rank's budget of 10 tokens), so that
+    the test lengths mix sequences whole on one rank, split over a pair of ranks (cp >= 4) and
+    split over all of them."""
     multiple = cp_multiple(cp_size)
-    return -(-max(24, *lengths) // multiple) * multiple
+    least = max(24, *lengths, 10 * cp_size if cp_placement == "adaptive" else 0)
+    return -(-least // multiple) * multiple
 
 
 def global_micro_batches(
@@ -151,7 +166,8 @@ def global_micro_batches(
 ) -> list[list[THDBatch]]:
     """``[dp_rank][micro_step]``: the global (unsharded) THD micro-batches of one optimizer step.
 
-    The samples are planned into packs once (BFD, CP padding for ``spread.cp_size``) and dealt
+    The samples are planned into packs once (BFD, CP padding for ``spread.cp_size``, placed by
+    ``spread.cp_placement``) and dealt
     round robin (``thdpack.packing.dealing.round_robin``) to ``bins = dp_size * micro_steps`` hands;
     hand ``h`` is micro-step ``h // dp_size`` of DP rank ``h % dp_size``, so micro-batches hold
     different numbers of packs and tokens. Extra per-token keys, re-indexed by ``cp.shard`` like
@@ -159,7 +175,7 @@ def global_micro_batches(
     true position in it) and ``loss_weights``.
     """
     lengths = [len(s["input_ids"]) for s in samples]
-    plan = plan_packs(lengths, pack_size, cp_size=spread.cp_size)
+    plan = plan_packs(lengths, pack_size, cp_size=spread.cp_size, cp_placement=spread.cp_placement)
     bins = spread.dp_size * spread.micro_steps
     if len(plan) < bins:
         raise ValueError(f"{len(plan)} packs for {bins} (micro-step, DP rank) slots; use more samples or fewer ranks")
@@ -167,7 +183,10 @@ def global_micro_batches(
     for hand, pack_indices in enumerate(round_robin(np.arange(len(plan)), bins)):
         for i in pack_indices.tolist():
             pack: dict[str, Any] = dict(build_pack(samples, plan, i))
-            pack["sequence_index"] = torch.from_numpy(np.repeat(plan[i], pack["seq_lens_padded"].numpy()))
+            slots = pack["seq_lens_padded"].numpy()
+            sample_S = np.full(len(slots), -1)  # a CP placement's padding entries hold no sample
+            sample_S[: len(plan[i])] = plan[i]
+            pack["sequence_index"] = torch.from_numpy(np.repeat(sample_S, slots))
             pack["sequence_position"] = pack["position_ids"].clone()
             batches[hand % spread.dp_size][hand // spread.dp_size].append(pack)
     out = []
@@ -350,10 +369,10 @@ def _rank_shard(thd: Mapping[str, Any], spread: StepSpread, cp_rank: int) -> THD
     if spread.fault == "foreign_shard":
         return {**shard(thd, spread.cp_size, (cp_rank + 1) % spread.cp_size), "cp_rank": cp_rank}
     local = shard(thd, spread.cp_size, cp_rank)
-    if spread.fault == "local_positions":
-        slots = torch.diff(local["cu_seqlens_padded"].long()) // spread.cp_size
-        starts = torch.repeat_interleave(torch.cumsum(slots, 0) - slots, slots)
-        local["position_ids"] = torch.arange(len(starts), device=starts.device) - starts
+    if spread.fault == "local_positions":  # each token's index among its sequence's rows on this rank
+        rows_S = torch.tensor(local_placement(local["thd_meta"], "cpu").counts, dtype=torch.int64)
+        starts = torch.repeat_interleave(torch.cumsum(rows_S, 0) - rows_S, rows_S)
+        local["position_ids"] = (torch.arange(len(starts)) - starts).to(local["position_ids"].device)
     return local
 
 

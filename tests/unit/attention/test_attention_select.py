@@ -34,12 +34,14 @@ def _situation(
     head_dim=64,
     head_dim_v=None,
     sm=None,
+    placed=False,
 ):
     capability = (sm if sm is not None else (9, 0)) if device.type == "cuda" else None
     return CallFacts(
         device=device,
         dtype=dtype,
-        cp=cp,
+        cp=cp or placed,
+        placed=placed,
         cp_comm_type=comm,
         need_lse=lse,
         need_grad=grad,
@@ -84,6 +86,12 @@ def installed(monkeypatch):
         ({"te": True, "flash": True}, _situation(CUDA, torch.float32), "flex"),
         ({"te": True, "flash": True, "varlen": True}, _situation(CPU, torch.float32), "math"),
         ({}, _situation(CPU, torch.float64, cp=True), "math"),
+        # a placed shard: the whole sequences need the backend's own kernel as well
+        ({"te": True}, _situation(CUDA, torch.bfloat16, placed=True), "te"),
+        ({"flash": True}, _situation(CUDA, torch.bfloat16, placed=True), "flash"),
+        ({"varlen": True}, _situation(CUDA, torch.bfloat16, placed=True), "varlen"),  # no flash-attn
+        ({}, _situation(CUDA, torch.bfloat16, placed=True), "math"),
+        ({}, _situation(CPU, torch.float64, placed=True), "math"),
     ],
 )
 def test_auto_prefers_the_fastest_backend_that_can_run(installed, packages, situation, expected):
@@ -204,7 +212,7 @@ def test_preferences_name_registered_backends_and_end_with_math():
 def test_every_cp_algorithm_a_backend_names_exists():
     named = {algorithm for row in BACKEND_TABLE.values() for algorithm in row.cp.values()}
     assert named - {"own", "a2a"} == set(CP_ALGORITHMS)
-    assert set(A2A_ALGORITHMS) == {name for name, row in BACKEND_TABLE.items() if row.cp.get("a2a") == "a2a"}
+    assert set(A2A_ALGORITHMS) == set(BACKEND_TABLE)  # te: only on a placed shard
 
 
 def test_every_backend_runs_the_all_to_all():
@@ -254,6 +262,27 @@ _PROBLEMS = [
     ("flash", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), {"flash": True}, None),
     ("varlen", _situation(CUDA, torch.float32, cp=True, comm="a2a"), {"varlen": True}, (ValueError, "need float16")),
     ("te", _situation(CUDA, torch.bfloat16, cp=True, comm="a2a"), {"te": True}, None),  # TE's own all-to-all
+    # a placed shard: the backend's kernel for the whole sequences, its split algorithm for the rest
+    ("math", _situation(CPU, torch.float64, placed=True, comm="all_gather", lse=True), {}, None),
+    ("sdpa", _situation(CPU, torch.float64, placed=True), {}, None),  # split part: the math ring
+    ("sdpa", _situation(CPU, torch.float64, placed=True, comm="all_gather"), {}, None),
+    ("sdpa", _situation(placed=True, lse=True), {}, (ValueError, "backend 'sdpa' does not return the LSE")),
+    ("flex", _situation(CPU, torch.float64, placed=True, grad=False), {}, None),
+    ("flex", _situation(placed=True), {}, (ValueError, "backend 'flex' has no backward on CPU")),
+    ("flash", _situation(CUDA, torch.bfloat16, placed=True), {"flash": True}, None),
+    ("flash", _situation(CUDA, torch.bfloat16, placed=True), {}, (ImportError, "needs flash-attn")),
+    (
+        "varlen",
+        _situation(CUDA, torch.bfloat16, placed=True, comm="all_gather"),
+        {"varlen": True},
+        (ValueError, "no context-parallel path"),
+    ),
+    ("te", _situation(CUDA, torch.bfloat16, placed=True, comm="all_gather"), {"te": True}, None),
+    ("te", _situation(CUDA, torch.bfloat16, placed=True), {"te": True, "te_version": (2, 17, 0)}, None),
+    # a placed shard with a2a: the all-to-all gathers whole sequences, so only the kernel's rules apply
+    ("te", _situation(CUDA, torch.bfloat16, placed=True, comm="a2a"), {"te": True}, None),
+    ("sdpa", _situation(CPU, torch.float64, placed=True, comm="a2a"), {}, None),
+    ("flex", _situation(placed=True, comm="a2a"), {}, (ValueError, "backend 'flex' has no backward on CPU")),
 ]
 
 
@@ -405,3 +434,20 @@ def test_call_facts_read_the_head_dims_and_leave_the_capability_to_cuda():
     q, k, v = torch.zeros(4, 2, 16), torch.zeros(4, 1, 16, requires_grad=True), torch.zeros(4, 1, 8)
     facts = CallFacts.of(q, k, v, cp=False, cp_comm_type="p2p", need_lse=True)
     assert (facts.head_dim, facts.head_dim_v, facts.capability, facts.need_grad) == (16, 8, None, True)
+
+
+def test_a_placed_shard_runs_the_split_algorithm_and_the_kernel():
+    placed = _situation(CPU, torch.float64, placed=True)
+    for backend, split in (
+        ("math", "ring_math"),
+        ("sdpa", "ring_math"),
+        ("flex", "ring_math"),
+        ("flash", "ring_flash"),
+    ):
+        row = BACKEND_TABLE[backend]
+        assert row.split_algorithm("p2p") == split
+        attend = select.attend_function(backend, placed)
+        assert attend.keywords == {"split": CP_ALGORITHMS[split], "whole": row.attend}
+    assert BACKEND_TABLE["sdpa"].split_algorithm("all_gather") == "all_gather"
+    assert BACKEND_TABLE["flash"].split_algorithm("all_gather") is None
+    assert select.attend_function("te", _situation(CUDA, torch.bfloat16, placed=True)).keywords["split"] is te.attend

@@ -6,10 +6,14 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 from pack_checks import unique_samples
 
-from thdpack.packing import PackedDataset
+from thdpack.cp import shard, unshard
+from thdpack.packing import PackedDataset, PackedDatasetConfig
 from thdpack.packing.steps import StepStream
+from thdpack.plan import PlanConfig
+from thdpack.thd import thd_collate
 
 RNG = np.random.default_rng(1)
 LENGTHS = RNG.integers(1, 40, 90).tolist()
@@ -112,3 +116,27 @@ def test_the_trainer_packing_group_is_the_dataset_config():
     assert cfg.packing_config.plan == PlanConfig(pack_size=1024, seed=0)
     for preset in (Path(__file__).resolve().parents[3] / "configs" / "packing").glob("*.yaml"):
         assert yaml.safe_load(preset.read_text())["overflow"] == "split", preset.name  # training: no token lost
+
+
+def _adaptive(**kwargs) -> PackedDataset:
+    plan = PlanConfig(pack_size=64, seed=5, cp_placement="adaptive")
+    return PackedDatasetConfig(plan=plan).build(SAMPLES, lengths=LENGTHS, cp_size=4, **kwargs)
+
+
+def test_an_adaptive_plan_streams_placed_packs_that_shard_and_resume():
+    """packing.cp_placement=adaptive: the steps' packs carry their placement, collate and shard by
+    it on every CP rank, and a resumed stream repeats the uninterrupted one."""
+    stream = _adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=2)
+    step = stream.next_step()
+    for micro in step.micro_batches:
+        thd = thd_collate(list(micro))
+        assert thd["thd_meta"].groups is not None and thd["thd_meta"].groups.cp_size == 4
+        assert (thd["thd_meta"].groups.size_S == 1).any()  # short sequences whole on one rank
+        shards = [shard(thd, 4, r) for r in range(4)]
+        assert torch.equal(unshard(shards, 4)["input_ids"], thd["input_ids"])
+    uninterrupted = take(_adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1), 12)
+    first = _adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    head = take(first, 5)
+    resumed = _adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    resumed.load_state_dict(first.state_dict())
+    assert head + take(resumed, 7) == uninterrupted

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from placement_cases import placements
 
 from thdpack.cp.partition import partition_from_lengths
 from thdpack.plan.cp_cost import pairs_below, split_cost, te_slot, whole_limit
@@ -18,22 +19,6 @@ from thdpack.plan.placement import (
     placement_indices,
     slot_lengths,
 )
-
-CP_SIZES = [1, 2, 3, 4, 6, 8]
-
-
-@st.composite
-def placements(draw, max_sequences: int = 10) -> PackPlacement:
-    """A valid pack: random lengths, each on a random allowed group, budget = the fullest rank + slack."""
-    cp = draw(st.sampled_from(CP_SIZES))
-    lengths = np.array(draw(st.lists(st.integers(1, 200), min_size=1, max_size=max_sequences)))
-    size_O, start_O = group_options(cp)
-    choice = np.array([draw(st.integers(0, len(size_O) - 1)) for _ in lengths])
-    pack = PackPlacement(cp_size=cp, pack_size=cp, lengths_S=lengths, group_size_S=size_O[choice],
-                         group_start_S=start_O[choice])  # fmt: skip
-    budget = int(pack.rank_tokens().max()) + draw(st.integers(0, 7))
-    return PackPlacement(cp_size=cp, pack_size=cp * budget, lengths_S=lengths, group_size_S=size_O[choice],
-                         group_start_S=start_O[choice])  # fmt: skip
 
 
 def test_group_sizes_and_options():

@@ -283,7 +283,8 @@ def _batch(**changes):
         ),
         (
             _batch(seq_lens=torch.tensor([[3, 5], [3, 2]])),
-            r"seq_lens has shape \(2, 2\); seq_lens and seq_lens_padded must both be \(B, S\)",
+            r"seq_lens has shape \(2, 2\); seq_lens, seq_lens_padded \(and the CP placement.s cp_group_size / "
+            r"cp_group_start\) must all be \(B, S\)",
         ),
         (
             _batch(seq_lens=torch.tensor([[3, 5, 1], [3, 2, 1]])),

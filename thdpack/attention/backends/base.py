@@ -16,6 +16,13 @@ without CP needs the kernel; a call with CP needs the algorithm ``cp`` names for
                     on whole sequences for ``Nq / cp`` heads; the kernel must run (without CP)
 ==================  ===========================================================================
 
+A shard of a per-sequence CP placement (``CallFacts.placed``) runs in parts
+(:mod:`thdpack.attention.placed`): its split sequences through the algorithm ``cp`` names (a
+backend without one, ``sdpa`` / ``flex``, through thdpack's math algorithms:
+:meth:`AttentionBackend.split_algorithm`), its whole sequences through the backend's own kernel.
+With ``cp_comm_type="a2a"`` it needs no parts: thdpack's all-to-all gathers whole sequences from
+any layout, so every backend (``te`` too) runs its kernel inside it.
+
 :class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
 validated :class:`~thdpack.thd.meta.ThdMeta`, the :class:`AttentionConfig`, the
 resolved softmax scale and the CP group.
@@ -61,6 +68,9 @@ class CallFacts:
     """V's head dim (None: not checked)."""
     capability: tuple[int, int] | None = None
     """The CUDA device's compute capability, e.g. (9, 0) on an H100 (None: not CUDA / not checked)."""
+    placed: bool = False
+    """A CP shard of a per-sequence placement: split sequences run a CP algorithm, whole ones the
+    backend's own kernel, without CP."""
 
     @property
     def cuda_half(self) -> bool:
@@ -82,6 +92,7 @@ class CallFacts:
         cp: bool,
         cp_comm_type: CpCommType,
         need_lse: bool,
+        placed: bool = False,
     ) -> CallFacts:
         """The facts of a call on ``q, k, v`` (device, dtype, head dims, the GPU's capability)."""
         device = q_TNH.device
@@ -96,7 +107,12 @@ class CallFacts:
             head_dim=q_TNH.shape[-1],
             head_dim_v=v_TNH.shape[-1],
             capability=capability,
+            placed=placed,
         )
+
+    def without_cp(self) -> CallFacts:
+        """The facts of the same call on one device (a placed shard's whole sequences)."""
+        return dataclasses.replace(self, cp=False, placed=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,15 +184,34 @@ class AttentionBackend:
         for comm, algorithm in self.cp.items():
             assert algorithm in CP_ALGORITHM_NAMES, f"{self.name}: unknown CP algorithm {algorithm!r} for {comm!r}"
 
+    def split_algorithm(self, cp_comm_type: CpCommType) -> CpAlgorithm | None:
+        """What runs the split sequences of a per-sequence placement's shard: the algorithm ``cp``
+        names, or for a backend without a CP path (``sdpa``, ``flex``: no LSE to merge in a ring,
+        or no CPU backward) thdpack's math algorithm for ``cp_comm_type``; None when refused."""
+        algorithm = self.cp.get(cp_comm_type)
+        if algorithm is None and set(self.cp) <= {"a2a"}:  # no ring or all-gather of its own
+            return MATH_CP.get(cp_comm_type)
+        return algorithm
+
     def problem(self, s: CallFacts) -> Exception | None:
         """Why this backend cannot run a call in situation ``s`` (an exception to raise), or None."""
         if not s.cp:
             return self.kernel_problem(s)
-        algorithm = self.cp.get(s.cp_comm_type)
+        if s.placed and s.cp_comm_type == "a2a":
+            # thdpack's all-to-all takes any layout to whole sequences, so the kernel runs without
+            # CP (te's too: TE's own all-to-all assumes its layout)
+            return self.kernel_problem(s.without_cp())
+        if s.placed:  # the whole sequences run this backend's kernel on one device
+            err = self.kernel_problem(s.without_cp())
+            if err is not None:
+                return err
+            algorithm = self.split_algorithm(s.cp_comm_type)
+        else:
+            algorithm = self.cp.get(s.cp_comm_type)
         if algorithm == "own":
             return self.kernel_problem(s)
         if algorithm == "a2a":  # the kernel runs on whole sequences, as without CP
-            return self.kernel_problem(dataclasses.replace(s, cp=False))
+            return self.kernel_problem(s.without_cp())
         if algorithm is None:
             has = ", ".join(repr(comm) for comm in self.cp)
             return ValueError(
@@ -188,6 +223,10 @@ class AttentionBackend:
         if reason is not None:
             return ValueError(f"backend {self.name!r} under context parallelism: {reason}; use backend='math'")
         return None
+
+
+MATH_CP: dict[CpCommType, CpAlgorithm] = {"p2p": "ring_math", "all_gather": "all_gather"}
+"""thdpack's math-tile CP algorithm per exchange: the ``math`` backend's ``cp``."""
 
 
 def needs_cuda_half(backend: str, s: CallFacts) -> Exception | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 import thdpack.attention.math_kernel as math_kernel
-from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
+from thdpack.attention.backends.base import MATH_CP, AttentionBackend, AttentionCall, AttentionOutput, CallFacts
 from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
 from thdpack.cp.partition import local_placement
 from thdpack.thd.tokens import TokenPlacement
@@ -83,8 +83,5 @@ def _attend_call(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, 
 
 
 BACKEND = AttentionBackend(
-    name="math",
-    cp={"p2p": "ring_math", "all_gather": "all_gather", "a2a": "a2a"},
-    kernel_problem=kernel_problem,
-    attend=_attend_call,
+    name="math", cp={**MATH_CP, "a2a": "a2a"}, kernel_problem=kernel_problem, attend=_attend_call
 )

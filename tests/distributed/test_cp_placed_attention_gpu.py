@@ -1,0 +1,86 @@
+"""Placed CP attention on GPUs (NCCL, one GPU per rank): the CUDA backends' split and whole parts.
+
+Each rank holds its shard of ``placement_cases.MIXED_PACKS`` in bf16 on its GPU and runs
+``thd_attention(..., cp_group=...)`` with ``flash`` (the ring with FlashAttention-2 tiles, whole
+sequences through flash-attn), ``varlen`` (the same ring, whole sequences through torch's
+varlen_attn), ``te`` (TE's own CP attention over each group's process group, whole sequences
+through TE without CP) and ``math``; the issue's GPU criterion: out, dQ, dK, dV within 2x plain
+PyTorch bf16 attention's error against an fp32 reference. Skipped without enough GPUs (the
+CPU/gloo suite, tests/distributed/test_cp_placed_attention.py, is the exactness gate).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from _attention_cases import random_case
+from placement_cases import MIXED_PACKS, placed_metadata, shard_rows
+
+from thdpack import _optional
+from thdpack.attention import reference_attention, thd_attention
+from thdpack.cp import shard
+from thdpack.testing import run_distributed
+
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
+BACKENDS = ("flash", "varlen", "te", "math")
+
+
+def _available(backend: str) -> bool:
+    return {
+        "flash": _optional.has_flash_attn,
+        "varlen": _optional.has_varlen_attn,
+        "te": _optional.has_transformer_engine,
+    }.get(backend, lambda: True)()
+
+
+def _grads(attend, q, k, v, dout):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = attend(*leaves)
+    out.backward(dout.to(out.dtype))
+    return {"out": out.detach().float(), **{n: t.grad.float() for n, t in zip(("dq", "dk", "dv"), leaves, strict=True)}}
+
+
+def _rank_errors(rank: int, world: int, cp_size: int) -> dict:
+    """This rank's max errors per backend and plain bf16's, on its shard's real rows."""
+    device = torch.device("cuda", rank)
+    thd = placed_metadata(MIXED_PACKS[cp_size])
+    case = random_case(thd, 8, 2, 64, torch.float32, seed=cp_size)
+    case = {name: t.to(device) for name, t in case.items()}
+    global_thd = {k: v.to(device) if torch.is_tensor(v) else v for k, v in thd.items()}
+    qkv = [case[n] for n in ("q", "k", "v")]
+
+    def reference(q, k, v):
+        return reference_attention(q, k, v, global_thd, causal=True)[0]
+
+    want = _grads(reference, *qkv, case["dout"])
+    plain = _grads(reference, *(t.bfloat16() for t in qkv), case["dout"])
+    local = {k: v.to(device) if torch.is_tensor(v) else v for k, v in shard(thd, cp_size, rank).items()}
+    index = shard_rows(shard(thd, cp_size, rank)).to(device)
+    real = case["valid"][index]
+
+    def errors(got):  # a rank's dK / dV are the global gradient's rows it holds
+        return {n: float((got[n] - want[n][index])[real].abs().max()) for n in ("out", "dq", "dk", "dv")}
+
+    result = {"plain": {n: float((plain[n] - want[n])[index][real].abs().max()) for n in want}}
+    for backend in BACKENDS:
+        if not _available(backend):
+            continue
+
+        def attend(q, k, v, backend=backend):
+            return thd_attention(q, k, v, local, backend=backend, cp_group=dist.group.WORLD)
+
+        got = _grads(attend, *(t[index].bfloat16() for t in qkv), case["dout"][index])
+        result[backend] = errors(got)
+    return result
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_cuda_backends_on_placed_shards_are_within_2x_plain_bf16_error(cp_size):
+    if torch.cuda.device_count() < cp_size:
+        pytest.skip(f"needs {cp_size} GPUs (NCCL, one per rank), found {torch.cuda.device_count()}")
+    for rank, result in enumerate(run_distributed(_rank_errors, cp_size, cp_size, backend="nccl")):
+        plain = result.pop("plain")
+        for backend, errors in result.items():
+            for name, err in errors.items():
+                assert err <= 2 * plain[name] + 1e-6, (rank, backend, name, errors, plain)

@@ -1,0 +1,98 @@
+"""Attention of a CP shard under a per-sequence placement: each part by its own path, one output.
+
+Under a per-sequence placement (``plan_packs(..., cp_placement="adaptive")``,
+docs/design/cp_placement.md) a rank's rows come in parts (``ThdMeta.parts``): one per split group
+that holds sequences of the rank (largest group first), then its whole sequences.
+
+- A split group's rows are a Transformer Engine shard of the group's sequences over its ``g``
+  ranks (the part's record: ``cp_size = g``, ``cp_rank`` = the rank in the group, the group's own
+  ``cu_seqlens``), so the existing CP algorithm runs them unchanged: the ring, the all-gather or
+  TE's own CP attention, over the group's process group (``thdpack.cp.comm.placement_groups``).
+  Only these sequences' K/V travel, only within their group.
+- The whole part runs the backend's own kernel on one device, with the whole sequences'
+  ``cu_seqlens``: no communication. (Padding entries have no real token: no work.)
+
+The parts' rows are back to back in shard order, so the outputs (and LSEs) concatenate into the
+shard's one buffer; autograd hands each part its rows' gradient, and every part's backward is its
+path's own. Every rank of a group meets the group's collectives in the same order (parts follow
+the placement, which every rank shares; nested groups are visited largest first). A batch with
+no split sequence communicates nothing.
+
+Legend: ``T`` tokens on this rank, ``N`` heads, ``H`` head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from thdpack.attention.backends.base import AttendFn, AttentionCall, AttentionOutput
+from thdpack.attention.merge import accumulation_dtype
+from thdpack.cp.comm import placement_groups
+from thdpack.thd.meta import ThdMeta, attach_meta, cu_from_lengths
+
+
+def _part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, Any]:
+    """Part ``index``'s metadata as a THD batch on ``device`` (its own ``cu_seqlens`` /
+    ``cu_seqlens_padded`` / ``max_seqlen`` and record), built once per shard and device."""
+
+    def build() -> Mapping[str, Any]:
+        part = meta.parts[index].meta
+        batch: dict[str, Any] = {
+            "cu_seqlens": cu_from_lengths(part.lengths_S, device),
+            "cu_seqlens_padded": cu_from_lengths(part.lengths_padded_S, device),
+            "max_seqlen": part.max_seqlen,
+        }
+        attach_meta(batch, part)
+        return batch
+
+    return meta.cached(("part batch", index, device), build)
+
+
+def placed_attention(
+    q_TNH: torch.Tensor,
+    k_TNH: torch.Tensor,
+    v_TNH: torch.Tensor,
+    call: AttentionCall,
+    *,
+    split: AttendFn,
+    whole: AttendFn,
+) -> AttentionOutput:
+    """``(out (T, Nq, Hv), lse (Nq, T) or None)`` of a placed shard: ``split`` (a CP algorithm, or
+    the backend's own CP attention) on each split group's rows over the group's process group,
+    ``whole`` (the backend's kernel) on the whole part's rows; every rank of ``call.cp_group``
+    calls it together."""
+    meta = call.meta
+    groups = meta.groups
+    assert groups is not None and call.cp_group is not None, "placed_attention runs a placed CP shard"
+    cp_size = meta.cp_size
+    intermediate = (groups.size_S > 1) & (groups.size_S < cp_size)
+    subgroups = placement_groups(call.cp_group) if intermediate.any() else {}
+    outs, lses = [], []
+    for index, part in enumerate(meta.parts):
+        batch = _part_batch(meta, index, q_TNH.device)
+        if part.group_size == 1:
+            attend, group = whole, None
+        else:
+            attend = split
+            group = call.cp_group if part.group_size == cp_size else subgroups[(part.group_start, part.group_size)]
+        part_call = AttentionCall(
+            thd=batch,
+            meta=batch["thd_meta"],
+            config=call.config,
+            scale=call.scale,
+            cp_group=group,
+            return_lse=call.return_lse,
+        )
+        rows = part.rows
+        out_TNH, lse_NT = attend(q_TNH[rows], k_TNH[rows], v_TNH[rows], part_call)
+        outs.append(out_TNH)
+        lses.append(lse_NT)
+    out_TNH = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if not call.return_lse:
+        return out_TNH, None
+    acc = accumulation_dtype(q_TNH.dtype)
+    lse_NT = torch.cat([lse.to(acc) for lse in lses], dim=1)
+    return out_TNH, lse_NT
