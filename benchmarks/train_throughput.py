@@ -5,6 +5,7 @@
     python benchmarks/train_throughput.py --lengths my.lengths.npy  # any 1-D .npy of document lengths
     python benchmarks/train_throughput.py --cpu                    # CPU-sized: 5.2M decoder, L 1024 and 2048 (~10 min)
     python benchmarks/train_throughput.py --tiny                   # CPU, tiny model, seconds (the tests run this)
+    python benchmarks/train_throughput.py --cp 2                   # CP end to end: te / adaptive / a2a, 2 processes
 
 A Llama-style decoder (thdpack's ``Transformer``; on the GPU dim 1024, 20 layers, 16 query / 8
 KV heads of 64, SwiGLU 2816, GPT-2's vocabulary, tied embeddings: 287M parameters) trains with
@@ -847,8 +848,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared CPU)"
     )
+    parser.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="end-to-end CP mode: te vs adaptive vs a2a on cp processes (cp_throughput.py)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    if args.cp is not None:
+        return _cp_mode(args)
     cfg = config_from_args(args)
     device = choose_device("cpu" if args.cpu and args.device == "auto" else args.device, args.tiny)
     if device.type == "cpu":
@@ -865,6 +874,20 @@ def main(argv: list[str] | None = None) -> int:
     if "plot" in result:
         print(result["plot"])
     return 0
+
+
+def _cp_mode(args: argparse.Namespace) -> int:
+    """``--cp N``: benchmarks/cp_throughput.py with the options both scripts know."""
+    import cp_throughput  # imports this module; loaded only for this mode
+
+    argv = ["--cp", str(args.cp), "--out", str(args.out), "--device", "cuda" if args.device == "cuda" else "cpu"]
+    argv += ["--tiny"] if args.tiny else []
+    argv += ["--lengths", *map(str, args.lengths)] if args.lengths else []
+    argv += ["--pack-size", str(args.pack_sizes[0])] if args.pack_sizes else []
+    for name in ("warmup", "steps"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name}", str(getattr(args, name))]
+    return cp_throughput.main(argv)
 
 
 if __name__ == "__main__":

@@ -165,3 +165,19 @@ def test_a_model_folder_with_its_own_tokenizer_refuses_a_store_of_another(tmp_pa
     with pytest.raises(ValueError, match=r"was tokenized with 'gpt2' \(50,257 ids.* ships another tokenizer \(60,001"):
         run(config(tmp_path / "out", cache, *overrides))
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_adaptive_cp_placement_with_fsdp_trains_and_resumes_exactly(tmp_path, cache):
+    """model=hf with FSDP2 and packing.cp_placement=adaptive, cp 2 under torchrun: the placed
+    shards go through the HF adapter, a run stopped at step 2 and resumed repeats the straight
+    run's losses."""
+    adaptive = [*HF, "parallel.dp_sharding=fsdp", "packing.cp_placement=adaptive", "train.steps=4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = torchrun(straight, cache, *adaptive)
+    assert "cp placement: adaptive (tiles): " in result.stdout
+    values = losses(straight)
+    assert len(values) == 4 and all(v == v for v in values)
+    torchrun(split, cache, *adaptive, "train.stop_at=2")
+    result = torchrun(split, cache, *adaptive, "train.resume=true")
+    assert "(step 2)" in result.stdout
+    assert losses(split) == values
