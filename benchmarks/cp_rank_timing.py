@@ -40,6 +40,10 @@ peers. The tile work is exactly the real ring's, because
    echoed tensors are shaped as the real ones, and so is the travelling dK / dV accumulator;
 3. only values differ, and attention kernels do the same work whatever the values.
 
+``tests/benchmarks/test_cp_rank_timing.py`` checks 1 and 2: every rank's tiles (shapes, rows, real
+keys, positions, masks; forward and backward) equal those of the threaded ring
+(``simulated_ring_attention``).
+
 Not timed: the communication. The ring's K/V and dK/dV transfers (the real ring overlaps each with
 the step's tile; a rank waits where a transfer outlasts it) and the all-to-alls of ``a2a`` (four
 per layer and step, on the critical path: the kernel waits for them) need several devices;
