@@ -1,4 +1,4 @@
-"""One command for the GPU: GPU tests, attention parity, simulated CP, THD timings, training throughput.
+"""One command for the GPU: GPU tests, attention parity, simulated CP, CP placement timings, THD timings, throughput.
 
     python benchmarks/gpu_suite.py --out DIR                             # one H100: at most about 8 minutes
     python benchmarks/gpu_suite.py --tiny --skip-pytest --out /tmp/suite  # CPU, tiny sizes (the tests run this)
@@ -15,13 +15,21 @@ failing section never stops the ones after it:
 3. ``cp_simulated``: ``simulated_ring_attention`` (every CP rank's shard through the ring
    schedule, in one process) with FlashAttention-2 tiles on CUDA (exact math tiles on the CPU),
    cp 2 / 4 / 8, bf16, against the same unsharded fp64 reference and ratio.
-4. ``thd_timings``: ``thd_collate`` (host, one thread, as in a DataLoader worker), ``thd_to_device``
+4. ``cp_placement``: the busiest CP rank's attention time (forward + backward) per pack, summed
+   over the packs, of Transformer Engine's layout (``te``: every sequence split over all ranks)
+   against thdpack's per-sequence placement (``adaptive``: short sequences whole on one rank, long
+   ones split over a group) and the all-to-all (``a2a``, on either plan's packs), on one plan each
+   over the same sequences (Alpaca lengths, or a synthetic lognormal where they are absent), L 8192,
+   cp 2 / 4 / 8, Llama-3-8B attention heads in bf16: each rank's shard timed alone with the real
+   tiles (FlashAttention-2 on CUDA, exact math tiles on the CPU), its ring's peers echoed; the
+   communication is not timed (``cp_rank_timing.py`` says why the tile work is exact).
+5. ``thd_timings``: ``thd_collate`` (host, one thread, as in a DataLoader worker), ``thd_to_device``
    (pinned, non-blocking), ``cp.shard`` and ``partition_indices`` (about 1M tokens) on the device.
-5. ``throughput``: ``train_throughput.py``'s table (its functions, fewer timed steps).
+6. ``throughput``: ``train_throughput.py``'s table (its functions, fewer timed steps).
 
 Writes ``results.json`` (everything, with the device, torch / CUDA versions and each section's
 status), ``results.md`` (the tables), ``throughput.png`` and ``attention_parity.png`` into
-``--out``, plus ``throughput.json`` / ``.md`` from section 5.
+``--out``, plus ``throughput.json`` / ``.md`` from section 6.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import attention_bench  # noqa: E402
+import cp_rank_timing  # noqa: E402
 import thd_bench  # noqa: E402
 import train_throughput  # noqa: E402
 
@@ -60,7 +69,7 @@ PARITY_TARGET = 2.0
 """bf16 error of a backend / bf16 error of plain PyTorch attention, at most (DESIGN.md)."""
 BUDGET_S = 480
 """The suite's time budget on one H100 (the issue's 8 minutes)."""
-SECTIONS = ("pytest", "attention_parity", "cp_simulated", "thd_timings", "throughput")
+SECTIONS = ("pytest", "attention_parity", "cp_simulated", "cp_placement", "thd_timings", "throughput")
 
 
 class Skipped(Exception):
@@ -177,7 +186,19 @@ def cp_simulated(device: torch.device, tiny: bool) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. THD batch timings
+# 4. CP placement: the busiest rank's attention time
+
+
+def cp_placement(device: torch.device, tiny: bool, say: Callable[[str], None]) -> dict[str, Any]:
+    """``cp_rank_timing.measure``: te vs adaptive vs a2a, the busiest rank's forward + backward."""
+    try:
+        return cp_rank_timing.measure(device, tiny, say)
+    except cp_rank_timing.Unavailable as why:
+        raise Skipped(str(why)) from why
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. THD batch timings
 
 
 def thd_timings(device: torch.device, tiny: bool) -> dict[str, Any]:
@@ -231,7 +252,7 @@ def _timing(stage: str, device: str, stats: Mapping[str, float]) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. training throughput
+# 6. training throughput
 
 
 def throughput(device: torch.device, tiny: bool, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
@@ -292,6 +313,9 @@ def markdown(results: Mapping[str, Any]) -> str:
             verdict = ("met" if row["met"] else "missed") if "met" in row else "-"
             cells = " | ".join(_e(row[k]) for k in ("out", "dq", "dk", "dv"))
             lines.append(f"| {method} | {cells} | {ratio} | {verdict} |")
+    if s["cp_placement"]["status"] == "ran":
+        lines += ["", f"## cp_placement: the busiest CP rank's attention time ({results['device']})", ""]
+        lines += cp_rank_timing.markdown(s["cp_placement"])
     if s["thd_timings"]["status"] == "ran":
         lines += ["", "## thd_timings", "", "| stage | device | median us | p10 us | p90 us |", "|---|---|---|---|---|"]
         for row in s["thd_timings"]["rows"]:
@@ -371,6 +395,7 @@ def main(argv: list[str] | None = None) -> int:
         "pytest": pytest_section,
         "attention_parity": lambda: attention_parity(device, args.tiny),
         "cp_simulated": lambda: cp_simulated(device, args.tiny),
+        "cp_placement": lambda: cp_placement(device, args.tiny, say),
         "thd_timings": lambda: thd_timings(device, args.tiny),
         "throughput": lambda: throughput(device, args.tiny, args.out, say),
     }

@@ -92,9 +92,26 @@ def make_planned_packs(
     same lengths and the same choice of packs for ``"te"`` and ``"adaptive"``."""
     rng = np.random.default_rng(seed)
     lengths = lognormal_lengths(rng, 20 * num_packs * pack_size // 800, 800.0, pack_size)
-    plan = plan_packs(lengths, pack_size, cp_size=cp_size, cp_placement=cp_placement)
-    samples = [{"input_ids": np.arange(1, n + 1)} for n in lengths.tolist()]
-    chosen = np.linspace(0, len(plan) - 1, num_packs).round().astype(int).tolist()
+    return planned_packs(lengths, pack_size, cp_size, cp_placement, num_packs=num_packs)
+
+
+def planned_packs(
+    lengths: np.ndarray,
+    pack_size: int,
+    cp_size: int,
+    cp_placement: str,
+    *,
+    num_packs: int | None = None,
+    overflow: str = "error",
+) -> list[dict[str, torch.Tensor]]:
+    """The packs of ``plan_packs(lengths, ..., cp_placement=..., overflow=...)`` built by the packer
+    (samples of token ids ``1..n``): every pack, or ``num_packs`` evenly spaced over the plan."""
+    plan = plan_packs(lengths, pack_size, cp_size=cp_size, cp_placement=cp_placement, overflow=overflow)
+    samples = [{"input_ids": np.arange(1, n + 1)} for n in np.asarray(lengths).tolist()]
+    if num_packs is None:
+        chosen = list(range(len(plan)))
+    else:
+        chosen = np.linspace(0, len(plan) - 1, num_packs).round().astype(int).tolist()
     placement = plan.placement
     return [
         dict(

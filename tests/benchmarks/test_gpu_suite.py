@@ -47,6 +47,17 @@ def test_tiny_suite_runs_every_section_and_writes_its_files(tmp_path):
     assert "skipped" in parity["varlen"]  # FlashAttention-2 needs CUDA: refused by the selector, with the reason
     cp = sections["cp_simulated"]["rows"]
     assert [row["cp_size"] for row in cp] == [2, 4, 8] and all(row["met"] and row["kernel"] == "math" for row in cp)
+    placed = sections["cp_placement"]
+    assert placed["backend"] == "math" and placed["ring_tiles"] == "math" and "communication" in placed["not_timed"]
+    rows = placed["rows"]
+    modes = suite.cp_rank_timing.MODES
+    assert [(row["cp_size"], row["mode"]) for row in rows] == [(cp, mode) for cp in (2, 4) for mode in modes]
+    te = {row["cp_size"]: row["busiest_rank_ms"] for row in rows if row["mode"] == "te"}
+    for row in rows:
+        assert row["packs"] > 0 and 0 < row["mean_rank_ms"] <= row["busiest_rank_ms"], row
+        assert row["vs_te"] == row["busiest_rank_ms"] / te[row["cp_size"]], row
+    a2a = [row for row in rows if row["mode"].startswith("a2a")]
+    assert all(row["busiest_rank_ms"] == row["mean_rank_ms"] for row in a2a)  # the same work on every rank
     stages = [row["stage"] for row in sections["thd_timings"]["rows"]]
     assert (
         stages[0] == "thd_collate (2 packs x 1024, one thread)"
@@ -56,9 +67,11 @@ def test_tiny_suite_runs_every_section_and_writes_its_files(tmp_path):
     runs = sections["throughput"]["result"]["runs"]
     assert runs and all(set(run["modes"]) == set(suite.train_throughput.MODES) for run in runs)
     text = (tmp_path / "results.md").read_text()
-    for heading in ("# GPU suite on", "## attention_parity", "## cp_simulated", "## thd_timings", "## throughput"):
+    headings = ("# GPU suite on", "## attention_parity", "## cp_simulated", "## cp_placement", "## thd_timings")
+    for heading in (*headings, "## throughput"):
         assert heading in text
     assert "| pytest | skipped |" in text and "c/a (target >= 2.5)" in text
+    assert "| busiest-rank ms | mean-rank ms | busiest vs te |" in text and "Not timed: communication" in text
     for png in ("attention_parity.png", "throughput.png"):
         assert (tmp_path / png).stat().st_size > 0
 
@@ -72,6 +85,7 @@ def test_a_failing_section_is_reported_and_the_suite_goes_on(tmp_path, monkeypat
 
     monkeypatch.setattr(suite, "attention_parity", broken)
     monkeypatch.setattr(suite, "cp_simulated", unavailable)
+    monkeypatch.setattr(suite, "cp_placement", unavailable)
     monkeypatch.setattr(suite, "throughput", unavailable)
     assert suite.main(["--tiny", "--skip-pytest", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
@@ -80,7 +94,8 @@ def test_a_failing_section_is_reported_and_the_suite_goes_on(tmp_path, monkeypat
     assert parity["status"] == "failed" and "illegal memory access" in parity["error"]
     assert "RuntimeError" in parity["traceback"]
     assert results["sections"]["thd_timings"]["status"] == "ran"
-    assert results["skipped"]["cp_simulated"] == "planted: not here" == results["skipped"]["throughput"]
+    skipped = results["skipped"]
+    assert skipped["cp_simulated"] == skipped["cp_placement"] == skipped["throughput"] == "planted: not here"
     assert results["failed"] == {"attention_parity": parity["error"]}
     text = (tmp_path / "results.md").read_text()
     assert "| attention_parity | failed |" in text and "## attention_parity failed" in text

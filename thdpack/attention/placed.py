@@ -34,7 +34,7 @@ from thdpack.cp.comm import placement_groups
 from thdpack.thd.meta import ThdMeta, attach_meta, cu_from_lengths
 
 
-def _part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, Any]:
+def part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, Any]:
     """Part ``index``'s metadata as a THD batch on ``device`` (its own ``cu_seqlens`` /
     ``cu_seqlens_padded`` / ``max_seqlen`` and record), built once per shard and device."""
 
@@ -72,7 +72,7 @@ def placed_attention(
     subgroups = placement_groups(call.cp_group) if intermediate.any() else {}
     outs, lses = [], []
     for index, part in enumerate(meta.parts):
-        batch = _part_batch(meta, index, q_TNH.device)
+        batch = part_batch(meta, index, q_TNH.device)
         if part.group_size == 1:
             attend, group = whole, None
         else:
