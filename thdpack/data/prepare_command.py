@@ -44,7 +44,7 @@ from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
 from thdpack.format_rules import check_pack_size
-from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, PlanConfig
+from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.cp_cost import COST_MODELS
 from thdpack.plan.overflow import OVERFLOWS
 
@@ -83,10 +83,10 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cp-placement",
-        default="te",
+        default=TRAINING_CP_PLACEMENT,
         choices=CP_PLACEMENTS,
         help="under --cp-size > 1: every sequence split over all CP ranks (te), or short sequences whole on "
-        "one rank and long ones split over a group (adaptive) (default: te)",
+        f"one rank and long ones split over a group (adaptive) (default: {TRAINING_CP_PLACEMENT}, as the trainer)",
     )
     parser.add_argument(
         "--cost-model",

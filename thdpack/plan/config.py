@@ -27,6 +27,10 @@ Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
 CpPlacementMode = Literal["te", "adaptive"]
 CP_PLACEMENTS: tuple[str, ...] = ("te", "adaptive")
+TRAINING_CP_PLACEMENT: CpPlacementMode = "adaptive"
+"""The default of the trainer (``packing.cp_placement``) and of ``thdpack prepare --cp-placement``:
+measured never slower than ``te`` end to end, never more busiest-rank tiles (README, "CP placement:
+the default"). ``PlanConfig`` and ``plan_packs`` keep TE's layout, the format other tools expect."""
 DEFAULT_WINDOW = 1024
 MAX_LENGTH = 2**40
 """The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""

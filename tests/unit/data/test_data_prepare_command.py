@@ -22,6 +22,7 @@ from thdpack.data.store import TokenStore
 from thdpack.data.tokenizer import load_tokenizer
 from thdpack.packing.dealing import plan_epoch
 from thdpack.plan import PackPlan, PlanConfig
+from thdpack.plan.config import TRAINING_CP_PLACEMENT
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -54,7 +55,7 @@ def test_end_to_end(corpus, tmp_path, capsys):
     assert sorted(np.concatenate(list(plan)).tolist()) == list(range(7))  # every sample exactly once
     assert plan.pack_size == 64 and plan.cp_size == 2
     # epoch 0's plan exactly as a trainer with these settings makes it (seed derived from (0, 0))
-    config = PlanConfig(pack_size=64, seed=0)
+    config = PlanConfig(pack_size=64, seed=0, cp_placement=TRAINING_CP_PLACEMENT)  # prepare defaults as the trainer
     trainers = plan_epoch(store.lengths, config, cp_size=2, epoch=0)
     assert plan.seed == trainers.seed and [p.tolist() for p in plan] == [p.tolist() for p in trainers]
     manifest = json.loads((out / "manifest.json").read_text())

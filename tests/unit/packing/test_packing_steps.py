@@ -113,7 +113,7 @@ def test_the_trainer_packing_group_is_the_dataset_config():
     assert {f.name for f in dataclasses.fields(PackingNode)} == settings  # and no runtime value
     cfg = Config()
     assert isinstance(cfg.packing_config, PackedDatasetConfig) and cfg.packing_config is cfg.packing_config
-    assert cfg.packing_config.plan == PlanConfig(pack_size=1024, seed=0)
+    assert cfg.packing_config.plan == PlanConfig(pack_size=1024, seed=0, cp_placement="adaptive")  # the trainer default
     for preset in (Path(__file__).resolve().parents[3] / "configs" / "packing").glob("*.yaml"):
         assert yaml.safe_load(preset.read_text())["overflow"] == "split", preset.name  # training: no token lost
 
