@@ -115,10 +115,10 @@ def place_rows(
     return option_KM[back_K], tokens_KR[back_K], cost_KR[back_K], te_cost_KR[back_K]
 
 
-def _first_min(key_KO: np.ndarray, allowed_KO: np.ndarray) -> np.ndarray:
-    """Narrow ``allowed_KO`` to the options whose ``key`` is the row's smallest allowed value."""
-    best_K = np.where(allowed_KO, key_KO, _BIG).min(axis=1)
-    return allowed_KO & (key_KO == best_K[:, None])
+def _first_min(key_OK: np.ndarray, allowed_OK: np.ndarray) -> np.ndarray:
+    """Narrow ``allowed_OK`` (O, K) to the options whose ``key`` is the row's smallest allowed value."""
+    best_K = np.where(allowed_OK, key_OK, _BIG).min(axis=0)
+    return allowed_OK & (key_OK == best_K)
 
 
 class _Search:
@@ -141,6 +141,7 @@ class _Search:
         self.all_split_option = int(np.flatnonzero(self.size_O == cp_size)[0])
         ranks_R = np.arange(cp_size)
         self.member_OR = (start_O[:, None] <= ranks_R) & (ranks_R < (start_O + self.size_O)[:, None])
+        self.member_RO = np.ascontiguousarray(self.member_OR.T)
         self.local_OR = np.where(self.member_OR, ranks_R - start_O[:, None], 0)
         # per item and group size: the cost on each group rank and the tokens each group rank holds
         self.size_index_O = np.array([self.sizes_desc.index(g) for g in self.size_O.tolist()])
@@ -155,8 +156,9 @@ class _Search:
             costs.append(cost_KMJ)
             shares.append(share_KM)
         self.uniform = cost_model == "tiles"  # a split item costs every rank of its group the same
-        self.cost_KMG = np.stack([c[..., 0] for c in costs], axis=2)
-        self.share_KMG = np.stack(shares, axis=2)
+        # (G, M, K): a step reads one item position of every row, contiguous per group size
+        self.cost_GMK = np.ascontiguousarray(np.stack([c[..., 0] for c in costs]).transpose(0, 2, 1))
+        self.share_GMK = np.ascontiguousarray(np.stack(shares).transpose(0, 2, 1))
         self.cost_per_rank = costs  # [(K, M, g)] per size, for the pairs model
 
     def level(self, fill_density: float) -> np.ndarray:
@@ -166,10 +168,20 @@ class _Search:
         free_K = self.cp_size * self.budget - self.reserve_KM.sum(axis=1)
         return (whole_K + np.floor(fill_density * free_K).astype(np.int64)) // self.cp_size
 
-    def _group_max(self, x_KR: np.ndarray) -> np.ndarray:
-        """(K, O) the largest of ``x_KR`` over each option's ranks."""
-        k = len(x_KR)
-        return np.concatenate([x_KR.reshape(k, self.cp_size // g, g).max(axis=2) for g in self.sizes_desc], axis=1)
+    def _group_max(self, x_RK: np.ndarray) -> np.ndarray:
+        """(O, K) the largest of ``x_RK`` (R, K) over each option's ranks."""
+        by_size = {1: x_RK}
+        smaller = 1
+        for g in sorted(self.sizes_desc):
+            if g == 1:
+                continue
+            if g == 2 * smaller:  # pairs of the next smaller groups: one elementwise maximum, no reduction
+                half = by_size[smaller]
+                by_size[g] = np.maximum(half[0::2], half[1::2])
+            else:
+                by_size[g] = x_RK.reshape(self.cp_size // g, g, -1).max(axis=1)
+            smaller = g
+        return np.concatenate([by_size[g] for g in self.sizes_desc], axis=0)
 
     def run(
         self, rows_K: np.ndarray, tail_K: np.ndarray, level_K: np.ndarray
@@ -181,62 +193,70 @@ class _Search:
         num_rows, num_items = len(rows_K), self.lengths_KM.shape[1]
         count_K = self.count_K[rows_K]
         option_KM = np.full((num_rows, num_items), -1, dtype=np.int64)
-        tokens_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
-        cost_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
+        # the loop works option-major ((O, k), (R, k)): reductions over the options or ranks then run
+        # down columns, several times faster than along short rows
+        tokens_RK = np.zeros((cp_size, num_rows), dtype=np.int64)
+        cost_RK = np.zeros((cp_size, num_rows), dtype=np.int64)
         stuck_K = np.full(num_rows, -1, dtype=np.int64)
         share_KM = self.reserve_KM[rows_K] // cp_size
         # room every rank keeps after item m: the reserved items after m (all of them before the tail)
         after_KM = np.cumsum(share_KM[:, ::-1], axis=1)[:, ::-1] - share_KM
         suffix_KM = np.concatenate((after_KM + share_KM, np.zeros((num_rows, 1), np.int64)), axis=1)
         tail_share_K = np.take_along_axis(suffix_KM, tail_K[:, None], axis=1)[:, 0]
-        size_O = self.size_O
+        after_MK = np.ascontiguousarray(after_KM.T)
+        size_O1 = self.size_O[:, None]
+        split = self.all_split_option
+        all_rows = np.array_equal(rows_K, np.arange(len(self.lengths_KM)))  # the first run: slices, not gathers
         for m in range(num_items):
             k = int(np.searchsorted(-count_K, -m, side="left"))  # rows with more than m items
             if k == 0:
                 break
-            rows = rows_K[:k]
-            share_KO = self.share_KMG[rows, m][:, self.size_index_O]
+            rows = slice(0, k) if all_rows else rows_K[:k]
+            share_OK = self.share_GMK[:, m, rows][self.size_index_O]
             in_tail_K = m >= tail_K[:k]
-            keep_K = np.where(in_tail_K, after_KM[:k, m], tail_share_K[:k])
-            lightest_KO = self._group_max(cost_KR[:k])
-            peak_KO = self._group_max(tokens_KR[:k]) + share_KO
+            keep_K = np.where(in_tail_K, after_MK[m, :k], tail_share_K[:k])
+            lightest_OK = self._group_max(cost_RK[:, :k])
+            held_OK = self._group_max(tokens_RK[:, :k])
+            peak_OK = held_OK + share_OK
             if self.uniform:
-                add_KO = self.cost_KMG[rows, m][:, self.size_index_O]
-                busiest_KO = np.maximum(lightest_KO + add_KO, cost_KR[:k].max(axis=1)[:, None])
-                total_KO = add_KO * size_O
+                add_OK = self.cost_GMK[:, m, rows][self.size_index_O]
+                # the group of all ranks' maximum is the row's busiest rank so far
+                busiest_OK = np.maximum(lightest_OK + add_OK, lightest_OK[split])
+                total_OK = add_OK * size_O1
             else:
                 add_KOR = self._per_rank_cost(rows, m)
-                busiest_KO = (cost_KR[:k, None, :] + add_KOR).max(axis=2)
-                total_KO = add_KOR.sum(axis=2)
+                busiest_OK = (cost_RK[:, :k].T[:, None, :] + add_KOR).max(axis=2).T
+                total_OK = add_KOR.sum(axis=2).T
             # every rank, not only the option's, must keep room for the reserved items
-            fullest_K = tokens_KR[:k].max(axis=1)
-            fits_KO = np.maximum(peak_KO, fullest_K[:, None]) + keep_K[:, None] <= budget
-            fits_KO &= (stuck_K[:k] < 0)[:, None]
-            stuck = ~fits_KO.any(axis=1)
+            fits_OK = np.maximum(peak_OK, held_OK[split]) + keep_K <= budget
+            fits_OK &= stuck_K[:k] < 0
+            stuck = ~fits_OK.any(axis=0)
             stuck_K[:k][stuck & (stuck_K[:k] < 0)] = m
-            fits_KO[:, self.all_split_option] |= in_tail_K | stuck  # the reserved items split always fit
-            choice_KO = _first_min(np.maximum(busiest_KO, level_K[:k, None]), fits_KO)
-            choice_KO = _first_min(total_KO, choice_KO)
-            choice_KO = _first_min(size_O[None, :], choice_KO)
-            choice_KO = _first_min(lightest_KO, choice_KO)
-            choice_KO = _first_min(peak_KO, choice_KO)
-            chosen_K = np.argmax(choice_KO, axis=1)
+            fits_OK[split] |= in_tail_K | stuck  # the reserved items split always fit
+            choice_OK = _first_min(np.maximum(busiest_OK, level_K[:k]), fits_OK)
+            choice_OK = _first_min(total_OK, choice_OK)
+            choice_OK = _first_min(np.broadcast_to(size_O1, choice_OK.shape), choice_OK)
+            choice_OK = _first_min(lightest_OK, choice_OK)
+            choice_OK = _first_min(peak_OK, choice_OK)
+            chosen_K = np.argmax(choice_OK, axis=0)
             at = np.arange(k)
             option_KM[:k, m] = chosen_K
-            member_KR = self.member_OR[chosen_K]
-            tokens_KR[:k] += member_KR * share_KO[at, chosen_K][:, None]
+            member_RK = self.member_RO[:, chosen_K]
+            tokens_RK[:, :k] += member_RK * share_OK[chosen_K, at]
             if self.uniform:
-                cost_KR[:k] += member_KR * add_KO[at, chosen_K][:, None]
+                cost_RK[:, :k] += member_RK * add_OK[chosen_K, at]
             else:
-                cost_KR[:k] += add_KOR[at, chosen_K]
-        return option_KM, tokens_KR, cost_KR, stuck_K
+                cost_RK[:, :k] += add_KOR[at, chosen_K].T
+        return option_KM, tokens_RK.T.copy(), cost_RK.T.copy(), stuck_K
 
-    def _per_rank_cost(self, rows: np.ndarray, m: int) -> np.ndarray:
+    def _per_rank_cost(self, rows: np.ndarray | slice, m: int) -> np.ndarray:
         """(k, O, R) cost of item ``m`` of ``rows`` on every rank of every option (pairs model)."""
-        out = np.zeros((len(rows), len(self.size_O), self.cp_size), dtype=np.int64)
+        out = None
         for i, cost_KMJ in enumerate(self.cost_per_rank):
-            of_g = self.size_index_O == i
             cost_KJ = cost_KMJ[rows, m]  # (k, g)
+            if out is None:
+                out = np.zeros((len(cost_KJ), len(self.size_O), self.cp_size), dtype=np.int64)
+            of_g = self.size_index_O == i
             out[:, of_g] = np.where(self.member_OR[of_g], cost_KJ[:, self.local_OR[of_g]], 0)
         return out
 
