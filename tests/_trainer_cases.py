@@ -38,6 +38,9 @@ LLAMA = {
 VOCAB = 97
 LENGTHS = (13, 1, 4, 9, 2, 15, 8, 6, 3, 11, 5, 7, 12, 10)
 """Examples of the Trainer runs: a length 1 (no target), CP-padded lengths, every third with a masked prompt."""
+MIXED_LENGTHS = (*LENGTHS, 22, 27, 3, 2, 6)
+"""``LENGTHS`` and two long examples: an adaptive CP placement at cp 2 with packs of 32 (cp 4: 48)
+splits the long ones over a group of CP ranks beside short ones whole on one rank in the same pack."""
 LR, CLIP = 0.5, 1.0
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + eos_token }}"
@@ -130,13 +133,33 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def step_examples(dataset: PackedDataset, packs_per_step: int, steps: int) -> list[list[int]]:
-    """The example indices of each of the first ``steps`` steps (all DP ranks together)."""
+def step_packs(dataset: PackedDataset, packs_per_step: int, steps: int) -> list[tuple[int, int]]:
+    """``(epoch, pack)`` of every pack of the first ``steps`` steps, in stream order (all DP ranks together)."""
     refs: list[tuple[int, int]] = []
     epoch = 0
     while len(refs) < steps * packs_per_step:
         refs += [(epoch, int(i)) for i in dataset.epochs[epoch].order]
         epoch += 1
+    return refs[: steps * packs_per_step]
+
+
+def placement_kinds(dataset: PackedDataset, packs_per_step: int, steps: int) -> dict[str, Any]:
+    """The CP group sizes of the sequences the first ``steps`` steps train on, and how many of
+    their packs hold a sequence whole on one CP rank beside one split over a group of ranks (none
+    without a placement: every sequence is split over all ranks)."""
+    sizes: set[int] = set()
+    mixed = 0
+    for epoch, pack in step_packs(dataset, packs_per_step, steps):
+        placement = dataset.epochs[epoch].plan.placement
+        size_S = placement.pack(pack).group_size_S if placement is not None else np.array([dataset.cp_size])
+        sizes |= set(size_S.tolist())
+        mixed += int((size_S == 1).any() and (size_S > 1).any())
+    return {"group_sizes": sorted(sizes), "mixed_packs": mixed}
+
+
+def step_examples(dataset: PackedDataset, packs_per_step: int, steps: int) -> list[list[int]]:
+    """The example indices of each of the first ``steps`` steps (all DP ranks together)."""
+    refs = step_packs(dataset, packs_per_step, steps)
     out = []
     for k in range(steps):
         indices = []

@@ -1,10 +1,15 @@
 """transformers' Trainer and TRL's SFTTrainer through thdpack's integrations on gloo ranks: dp 1 x cp 2
-(2 processes) and dp 2 x cp 2 (4 processes).
+(2 processes), dp 2 x cp 2 and dp 1 x cp 4 (4 processes).
 
 - Exactness: the first steps' losses and updated weights (SGD, gradient clipping, gradient
   accumulation, steps that straddle thdpack epochs) equal plain unpacked training of the same
   examples, each alone through eager transformers, fp64, to 1e-10. The Trainer's own logged loss
-  (accumulated in float32 by the Trainer) agrees to 1e-6 relative.
+  (accumulated in float32 by the Trainer) agrees to 1e-6 relative. Both CP placements:
+  ThdpackTrainer in Transformer Engine's layout (``cp_placement="te"``) and with the adaptive
+  placement (the default) on examples whose packs hold long sequences split over a group of CP
+  ranks beside short ones whole on one rank (checked: else the case proves nothing), at cp 2 and
+  at cp 4 (groups of 1, 2 and 4 ranks: the placement's process groups made on every process);
+  TRL's SFTTrainer with the default.
 - Resume (dp 1 x cp 2): a run resumed from a mid-epoch checkpoint (the Trainer skips micro-batches)
   and from an epoch-boundary one continues with identical losses and weights, and builds no
   skipped step.
@@ -32,12 +37,14 @@ import torch.distributed as dist
 from _hf_cases import keep_float64
 from _trainer_cases import (
     CLIP,
+    MIXED_LENGTHS,
     RecordLosses,
     chat_tokenizer,
     chats,
     checkpoint,
     join_launch,
     max_difference,
+    placement_kinds,
     reference_run,
     sgd,
     step_examples,
@@ -56,7 +63,13 @@ pytestmark = pytest.mark.distributed
 TOL = 1e-10
 CP = 2
 STEPS = {2: 3, 4: 2}
-"""Exactness steps per world size: enough that one step straddles two thdpack epochs."""
+"""Exactness steps per world size: enough that one step straddles two thdpack epochs (cp 2)."""
+TRAINER_CASES = {
+    "te": dict(lengths=None, pack_size=32, cp_size=CP, cp_placement="te"),
+    "adaptive": dict(lengths=MIXED_LENGTHS, pack_size=32, cp_size=CP, cp_placement="adaptive"),
+    "adaptive_cp4": dict(lengths=MIXED_LENGTHS, pack_size=48, cp_size=4, cp_placement="adaptive"),
+}
+"""ThdpackTrainer's exactness cases: examples (None: ``LENGTHS``) and ``PackingArguments``."""
 
 
 def _trainer_classes():
@@ -122,6 +135,7 @@ def _exactness(trainer, examples, steps: int) -> dict:
     losses = step_losses(trainer)
     logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return {
+        **placement_kinds(trainer.packed_dataset, packs_per_step, steps),
         "loss": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
         "logged": max(abs(a - b) / b for a, b in zip(logged, ref_losses, strict=True)),
         "weights": max_difference(weights(trainer.model), ref_weights),
@@ -130,17 +144,19 @@ def _exactness(trainer, examples, steps: int) -> dict:
     }
 
 
-def trainer_exactness(world: int, output_dir: str) -> dict:
+def trainer_exactness(world: int, output_dir: str, case: str) -> dict:
     from thdpack.integrations.transformers import PackingArguments
 
     recording, _ = _trainer_classes()
-    model, examples = tiny_llama(), token_examples()
+    settings = dict(TRAINER_CASES[case])
+    lengths = settings.pop("lengths")
+    model, examples = tiny_llama(), token_examples(*([lengths] if lengths else []))
     trainer = recording(
         model=model,
         args=_trainer_args(output_dir, max_steps=STEPS[world]),
         train_dataset=examples,
         optimizers=sgd(model),
-        packing=PackingArguments(pack_size=32, cp_size=CP),
+        packing=PackingArguments(**settings),
     )
     return _exactness(trainer, examples, STEPS[world])
 
@@ -217,7 +233,8 @@ def probe(rank: int, output_dir: str) -> dict:
         args=_sft_args(output_dir, max_length=32, assistant_only_loss=False, per_device_train_batch_size=1),
         train_dataset=Dataset.from_dict({"input_ids": documents}),
         processing_class=tokenizer,
-        packing=PackingArguments(cp_size=CP, algorithm="sequential"),
+        # TE's layout puts both documents' chunks on every rank (adaptive would give each its own)
+        packing=PackingArguments(cp_size=CP, algorithm="sequential", cp_placement="te"),
     )
     micro = next(iter(trainer.get_train_dataloader()))
     perturbed = dict(micro, input_ids=micro["input_ids"].clone())
@@ -302,7 +319,8 @@ def accelerate_layout(rank: int, world: int) -> dict:
 def launch(rank: int, world: int, output_dir: str) -> dict:
     join_launch(rank, world)
     results = {
-        "trainer": trainer_exactness(world, f"{output_dir}/trainer"),
+        "trainer_te": trainer_exactness(world, f"{output_dir}/trainer_te", "te"),
+        "trainer_adaptive": trainer_exactness(world, f"{output_dir}/trainer_adaptive", "adaptive"),
         "trl": trl_exactness(world, f"{output_dir}/trl"),
     }
     if world == 2:  # the resume and the probe need no DP replica (the stream is the same on every rank)
@@ -310,6 +328,7 @@ def launch(rank: int, world: int, output_dir: str) -> dict:
         results["probe"] = probe(rank, f"{output_dir}/probe")
         results["refusals"] = refusals(f"{output_dir}/refusals")
     else:
+        results["trainer_adaptive_cp4"] = trainer_exactness(world, f"{output_dir}/trainer_cp4", "adaptive_cp4")
         results["accelerate"] = accelerate_layout(rank, world)
     return results
 
@@ -332,12 +351,24 @@ def dp2_cp2() -> list[dict]:
 LAUNCHES = ["dp1_cp2", "dp2_cp2"]
 
 
-@pytest.mark.parametrize("launch_name", LAUNCHES)
-@pytest.mark.parametrize("kind", ["trainer", "trl"])
+EXACTNESS = [
+    *((name, kind) for name in LAUNCHES for kind in ("trainer_te", "trainer_adaptive", "trl")),
+    ("dp2_cp2", "trainer_adaptive_cp4"),  # its 4 processes hold dp 1 x cp 4 too
+]
+GROUP_SIZES = {"trainer_te": [2], "trainer_adaptive": [1, 2], "trainer_adaptive_cp4": [1, 2, 4], "trl": [1]}
+"""The CP group sizes of the trained sequences: TE's layout splits every one over all CP ranks; the
+mixed examples' adaptive packs put short ones whole and long ones over groups (cp 4: of 2 and 4 ranks);
+TRL's short chats all go whole."""
+
+
+@pytest.mark.parametrize(("launch_name", "kind"), EXACTNESS)
 def test_steps_equal_unpacked_training(request, launch_name, kind):
     results = request.getfixturevalue(launch_name)
     for rank, result in enumerate(results):
         found = result[kind]
+        assert found["group_sizes"] == GROUP_SIZES[kind], f"{kind}, {launch_name}: {found}"
+        if kind.startswith("trainer_adaptive"):
+            assert found["mixed_packs"] > 0, f"{kind}: no pack holds whole and split sequences, which proves nothing"
         assert found["attention"] == "thdpack", f"{kind}, rank {rank}: CP needs thdpack's attention"
         assert found["moved"] > 1e-3, f"{kind}: the weights did not change, so the comparison proves nothing"
         assert found["loss"] <= TOL and found["weights"] <= TOL, f"{kind}, {launch_name}, rank {rank}: {found}"

@@ -10,8 +10,9 @@ into the other; the last token of every example predicts nothing, as in the unpa
 Micro-batches. ``Trainer`` pulls ``gradient_accumulation_steps`` micro-batches per optimizer
 step from its train data loader. :func:`packed_step_loader` serves them from
 ``PackedDataset.step_stream``: micro-batch ``m`` of step ``k`` is the ``thd_collate`` of this data
-parallel rank's packs, CP-sharded with ``cp.shard`` for this CP rank, on the device, plus the
-step's labels (for ``StepLoss``'s one collective per step). The batch sampler yields only the
+parallel rank's packs, CP-sharded with ``cp.shard`` for this CP rank (by the packs' placement
+when they carry one), on the device, plus the step's labels (for ``StepLoss``'s one collective
+per step). The batch sampler yields only the
 references ``(k, m)``; the stream builds step ``k`` when its first micro-batch is fetched. So
 when the Trainer resumes mid-epoch and skips the micro-batches it already trained on (accelerate's
 ``skip_first_batches`` drops the sampler's first references), nothing is built for them: the

@@ -5,6 +5,13 @@ Rank ``r`` is CP rank ``r % cp_size`` of DP replica ``r // cp_size`` either way:
 its mesh ``dp_replicate, dp_shard, cp, ...``, and thdpack's own mesh is ``(dp, cp)``. The
 gradient reduction DDP or FSDP does (through accelerate) averages over every process, CP ranks
 included, which ``StepLoss`` compensates for with ``grad_average_size`` = the world size.
+
+So the CP groups are the runs of ``cp_size`` consecutive ranks (``ParallelLayout.cp_groups``),
+which a per-sequence CP placement needs on every process to create the process groups of its
+smaller groups of ranks (``thdpack.cp.comm.create_placement_groups``).
+
+>>> ParallelLayout(dp_size=2, dp_rank=0, cp_size=4, cp_rank=1, cp_group=None, grad_average_size=8).cp_groups
+[[0, 1, 2, 3], [4, 5, 6, 7]]
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ class ParallelLayout:
     """The ranks that share packs (None without CP)."""
     grad_average_size: int
     """Ranks DDP / FSDP average gradients over: all of them (``StepLoss``'s G)."""
+
+    @property
+    def cp_groups(self) -> list[list[int]]:
+        """The global ranks of every CP group of the run, DP replica by DP replica."""
+        return [list(range(d * self.cp_size, (d + 1) * self.cp_size)) for d in range(self.dp_size)]
 
 
 def parallel_layout(accelerator: Any, cp_size: int | None) -> ParallelLayout:
@@ -58,7 +70,7 @@ def parallel_layout(accelerator: Any, cp_size: int | None) -> ParallelLayout:
 
         mesh = init_device_mesh(accelerator.device.type, (world // size, size), mesh_dim_names=("dp", "cp"))
         group = mesh.get_group("cp")
-    return ParallelLayout(
+    layout = ParallelLayout(
         dp_size=world // size,
         dp_rank=rank // size,
         cp_size=size,
@@ -66,3 +78,10 @@ def parallel_layout(accelerator: Any, cp_size: int | None) -> ParallelLayout:
         cp_group=group,
         grad_average_size=world,
     )
+    members = dist.get_process_group_ranks(group) if group is not None else None
+    if members is not None and members != layout.cp_groups[layout.dp_rank]:
+        raise AssertionError(
+            f"the CP group of rank {rank} holds ranks {members}, not the run of cp_size={size} consecutive ranks "
+            f"{layout.cp_groups[layout.dp_rank]} that the dp x cp layout assumes"
+        )
+    return layout

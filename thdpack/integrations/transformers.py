@@ -18,7 +18,12 @@ What the trainer does instead of the Trainer's own batches and loss:
   shuffled every thdpack epoch. Each optimizer step takes the next ``dp x gradient_accumulation_steps
   x per_device_train_batch_size`` packs of the stream (``PackedDataset.step_stream``), dealt to the
   DP ranks with balanced attention work; ranks of one CP group get the same packs, each its
-  ``cp.shard`` (Transformer Engine's layout). ``per_device_train_batch_size`` counts packs. A
+  ``cp.shard`` of them. Under CP each pack carries its placement (``cp_placement``, default
+  ``"adaptive"`` as thdpack's own trainer: short sequences whole on one CP rank, long ones split
+  over an aligned group of ranks, docs/design/cp_placement.md; ``"te"``: every sequence split over
+  all CP ranks, Transformer Engine's layout), which ``cp.shard`` and thdpack's attention follow;
+  for cp >= 4 the trainer creates the process groups of the smaller groups of CP ranks on every
+  process. ``per_device_train_batch_size`` counts packs. A
   Trainer epoch is ``ceil(packs of epoch 0 / packs per step)`` steps; the stream runs on through
   thdpack's epochs without dropping or repeating a pack.
 - Attention. Under CP the model runs thdpack's attention (registered with transformers as
@@ -63,6 +68,7 @@ import torch
 
 from thdpack._optional import require
 from thdpack.attention.config import AttentionConfig
+from thdpack.cp.comm import create_placement_groups
 from thdpack.cp.partition import shard
 from thdpack.integrations.hf_data import (
     MICRO_BATCH_KEY,
@@ -82,9 +88,18 @@ from thdpack.models.hf_attention import (
     hf_packed_kwargs,
     register_hf_attention,
 )
-from thdpack.packing.dataset import BALANCES, Balance, PackedDataset
+from thdpack.packing.dataset import BALANCES, Balance, PackedDataset, PackedDatasetConfig
 from thdpack.packing.packer import pack_from_segments
-from thdpack.plan.config import ALGORITHMS, DEFAULT_WINDOW, Algorithm
+from thdpack.plan.config import (
+    ALGORITHMS,
+    CP_PLACEMENTS,
+    DEFAULT_WINDOW,
+    TRAINING_CP_PLACEMENT,
+    Algorithm,
+    CpPlacementMode,
+    PlanConfig,
+)
+from thdpack.plan.cp_cost import COST_MODELS, CostModel
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.thd.batch import thd_collate
 
@@ -101,6 +116,7 @@ __all__ = [
     "StreamCheckpoint",
     "ThdpackTrainer",
     "ThdpackTrainerMixin",
+    "packed_dataset",
     "parallel_layout",
     "read_stream_state",
     "write_stream_state",
@@ -123,6 +139,10 @@ class PackingArguments:
     Traceback (most recent call last):
     ...
     ValueError: unknown algorithm 'first_fit'; valid: bfd, ffd, sequential, window
+    >>> PackingArguments(cp_placement="ring")
+    Traceback (most recent call last):
+    ...
+    ValueError: unknown cp_placement 'ring'; valid: te, adaptive
     """
 
     pack_size: int | None = None
@@ -141,6 +161,13 @@ class PackingArguments:
     """How each step's packs are dealt to the DP ranks: "attention", "tokens" or "none"."""
     shuffle: bool | None = None
     """Shuffle the pack order of every epoch. None: yes, except for "window" / "sequential"."""
+    cp_placement: CpPlacementMode = TRAINING_CP_PLACEMENT
+    """Under CP: "adaptive" (short sequences whole on one CP rank, long ones split over an aligned
+    group of ranks, chosen per pack; the default, as thdpack's own trainer) or "te" (every sequence
+    split over all CP ranks, Transformer Engine's layout). Ignored without CP."""
+    cost_model: CostModel = "tiles"
+    """What the adaptive placement minimises on each pack's busiest CP rank: "tiles" (128 x 128
+    kernel tiles) or "pairs" (causal query-key pairs)."""
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     """Backend and CP exchange of thdpack's attention."""
 
@@ -153,6 +180,8 @@ class PackingArguments:
             ("algorithm", self.algorithm, ALGORITHMS),
             ("overflow", self.overflow, (*OVERFLOWS, None)),
             ("balance", self.balance, BALANCES),
+            ("cp_placement", self.cp_placement, CP_PLACEMENTS),
+            ("cost_model", self.cost_model, COST_MODELS),
         ):
             if value not in valid:
                 raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(str(v) for v in valid if v)}")
@@ -160,6 +189,25 @@ class PackingArguments:
     @property
     def shuffle_packs(self) -> bool:
         return self.algorithm not in _ORDER_KEEPING if self.shuffle is None else self.shuffle
+
+    def dataset_config(self, *, pack_size: int, overflow: Overflow, seed: int) -> PackedDatasetConfig:
+        """The settings the trainers plan and deal packs with: these, plus the pack size and
+        overflow each trainer resolves and the Trainer's data seed. Its ``plan`` (a ``PlanConfig``)
+        is part of the stream state every checkpoint saves, so a resume with other settings is refused.
+
+        >>> PackingArguments(cp_placement="te").dataset_config(pack_size=64, overflow="error", seed=0).plan.cp_placement
+        'te'
+        """
+        plan = PlanConfig(
+            pack_size=pack_size,
+            algorithm=self.algorithm,
+            overflow=overflow,
+            window=self.window,
+            seed=seed,
+            cp_placement=self.cp_placement,
+            cost_model=self.cost_model,
+        )
+        return PackedDatasetConfig(plan=plan, shuffle=self.shuffle_packs, balance=self.balance)
 
 
 class ThdpackTrainerMixin:
@@ -186,21 +234,10 @@ class ThdpackTrainerMixin:
         lengths = samples.lengths()
         self._num_examples = len(samples)
         args = self.args
-        self.packed_dataset = PackedDataset(
-            samples,
-            pack_size,
-            cp_size=self.layout.cp_size,
-            algorithm=packing.algorithm,
-            overflow=overflow,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-            pad_id=_pad_id(self.model),
-            lengths=lengths,
-            shuffle=packing.shuffle_packs,
-            rank=self.layout.dp_rank,
-            world_size=self.layout.dp_size,
-            window=packing.window,
-            balance=packing.balance,
+        config = packing.dataset_config(
+            pack_size=pack_size, overflow=overflow, seed=args.data_seed if args.data_seed is not None else args.seed
         )
+        self.packed_dataset = packed_dataset(config, samples, self.layout, pad_id=_pad_id(self.model), lengths=lengths)
         model = self.accelerator.unwrap_model(self.model)
         _use_thdpack_attention(model, self.layout.cp_size)
         _check_model(model, int(min(lengths.max(initial=1), pack_size)), pack_size, self.layout)
@@ -208,13 +245,15 @@ class ThdpackTrainerMixin:
         self._resume_state: dict[str, Any] | None = None
         self.add_callback(StreamCheckpoint())
         stats = self.packed_dataset.stats
+        placement = self.packed_dataset.plan.placement_summary()
         if self.accelerator.is_main_process:
             log.info(
-                "thdpack: dp %d x cp %d, %s attention; packing plan of epoch 0:\n%s",
+                "thdpack: dp %d x cp %d, %s attention; packing plan of epoch 0:\n%s%s",
                 self.layout.dp_size,
                 self.layout.cp_size,
                 model.config._attn_implementation,
                 stats,
+                f"\n{placement}" if placement else "",
             )
             if stats.dropped_sequences or stats.truncated_tokens:
                 log.warning(
@@ -313,8 +352,8 @@ class ThdpackTrainerMixin:
         return kwargs
 
     def _prepare_context_parallel_inputs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> tuple[Callable, Any]:
-        # thdpack takes the place of accelerate's CP: the micro-batch already is this rank's shard, in
-        # TE's layout, and accelerate's context_parallel would re-split it and attend across documents
+        # thdpack takes the place of accelerate's CP: the micro-batch already is this rank's shard (of
+        # the packs' placement), and accelerate's context_parallel would re-split it and attend across documents
         return contextlib.nullcontext, inputs
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -362,6 +401,33 @@ class StreamCheckpoint(TrainerCallback):
         if args.should_save:
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             write_stream_state(folder, source.state_dict())
+
+
+def packed_dataset(
+    config: PackedDatasetConfig,
+    samples: HFSamples,
+    layout: ParallelLayout,
+    *,
+    pad_id: int,
+    lengths: np.ndarray,
+) -> PackedDataset:
+    """The trainers' ``PackedDataset``: ``config`` for this process's place in dp x cp.
+
+    Under CP with ``config.plan.cp_placement == "adaptive"`` its packs carry their placement
+    (``cp_group_size`` / ``cp_group_start`` per entry), which ``cp.shard`` and thdpack's attention
+    follow; the process groups of the smaller groups of CP ranks (cp >= 4) are created here, a
+    collective that every process reaches with the same CP groups (``layout.cp_groups``).
+    """
+    if layout.cp_size > 1 and config.plan.cp_placement == "adaptive":
+        create_placement_groups(layout.cp_groups)
+    return config.build(
+        samples,
+        cp_size=layout.cp_size,
+        rank=layout.dp_rank,
+        world_size=layout.dp_size,
+        pad_id=pad_id,
+        lengths=lengths,
+    )
 
 
 def _pad_id(model: torch.nn.Module) -> int:

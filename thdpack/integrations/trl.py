@@ -17,7 +17,8 @@ thdpack's: ``thdpack.integrations.transformers`` describes them. From the ``SFTC
 ``max_length`` is the pack size (TRL's meaning under packing), ``packing_strategy="bfd_split"``
 splits sequences longer than a pack and ``"bfd"`` truncates them (counted in the packing stats);
 ``packing`` itself is not needed (the trainer always packs). ``packing=PackingArguments(...)``
-overrides any of these.
+overrides any of these, and sets what TRL has no setting for (among them ``cp_placement``:
+``"adaptive"`` by default, short sequences whole on one CP rank).
 
 Refused besides the Trainer integration's refusals: ``packing_strategy="wrapped"`` (it cuts
 documents at pack boundaries and attends across them; use ``PackingArguments(algorithm="window")``

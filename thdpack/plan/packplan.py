@@ -95,6 +95,17 @@ class PackPlan:
         """``"adaptive"`` when the plan carries a placement, else ``"te"``."""
         return "te" if self.placement is None else "adaptive"
 
+    def placement_summary(self) -> str | None:
+        """One line on the plan's CP placement (None in TE's layout): how many of its entries run
+        whole on one CP rank and how many are split over a group of ranks (what the trainers log)."""
+        if self.placement is None:
+            return None
+        whole, entries = int((self.placement.group_size == 1).sum()), len(self.placement.lengths)
+        return (
+            f"cp placement: adaptive ({self.cost_model}): {whole:,} of {entries:,} sequences whole on one CP rank, "
+            f"{entries - whole:,} split over a group of ranks"
+        )
+
     def __len__(self) -> int:
         return len(self.offsets) - 1
 

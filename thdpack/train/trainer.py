@@ -205,14 +205,9 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
         first_plan=first_plan,
     )
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
-    placement = dataset.plan.placement
+    placement = dataset.plan.placement_summary()
     if placement is not None:
-        whole, entries = int((placement.group_size == 1).sum()), len(placement.lengths)
-        _say(
-            runtime,
-            f"cp placement: adaptive ({dataset.plan.cost_model}): {whole:,} of {entries:,} sequences whole on one CP "
-            f"rank, {entries - whole:,} split over a group of ranks",
-        )
+        _say(runtime, placement)
     train = cfg.train
     stream = dataset.step_stream(micro_batches=train.micro_batches, packs_per_micro_batch=train.packs_per_micro_batch)
     return RunData(store=store, dataset=dataset, stream=stream)

@@ -1,6 +1,7 @@
 """ThdpackTrainer in one process (no CP): its settings, its refusals, the pack stream's checkpoint
-file, and one exact training step with transformers' own sdpa kept on packed rows. The CP runs
-(2 and 4 processes) are in tests/distributed/test_integrations_distributed.py."""
+file, and one exact training step with transformers' own sdpa kept on packed rows; the trainers'
+dataset at cp 2 (built without processes): an adaptive plan's placement reaches the packs and the
+CP shards. The CP runs (2 and 4 processes) are in tests/distributed/test_integrations_distributed.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytest.importorskip("trl", reason="the Trainer integration is tested with thdpac
 import torch
 from _hf_cases import keep_float64
 from _trainer_cases import (
+    MIXED_LENGTHS,
     RecordLosses,
     max_difference,
     reference_run,
@@ -25,9 +27,12 @@ from _trainer_cases import (
 )
 from transformers import TrainingArguments
 
-from thdpack.integrations.parallel import parallel_layout
+from thdpack.integrations.hf_data import HFSamples, StepSource
+from thdpack.integrations.parallel import ParallelLayout, parallel_layout
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
-from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer
+from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer, packed_dataset
+from thdpack.plan.config import TRAINING_CP_PLACEMENT
+from thdpack.thd.meta import thd_meta
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
@@ -61,6 +66,66 @@ def test_packing_arguments():
         PackingArguments(pack_size=0)
     with pytest.raises(ValueError, match="unknown overflow 'wrap'; valid: error, drop, truncate, split"):
         PackingArguments(overflow="wrap")
+    assert PackingArguments().cp_placement == TRAINING_CP_PLACEMENT == "adaptive"
+    assert PackingArguments().cost_model == "tiles"
+    with pytest.raises(ValueError, match="unknown cp_placement 'ring'; valid: te, adaptive"):
+        PackingArguments(cp_placement="ring")
+    with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs"):
+        PackingArguments(cost_model="flops")
+
+
+@pytest.mark.parametrize("cp_placement", ["te", "adaptive"])
+def test_the_plan_config_carries_every_packing_argument(cp_placement):
+    packing = PackingArguments(
+        algorithm="window", window=7, balance="tokens", cp_placement=cp_placement, cost_model="pairs"
+    )
+    config = packing.dataset_config(pack_size=64, overflow="split", seed=3)
+    assert config.plan.fingerprint() == {
+        "pack_size": 64,
+        "algorithm": "window",
+        "overflow": "split",
+        "window": 7,
+        "seed": 3,
+        "cp_placement": cp_placement,
+        "cost_model": "pairs",
+        "improve": True,
+    }
+    assert (config.shuffle, config.balance) == (False, "tokens")
+
+
+def _cp2_dataset(cp_placement: str):
+    samples = HFSamples(token_examples(MIXED_LENGTHS))
+    config = PackingArguments(cp_placement=cp_placement).dataset_config(pack_size=32, overflow="error", seed=0)
+    layout = ParallelLayout(dp_size=1, dp_rank=0, cp_size=2, cp_rank=0, cp_group=None, grad_average_size=2)
+    return packed_dataset(config, samples, layout, pad_id=0, lengths=samples.lengths())
+
+
+def test_an_adaptive_plan_reaches_the_packs_and_the_cp_shards():
+    """cp 2 without processes (cp 2 needs no placement process groups): the plan's placement is in
+    every pack (``cp_group_size`` / ``cp_group_start`` per sequence, then one padding entry per
+    rank) and each CP rank's shard runs it in parts (a split part over both ranks, a whole part);
+    TE's layout has neither."""
+    dataset = _cp2_dataset("adaptive")
+    epoch = dataset.epochs[0]
+    assert "sequences whole on one CP rank" in dataset.plan.placement_summary()
+    for i, planned in enumerate(epoch.order.tolist()):
+        placed, pack = epoch.plan.placement.pack(planned), dataset[i]
+        S = len(placed.lengths_S)
+        assert pack["cp_group_size"].tolist() == [*placed.group_size_S.tolist(), 1, 1]
+        assert pack["cp_group_start"].tolist() == [*placed.group_start_S.tolist(), 0, 1]
+        assert pack["seq_lens"][:S].tolist() == placed.lengths_S.tolist()
+    assert set(epoch.plan.placement.group_size.tolist()) == {1, 2}
+    part_sizes = set()
+    for cp_rank in (0, 1):
+        stream = dataset.step_stream(micro_batches=1, packs_per_micro_batch=len(dataset))
+        source = StepSource(stream, cp_size=2, cp_rank=cp_rank, device=torch.device("cpu"), num_examples=0)
+        micro = source[(0, 0)]
+        assert len(micro["input_ids"]) == 32 * len(dataset) // 2
+        part_sizes |= {part.group_size for part in thd_meta(micro).parts}
+    assert part_sizes == {1, 2}
+
+    te = _cp2_dataset("te")
+    assert te.plan.placement is None and te.plan.placement_summary() is None and "cp_group_size" not in te[0]
 
 
 class Recording(RecordLosses, ThdpackTrainer):
@@ -157,6 +222,18 @@ def test_resuming_with_ignore_data_skip_is_refused(tmp_path):
     trainer = _trainer(tmp_path, args=_args(tmp_path, ignore_data_skip=True))
     with pytest.raises(ValueError, match="ignore_data_skip=True would retrain the packs the checkpoint already"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+
+
+def test_resuming_with_another_cp_placement_is_refused(tmp_path):
+    """The placement is part of the stream state a checkpoint saves (the PlanConfig's fingerprint)."""
+    trainer = _trainer(tmp_path, args=_args(tmp_path, save_strategy="steps", save_steps=1))
+    trainer.train()
+    folder = tmp_path / "checkpoint-1"
+    stream = read_stream_state(folder)["stream"]
+    assert (stream["cp_placement"], stream["cost_model"]) == ("adaptive", "tiles")
+    other = _trainer(tmp_path, packing=PackingArguments(pack_size=32, cp_placement="te"))
+    with pytest.raises(ValueError, match="cp_placement: saved 'adaptive', now 'te'"):
+        other.train(resume_from_checkpoint=str(folder))
 
 
 def test_a_checkpoint_from_another_trainer_is_refused(tmp_path):
