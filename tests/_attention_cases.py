@@ -99,6 +99,15 @@ def max_errors(got: dict, want: dict, index: torch.Tensor, valid: torch.Tensor) 
     return errs
 
 
+def worst_errors(shards: list, want: dict, valid: torch.Tensor) -> dict[str, float]:
+    """Largest :func:`max_errors` per quantity over ``shards`` (``(index, got)`` per rank)."""
+    worst: dict[str, float] = {}
+    for index, got in shards:
+        for name, err in max_errors(got, want, index, valid).items():
+            worst[name] = max(worst.get(name, 0.0), err)
+    return worst
+
+
 def autograd_results(case: dict, attend: Callable, *, with_dlse: bool = True) -> dict:
     """``attend(q, k, v) -> (out, lse)`` on the case's global tensors, with autograd's dq / dk / dv
     of ``sum(out * dout) + sum(lse * dlse)`` (LSE term optional)."""

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import max_errors, random_case, reference_results
+from _attention_cases import max_errors, random_case, reference_results, worst_errors
 
 from thdpack.attention import a2a as a2a_module
 from thdpack.attention import a2a_attention, reference_attention, thd_attention
@@ -237,14 +237,6 @@ def a2a_runs() -> dict:
     return runs
 
 
-def _worst(shards: list, want: dict, valid: torch.Tensor) -> dict[str, float]:
-    worst: dict[str, float] = {}
-    for index, got in shards:
-        for name, err in max_errors(got, want, index, valid).items():
-            worst[name] = max(worst.get(name, 0.0), err)
-    return worst
-
-
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("case_id", range(len(CASES)))
 def test_a2a_matches_the_oracle(a2a_runs, cp_size, case_id):
@@ -262,7 +254,7 @@ def test_a2a_matches_the_oracle(a2a_runs, cp_size, case_id):
         shards = a2a_runs[(cp_size, case_id, method)]
         assert len(shards) == cp_size
         assert sorted(torch.cat([i for i, _ in shards]).tolist()) == list(range(len(case["valid"])))
-        worst = _worst(shards, wants["lse" in expected[method]], case["valid"])
+        worst = worst_errors(shards, wants["lse" in expected[method]], case["valid"])
         assert set(worst) == expected[method]
         assert max(worst.values()) <= TOL[dtype], (cp_size, placement, causal, heads, method, worst)
 
@@ -270,7 +262,7 @@ def test_a2a_matches_the_oracle(a2a_runs, cp_size, case_id):
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_the_comparison_detects_rows_exchanged_in_the_wrong_order(a2a_runs, cp_size):
     thd, _, causal, case = _case(cp_size, 5)
-    worst = _worst(a2a_runs[(cp_size, 5, MUTANT)], reference_results(case, thd, causal), case["valid"])
+    worst = worst_errors(a2a_runs[(cp_size, 5, MUTANT)], reference_results(case, thd, causal), case["valid"])
     assert max(worst.values()) > 1e-3, worst
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import LENGTH_MIXES, make_thd, max_errors, random_case, reference_results, shard_of
+from _attention_cases import LENGTH_MIXES, make_thd, random_case, reference_results, shard_of, worst_errors
 
 from thdpack.attention import ring as ring_module
 from thdpack.attention import thd_attention
@@ -175,14 +175,6 @@ def cp_runs():
     return runs
 
 
-def _worst(shards, want, valid):
-    worst: dict[str, float] = {}
-    for index, got in shards:
-        for name, err in max_errors(got, want, index, valid).items():
-            worst[name] = max(worst.get(name, 0.0), err)
-    return worst
-
-
 @pytest.mark.parametrize("cp_size", [1, 2, 4])
 def test_cp_attention_matches_reference(cp_runs, cp_size):
     checked = 0
@@ -193,7 +185,7 @@ def test_cp_attention_matches_reference(cp_runs, cp_size):
         for method in methods:
             shards = cp_runs[(cp_size, case_id, method)]
             assert sorted(torch.cat([i for i, _ in shards]).tolist()) == list(range(len(case["valid"])))
-            worst = _worst(shards, want, case["valid"])
+            worst = worst_errors(shards, want, case["valid"])
             assert max(worst.values()) <= TOL[dtype], (cp_size, mix, causal, method, worst)
             checked += 1
     assert checked == len(CASES) * len(methods)
@@ -214,7 +206,7 @@ def test_ring_and_all_gather_agree(cp_runs, cp_size):
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_the_comparison_detects_a_broken_layout(cp_runs, cp_size, mutant):
     thd, causal, case = _case(cp_size, 2)
-    worst = _worst(cp_runs[(cp_size, 2, mutant)], reference_results(case, thd, causal), case["valid"])
+    worst = worst_errors(cp_runs[(cp_size, 2, mutant)], reference_results(case, thd, causal), case["valid"])
     assert max(worst.values()) > 1e-3, worst
 
 
@@ -223,5 +215,5 @@ def test_the_thd_pipeline_feeds_cp_attention(cp_runs, cp_size):
     thd, case = _pipeline_batch(cp_size)
     want = reference_results(case, thd, True)
     for comm in ("p2p", "all_gather"):
-        worst = _worst(cp_runs[(cp_size, "pipeline", comm)], want, case["valid"])
+        worst = worst_errors(cp_runs[(cp_size, "pipeline", comm)], want, case["valid"])
         assert max(worst.values()) <= 1e-10, (comm, worst)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import max_errors, random_case, reference_results
+from _attention_cases import random_case, reference_results, worst_errors
 from placement_cases import MIXED_PACKS, WHOLE_PACKS, placed_metadata, shard_rows
 
 import thdpack.cp.comm as comm
@@ -203,14 +203,6 @@ def placed_runs():
     return runs, collectives
 
 
-def _worst(shards: list, want: dict, valid: torch.Tensor) -> dict[str, float]:
-    worst: dict[str, float] = {}
-    for index, got in shards:
-        for name, err in max_errors(got, want, index, valid).items():
-            worst[name] = max(worst.get(name, 0.0), err)
-    return worst
-
-
 @pytest.mark.parametrize("cp_size", [2, 3, 4])
 def test_placed_cp_attention_matches_the_reference(placed_runs, cp_size):
     runs, _ = placed_runs
@@ -225,7 +217,7 @@ def test_placed_cp_attention_matches_the_reference(placed_runs, cp_size):
         assert sorted(torch.cat([i for i, _ in shards]).tolist()) == sorted(
             list(range(len(case["valid"]))) * (ranks // cp_size)
         )
-        worst = _worst(shards, want, case["valid"])
+        worst = worst_errors(shards, want, case["valid"])
         assert set(worst) == {"out", "lse", "dq", "dk", "dv"} - ({"lse"} if backend == "sdpa" else set()) - (
             set() if gradients else {"dq", "dk", "dv"}
         )
@@ -238,7 +230,7 @@ def test_placed_cp_attention_matches_the_reference(placed_runs, cp_size):
 def test_the_comparison_detects_a_wrong_layout(placed_runs, cp_size, mutant):
     runs, _ = placed_runs
     thd, case = _case(cp_size, torch.float64, seed=10 * cp_size)
-    worst = _worst(runs[(cp_size, mutant)], reference_results(case, thd, True), case["valid"])
+    worst = worst_errors(runs[(cp_size, mutant)], reference_results(case, thd, True), case["valid"])
     assert max(worst.values()) > 1e-3, worst
 
 
@@ -258,7 +250,7 @@ def test_a_pack_without_split_sequences_communicates_nothing(placed_runs, cp_siz
         want = reference_results(case, thd, True)
         for comm_type in ("p2p", "all_gather"):
             shards = [(index, got) for counts in collectives for _, index, got in [counts[cp_size][(label, comm_type)]]]
-            worst = _worst(shards, want, case["valid"])
+            worst = worst_errors(shards, want, case["valid"])
             assert max(worst.values()) <= 1e-10, (label, comm_type, worst)
 
 
