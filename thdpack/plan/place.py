@@ -251,11 +251,9 @@ class _Search:
 
     def _per_rank_cost(self, rows: np.ndarray | slice, m: int) -> np.ndarray:
         """(k, O, R) cost of item ``m`` of ``rows`` on every rank of every option (pairs model)."""
-        out = None
-        for i, cost_KMJ in enumerate(self.cost_per_rank):
-            cost_KJ = cost_KMJ[rows, m]  # (k, g)
-            if out is None:
-                out = np.zeros((len(cost_KJ), len(self.size_O), self.cp_size), dtype=np.int64)
+        cost_per_size = [cost_KMJ[rows, m] for cost_KMJ in self.cost_per_rank]  # (k, g) per group size
+        out = np.zeros((len(cost_per_size[0]), len(self.size_O), self.cp_size), dtype=np.int64)
+        for i, cost_KJ in enumerate(cost_per_size):
             of_g = self.size_index_O == i
             out[:, of_g] = np.where(self.member_OR[of_g], cost_KJ[:, self.local_OR[of_g]], 0)
         return out
