@@ -21,11 +21,12 @@ from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
 from thdpack.plan.config import DEFAULT_WINDOW, MAX_LENGTH, Algorithm, CpPlacementMode, PlanConfig
 from thdpack.plan.cp_cost import CostModel
-from thdpack.plan.histogram import distinct_sizes, plan_size_classes
+from thdpack.plan.histogram import distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOW_COUNTS, Entries, Overflow, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
 from thdpack.plan.packplan import PackPlan
+from thdpack.plan.size_classes import plan_size_classes
 
 
 def as_lengths(lengths: object) -> np.ndarray:
