@@ -43,7 +43,7 @@ from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
-from thdpack.format_rules import check_pack_size
+from thdpack.layout.rules import check_pack_size
 from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.cp_cost import COST_MODELS
 from thdpack.plan.overflow import OVERFLOWS

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from thdpack._settings import Settings, check_choice, check_int
-from thdpack.format_rules import check_pack_size
+from thdpack.layout.rules import check_pack_size
 from thdpack.packing.dealing import BALANCES, REMAINDERS, Balance, Epoch, Epochs, EpochShard, Remainder, rank_share
 from thdpack.packing.packer import Pack, build_pack, check_pad_id, read_sample
 from thdpack.packing.state import check_saved_settings

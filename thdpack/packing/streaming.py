@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from thdpack._settings import Settings, check_choice, check_int
-from thdpack.format_rules import check_pack_size, cp_multiple, round_up_to_cp
+from thdpack.layout.rules import check_pack_size, cp_multiple, round_up_to_cp
 from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, check_pad_id, read_sample
 from thdpack.packing.state import check_saved_settings
 from thdpack.plan.config import pack_size_setting

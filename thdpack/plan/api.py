@@ -16,7 +16,7 @@ import dataclasses
 
 import numpy as np
 
-from thdpack.format_rules import check_cp_size, check_pack_size, cp_multiple
+from thdpack.layout.rules import check_cp_size, check_pack_size, cp_multiple
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
 from thdpack.plan.config import DEFAULT_WINDOW, MAX_LENGTH, Algorithm, CpPlacementMode, PlanConfig
