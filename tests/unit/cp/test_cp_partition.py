@@ -167,7 +167,7 @@ def test_host_path_on_cuda_matches_cpu():
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and has_transformer_engine()), reason="needs CUDA and Transformer Engine"
 )
-def test_transformer_engine_kernel_matches_the_twin():
+def test_transformer_engine_kernel_matches_the_host_indices():
     for cu, total, cp_size, expected in GOLDEN:
         cu_cuda = torch.tensor(cu, dtype=torch.int32, device="cuda")
         for rank, want in enumerate(expected):
