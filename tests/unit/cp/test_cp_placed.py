@@ -228,6 +228,23 @@ def test_a_bad_placement_in_a_batch_is_named(edit, message):
         to_thd(_edited(*edit))
 
 
+def test_a_tampered_group_size_is_named_with_the_pack_s_cp_size():
+    """A whole entry on rank 2 of a cp 4 pack edited to a group of 4 reaches past the last rank: it
+    is named with its value and the valid sizes, at cp_size=4 (the pack's padding entries), not
+    read as a pack over 6 ranks."""
+    batch = _mixed_batch()
+    assert batch["cp_group_size"][0, 4] == 1 and batch["cp_group_start"][0, 4] == 2
+    message = (
+        r"pack 0: sequence 4 is placed on ranks 2..5 \(a group of 4 starting at rank 2\); a group of 4 must start "
+        r"at a multiple of 4 in \[0, 0\] \(groups are aligned; valid group sizes for cp_size=4: 1, 2, 4\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        shard(to_thd(_edited("cp_group_size", 0, 4, 4)), 4, 0)
+    with pytest.raises(ValueError, match=r"pack 0: sequence 4 is placed on a group of 3 ranks, which does not divide "
+                                         r"cp_size=4; valid group sizes: 1, 2, 4"):  # fmt: skip
+        to_thd(_edited("cp_group_size", 0, 4, 3))
+
+
 def test_packs_of_two_cp_sizes_do_not_share_a_batch():
     batch = _mixed_batch()
     two = PackPlacement.from_groups([7], {(0, 2): [0]}, cp_size=2, pack_size=64)
