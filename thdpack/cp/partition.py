@@ -90,9 +90,9 @@ def partition_indices(
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     total_tokens = int(total_tokens)
     lengths_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
-    layout = ThdMeta.from_lengths(lengths_S, lengths_S, copy=False)
-    layout.check_token_count(total_tokens, "the batch (total_tokens)")
-    local = layout.for_rank(cp_size, cp_rank)  # cp_size, cp_rank and the 2*cp_size rule
+    record = ThdMeta.from_lengths(lengths_S, lengths_S, copy=False)
+    record.check_token_count(total_tokens, "the batch (total_tokens)")
+    local = record.for_rank(cp_size, cp_rank)  # cp_size, cp_rank and the 2*cp_size rule
     on_cuda = cu_seqlens_padded.is_cuda
     if impl == "auto":
         impl = "te" if on_cuda and has_transformer_engine() else "numpy"

@@ -49,7 +49,7 @@ class EntryGroups(NamedTuple):
 
 
 class ThdMeta:
-    """Host-side layout of one THD batch or CP shard; take it from a batch with :func:`thd_meta`.
+    """Host-side layout of one THD batch or CP shard; take it from a batch with ``thdpack.thd.carriage.thd_meta``.
 
     Immutable once built (made on every batch, so it is a slotted class rather than a dataclass);
     equal records describe the same layout, whichever tensors they are attached to.
@@ -295,7 +295,7 @@ class ThdMeta:
     def cu_tensor(self, key: str, device: torch.device | None = None) -> torch.Tensor:
         """The batch's ``key`` tensor (``cu_seqlens_padded`` falls back to ``cu_seqlens``) as kernels
         read it: int32 (what TE and FlashAttention take), on ``device`` when given; else the error
-        naming the fix. Only a record taken from its batch (:func:`thd_meta`) knows the tensors."""
+        naming the fix. Only a record taken from its batch (``thdpack.thd.carriage.thd_meta``) knows the tensors."""
         assert self._tensors is not None, "a record made from lengths alone has no tensors; use thd_meta(batch)"
         cu_seqlens, _, cu_seqlens_padded, _ = self._tensors
         cu = cu_seqlens_padded if key == "cu_seqlens_padded" and cu_seqlens_padded is not None else cu_seqlens
