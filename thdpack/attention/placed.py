@@ -104,7 +104,9 @@ def _check_subgroups(call: AttentionCall) -> None:
     meta = call.meta
     assert meta.groups is not None
     smaller = sorted({g for g in meta.groups.size_S.tolist() if 1 < g < meta.cp_size})
-    if smaller and call.topology is None:
+    if not smaller:
+        return
+    if call.topology is None:
         raise ValueError(
             f"the batch's CP placement splits sequences over groups of {smaller} ranks, smaller than its CP group "
             f"of {meta.cp_size}, and a plain process group has no sub-groups; pass the run's CpTopology as "
