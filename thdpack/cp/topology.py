@@ -235,7 +235,7 @@ class CpTopology:
                 if size in (1, self.cp_size):
                     continue
                 members = ranks[start : start + size]
-                group = dist.new_group(members) if timeout is None else dist.new_group(members, timeout=timeout)
+                group = dist.new_group(members, timeout=timeout)
                 if self.rank in members:
                     mine[(start, size)] = group
         return mine
