@@ -126,7 +126,7 @@ def step_losses(trainer: Any) -> list[float]:
     per_micro = torch.stack(trainer.micro_losses).reshape(-1, trainer.args.gradient_accumulation_steps)
     total = per_micro.sum(dim=1)
     dist.all_reduce(total)
-    return (total / trainer.layout.grad_average_size).tolist()
+    return (total / trainer.topology.grad_average_size).tolist()
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -22,8 +22,8 @@ What the trainer does instead of the Trainer's own batches and loss:
   ``"adaptive"`` as thdpack's own trainer: short sequences whole on one CP rank, long ones split
   over an aligned group of ranks, docs/design/cp_placement.md; ``"te"``: every sequence split over
   all CP ranks, Transformer Engine's layout), which ``cp.shard`` and thdpack's attention follow;
-  for cp >= 4 the trainer creates the process groups of the smaller groups of CP ranks on every
-  process. ``per_device_train_batch_size`` counts packs. A
+  for cp >= 4 the trainer's ``CpTopology`` holds the process groups of the smaller groups of CP
+  ranks, made on every process. ``per_device_train_batch_size`` counts packs. A
   Trainer epoch is ``ceil(packs of epoch 0 / packs per step)`` steps; the stream runs on through
   thdpack's epochs without dropping or repeating a pack.
 - Attention. Under CP the model runs thdpack's attention (registered with transformers as
@@ -68,8 +68,8 @@ import torch
 
 from thdpack._optional import require
 from thdpack.attention.config import AttentionConfig
-from thdpack.cp.comm import create_placement_groups
 from thdpack.cp.partition import shard
+from thdpack.cp.topology import CpTopology
 from thdpack.integrations.hf_data import (
     MICRO_BATCH_KEY,
     STEP_LABELS_KEY,
@@ -77,7 +77,7 @@ from thdpack.integrations.hf_data import (
     StepSource,
     packed_step_loader,
 )
-from thdpack.integrations.parallel import ParallelLayout, parallel_layout
+from thdpack.integrations.parallel import accelerator_topology
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.loss import StepLoss
 from thdpack.models.hf_attention import (
@@ -112,12 +112,11 @@ __all__ = [
     "ATTENTION_NAME",
     "STATE_FILE",
     "PackingArguments",
-    "ParallelLayout",
     "StreamCheckpoint",
     "ThdpackTrainer",
     "ThdpackTrainerMixin",
+    "accelerator_topology",
     "packed_dataset",
-    "parallel_layout",
     "read_stream_state",
     "write_stream_state",
 ]
@@ -227,7 +226,9 @@ class ThdpackTrainerMixin:
             )
         self._check_arguments()
         self.packing = packing
-        self.layout = parallel_layout(self.accelerator, packing.cp_size)
+        self.topology = accelerator_topology(
+            self.accelerator, packing.cp_size, placement_groups=packing.cp_placement == "adaptive"
+        )
         # the loss is StepLoss's: counting num_items_in_batch would cost a collective for nothing
         self.model_accepts_loss_kwargs = False
         samples = HFSamples(self.train_dataset)
@@ -237,10 +238,12 @@ class ThdpackTrainerMixin:
         config = packing.dataset_config(
             pack_size=pack_size, overflow=overflow, seed=args.data_seed if args.data_seed is not None else args.seed
         )
-        self.packed_dataset = packed_dataset(config, samples, self.layout, pad_id=_pad_id(self.model), lengths=lengths)
+        self.packed_dataset = packed_dataset(
+            config, samples, self.topology, pad_id=_pad_id(self.model), lengths=lengths
+        )
         model = self.accelerator.unwrap_model(self.model)
-        _use_thdpack_attention(model, self.layout.cp_size)
-        _check_model(model, int(min(lengths.max(initial=1), pack_size)), pack_size, self.layout)
+        _use_thdpack_attention(model, self.topology.cp_size)
+        _check_model(model, int(min(lengths.max(initial=1), pack_size)), pack_size, self.topology)
         self._step_loss: StepLoss | None = None
         self._resume_state: dict[str, Any] | None = None
         self.add_callback(StreamCheckpoint())
@@ -249,8 +252,8 @@ class ThdpackTrainerMixin:
         if self.accelerator.is_main_process:
             log.info(
                 "thdpack: dp %d x cp %d, %s attention; packing plan of epoch 0:\n%s%s",
-                self.layout.dp_size,
-                self.layout.cp_size,
+                self.topology.dp_size,
+                self.topology.cp_size,
                 model.config._attn_implementation,
                 stats,
                 f"\n{placement}" if placement else "",
@@ -296,8 +299,8 @@ class ThdpackTrainerMixin:
         )
         source = StepSource(
             stream,
-            cp_size=self.layout.cp_size,
-            cp_rank=self.layout.cp_rank,
+            cp_size=self.topology.cp_size,
+            cp_rank=self.topology.cp_rank,
             device=args.device,
             num_examples=self._num_examples,
         )
@@ -338,16 +341,16 @@ class ThdpackTrainerMixin:
                 f"keys {sorted(inputs)}"
             )
         if inputs[MICRO_BATCH_KEY] == 0:  # one collective per step: the global count of loss tokens
-            self._step_loss = StepLoss.begin(inputs[STEP_LABELS_KEY], grad_average_size=self.layout.grad_average_size)
+            self._step_loss = StepLoss.begin(inputs[STEP_LABELS_KEY], topology=self.topology)
         assert self._step_loss is not None, "micro-batch 0 of every step comes first"
         outputs = model(**self.model_kwargs(inputs))
         loss = self._step_loss(outputs.logits[0], inputs["labels"])
         return (loss, outputs) if return_outputs else loss
 
     def model_kwargs(self, thd: Mapping[str, Any]) -> dict[str, Any]:
-        """The model call for a micro-batch (``hf_packed_kwargs``: ids, positions, THD metadata, CP group)."""
+        """The model call for a micro-batch (``hf_packed_kwargs``: ids, positions, THD metadata, topology)."""
         hf_model = self.accelerator.unwrap_model(self.model)
-        kwargs = hf_packed_kwargs(thd, cp_group=self.layout.cp_group, model=hf_model)
+        kwargs = hf_packed_kwargs(thd, cp_group=self.topology, model=hf_model)
         kwargs[ATTENTION_CONFIG_KWARG] = self.packing.attention
         return kwargs
 
@@ -406,7 +409,7 @@ class StreamCheckpoint(TrainerCallback):
 def packed_dataset(
     config: PackedDatasetConfig,
     samples: HFSamples,
-    layout: ParallelLayout,
+    topology: CpTopology,
     *,
     pad_id: int,
     lengths: np.ndarray,
@@ -415,16 +418,13 @@ def packed_dataset(
 
     Under CP with ``config.plan.cp_placement == "adaptive"`` its packs carry their placement
     (``cp_group_size`` / ``cp_group_start`` per entry), which ``cp.shard`` and thdpack's attention
-    follow; the process groups of the smaller groups of CP ranks (cp >= 4) are created here, a
-    collective that every process reaches with the same CP groups (``layout.cp_groups``).
+    follow, over the topology's placement groups.
     """
-    if layout.cp_size > 1 and config.plan.cp_placement == "adaptive":
-        create_placement_groups(layout.cp_groups)
     return config.build(
         samples,
-        cp_size=layout.cp_size,
-        rank=layout.dp_rank,
-        world_size=layout.dp_size,
+        cp_size=topology.cp_size,
+        rank=topology.dp_rank,
+        world_size=topology.dp_size,
         pad_id=pad_id,
         lengths=lengths,
     )
@@ -446,10 +446,10 @@ def _use_thdpack_attention(model: torch.nn.Module, cp_size: int) -> None:
         log.info("thdpack: attention %r -> %r (CP %d needs it)", current, ATTENTION_NAME, cp_size)
 
 
-def _check_model(model: torch.nn.Module, longest: int, pack_size: int, layout: ParallelLayout) -> None:
+def _check_model(model: torch.nn.Module, longest: int, pack_size: int, topology: CpTopology) -> None:
     """``check_hf_attention`` on a pack holding the longest sequence, before any training: an
     attention implementation, softcap, window or layer kind that cannot be exact is refused now."""
     sample = {"input_ids": np.zeros(longest, dtype=np.int64)}
-    pack = pack_from_segments([sample], ([0], [0], [longest]), pack_size, cp_size=layout.cp_size)
-    thd = shard(thd_collate([pack]), layout.cp_size, layout.cp_rank)
+    pack = pack_from_segments([sample], ([0], [0], [longest]), pack_size, cp_size=topology.cp_size)
+    thd = shard(thd_collate([pack]), topology.cp_size, topology.cp_rank)
     check_hf_attention(model, thd)

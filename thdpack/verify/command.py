@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
+from thdpack.cp.topology import CpTopology
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
@@ -44,7 +45,6 @@ from thdpack.verify.exactness import (
     differences,
     global_micro_batches,
     magnitudes,
-    make_groups,
     make_samples,
     pack_size_for,
     packed_step,
@@ -171,12 +171,14 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     spread, config = job.spread, job.config
     device = torch.device(job.device_type, rank if job.device_type == "cuda" else 0)
     backend_log = _capture_backend_choice()
-    groups = make_groups(spread, rank)
+    topology = CpTopology.create(
+        spread.cp_size, device_type=job.device_type, placement_groups=spread.cp_placement == "adaptive"
+    )
     lengths = sample_lengths(spread)
     samples = make_samples(lengths, config.vocab_size, job.seed)
     pack_size = pack_size_for(lengths, spread.cp_size, spread.cp_placement)
     batches = global_micro_batches(samples, spread, pack_size)
-    micro_batches = [thd_to_device(thd, device) for thd in batches[groups.dp_rank]]
+    micro_batches = [thd_to_device(thd, device) for thd in batches[topology.dp_rank]]
     half = job.dtype == "bfloat16"
     param_dtype = torch.float32 if half else getattr(torch, job.dtype)
     autocast = torch.bfloat16 if half else None
@@ -184,7 +186,7 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     def model() -> Transformer:
         return Transformer(config, seed=job.seed, device=device, dtype=param_dtype)
 
-    packed = packed_step(model(), micro_batches, spread, groups, autocast_dtype=autocast)
+    packed = packed_step(model(), micro_batches, spread, topology, autocast_dtype=autocast)
     reference = unpacked_step(model(), samples, spread.reduction)
     diffs = differences(packed, reference)
     names = list(diffs)

@@ -27,8 +27,9 @@ from _trainer_cases import (
 )
 from transformers import TrainingArguments
 
+from thdpack.cp.topology import CpTopology
 from thdpack.integrations.hf_data import HFSamples, StepSource
-from thdpack.integrations.parallel import ParallelLayout, parallel_layout
+from thdpack.integrations.parallel import accelerator_topology
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer, packed_dataset
 from thdpack.plan.config import TRAINING_CP_PLACEMENT
@@ -97,8 +98,8 @@ def test_the_plan_config_carries_every_packing_argument(cp_placement):
 def _cp2_dataset(cp_placement: str):
     samples = HFSamples(token_examples(MIXED_LENGTHS))
     config = PackingArguments(cp_placement=cp_placement).dataset_config(pack_size=32, overflow="error", seed=0)
-    layout = ParallelLayout(dp_size=1, dp_rank=0, cp_size=2, cp_rank=0, cp_group=None, grad_average_size=2)
-    return packed_dataset(config, samples, layout, pad_id=0, lengths=samples.lengths())
+    topology = CpTopology(dp_size=1, cp_size=2, rank=0, gpus_per_node=2)
+    return packed_dataset(config, samples, topology, pad_id=0, lengths=samples.lengths())
 
 
 def test_an_adaptive_plan_reaches_the_packs_and_the_cp_shards():
@@ -168,7 +169,7 @@ def custom_attention(*args, **kwargs):
         ("collator", "data_collator would never be called: thdpack builds the packed batches"),
         ("eval", "cannot train with evaluation .eval_dataset / eval_strategy."),
         ("label smoothing", "cannot train with label_smoothing_factor > 0: the loss is thdpack's"),
-        ("cp in one process", "cp_size=2 does not divide the 1 processes"),
+        ("cp in one process", "cp_size=2 does not divide the world size 1; launch a multiple of 2 processes"),
         ("pack too small", "sequence 0 has 13 tokens, over pack_size=8 .6 sequences in total.; use overflow="),
         ("custom attention", "the model's attention 'my_attention' is not known to be exact on a packed row"),
     ],
@@ -195,7 +196,7 @@ def test_tensor_parallelism_is_refused():
         num_processes=2, process_index=0, parallelism_config=SimpleNamespace(tp_size=2, sp_size=1, cp_size=1)
     )
     with pytest.raises(ValueError, match="ParallelismConfig has tp_size=2, sp_size=1: thdpack's packed batches"):
-        parallel_layout(accelerator, None)
+        accelerator_topology(accelerator, None, placement_groups=False)
 
 
 def test_evaluate_is_refused(tmp_path):
