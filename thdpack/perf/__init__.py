@@ -1,2 +1,1 @@
-"""thdpack.perf: how long a context-parallel training step takes on a given machine (numpy only).
-"""
+"""thdpack.perf: how long a context-parallel training step takes on a given machine (numpy only)."""

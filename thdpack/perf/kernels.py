@@ -39,6 +39,11 @@ BACKWARD_KERNELS = 3
 kernel, the dQ conversion); the forward launches one."""
 
 
+def _seconds(flops: np.ndarray, rate: np.ndarray) -> np.ndarray:
+    """``flops / rate``, 0 for an empty block (whose rate is 0 too)."""
+    return np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0)
+
+
 class _Curve:
     """Achieved FLOP/s against block side, from a profile curve."""
 
@@ -91,7 +96,7 @@ class KernelTimes:
         full_rate = self.forward_full.rate(n, self._full_useful(n, n), float(self._full_useful(np.array(s0), s0)))
         bwd_rate = self.backward.rate(n, useful, float(self._causal_useful(np.array(self.backward.shortest))))
         bwd_rate = bwd_rate * fwd_rate / full_rate
-        return flops / fwd_rate, ATTENTION_BACKWARD_FACTOR * flops / bwd_rate
+        return _seconds(flops, fwd_rate), _seconds(ATTENTION_BACKWARD_FACTOR * flops, bwd_rate)
 
     def full(self, rows_S: np.ndarray, cols_S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds of one layer's full ``rows x cols`` blocks, (S,) each."""
@@ -104,8 +109,10 @@ class KernelTimes:
         fwd_rate = self.forward_full.rate(side, useful, float(self._full_useful(np.array(s0), s0)))
         b0 = self.backward.shortest
         bwd_rate = self.backward.rate(side, useful, float(self._full_useful(np.array(b0), b0)))
-        return flops / fwd_rate, ATTENTION_BACKWARD_FACTOR * flops / bwd_rate
+        return _seconds(flops, fwd_rate), _seconds(ATTENTION_BACKWARD_FACTOR * flops, bwd_rate)
 
-    def calls(self, count: np.ndarray | float) -> np.ndarray:
-        """Forward + backward seconds of ``count`` attention calls' fixed costs in one layer."""
-        return np.asarray(count, dtype=np.float64) * ((1 + BACKWARD_KERNELS) * self.profile.attention.call_overhead_s)
+    def calls(self, count: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds of the fixed costs of ``count`` attention calls in one layer
+        (a backward call launches ``BACKWARD_KERNELS`` kernels)."""
+        forward = np.asarray(count, dtype=np.float64) * self.profile.attention.call_overhead_s
+        return forward, BACKWARD_KERNELS * forward

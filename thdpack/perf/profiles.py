@@ -176,7 +176,7 @@ def load_profile(name_or_path: str | Path) -> MachineProfile:
     >>> load_profile("h300")
     Traceback (most recent call last):
     ...
-    ValueError: unknown profile 'h300': not a file, and not one of a100_sxm_80gb, cpu_gloo, gb200_nvl72, h100_sxm, h200_sxm
+    ValueError: unknown profile 'h300': not a file, and not one of a100_sxm_80gb, cpu_gloo, gb200_nvl72, ...
     """
     path = Path(name_or_path)
     if not path.is_file():
@@ -257,9 +257,7 @@ class _Checker:
             raise ValueError(f"{self.where}: {prefix.rstrip('.') or 'the profile'} must be a JSON object")
         for key in data:
             if key not in schema:
-                raise ValueError(
-                    f"{self.where}: unknown key {prefix + key!r}; valid keys: {', '.join(sorted(schema))}"
-                )
+                raise ValueError(f"{self.where}: unknown key {prefix + key!r}; valid keys: {', '.join(sorted(schema))}")
         for key, kind in schema.items():
             if key not in data:
                 raise ValueError(f"{self.where}: missing key {prefix + key!r}")

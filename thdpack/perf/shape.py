@@ -27,7 +27,9 @@ from typing import Any
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Backward FLOPs of an attention block per forward FLOP (FlashAttention's convention: five
 matmuls against two)."""
-UNGATED_MODEL_TYPES = frozenset({"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "mpt", "phi", "bert"})
+UNGATED_MODEL_TYPES = frozenset(
+    {"gpt2", "gpt_neox", "gptj", "gpt_bigcode", "opt", "bloom", "falcon", "mpt", "phi", "bert"}
+)
 """Hugging Face ``model_type`` values whose MLP has two matrices (the rest are gated, as Llama's);
 a ``gated_mlp`` key in the mapping overrides it."""
 
