@@ -19,9 +19,11 @@ linear layer costs twice its forward (the gradients of the input and of the weig
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 ATTENTION_BACKWARD_FACTOR = 2.5
@@ -158,3 +160,47 @@ class ModelShape:
         block += 2 * self.hidden
         embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
         return self.layers * block + embeddings + self.hidden
+
+
+NAMED_SHAPES: dict[str, ModelShape] = {
+    # Megatron-LM's dynamic-CP benchmark model (examples/dynamic_context_parallel/benchmark_dcp.sh):
+    # GPT, 12 layers, hidden 2048, FFN 8192, 16 heads (no GQA), vocabulary 131072, GELU MLP, tied
+    "megatron-dcp-gpt": ModelShape(
+        layers=12, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128, vocab=131072, gated_mlp=False
+    ),
+    # Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json)
+    "llama3-8b": ModelShape(
+        layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, head_dim=128, vocab=128256, tied_embeddings=False
+    ),
+}
+"""Public model shapes by name."""
+
+
+def load_shape(spec: str | Path) -> ModelShape:
+    """A model shape from ``spec``: a JSON file (``ModelShape``'s own fields, or a Hugging Face
+    ``config.json``), a name of ``NAMED_SHAPES``, or a thdpack ``ModelConfig`` preset (``tiny``,
+    ``small``, ``114m``; loading a preset imports torch, as ``thdpack.models`` does)."""
+    path = Path(spec)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model config {path}: not valid JSON ({err})") from None
+        if not isinstance(data, Mapping):
+            raise ValueError(f"model config {path}: holds a {type(data).__name__}, not a JSON object")
+        own = {f.name for f in fields(ModelShape)}
+        if "layers" in data:
+            unknown = sorted(set(data) - own)
+            if unknown:
+                raise ValueError(f"model config {path}: unknown ModelShape field {unknown[0]!r}; valid: {sorted(own)}")
+            return ModelShape(**data)
+        return ModelShape.from_hf_config(data)
+    name = str(spec)
+    if name in NAMED_SHAPES:
+        return NAMED_SHAPES[name]
+    from thdpack.models.config import MODEL_PRESETS, ModelConfig
+
+    if name in MODEL_PRESETS:
+        return ModelShape.from_model_config(ModelConfig.preset(name))
+    valid = ", ".join([*NAMED_SHAPES, *MODEL_PRESETS])
+    raise ValueError(f"unknown model {name!r}: not a file, and not one of {valid} (or a path to a config.json)")
