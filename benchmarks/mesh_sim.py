@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from thdpack.perf.comm import Topology
-from thdpack.perf.megatron import SCHEDULERS, lognormal_lengths, scheduler_run
+from thdpack.perf.megatron import MEGATRON_SPEC, SCHEDULERS, lognormal_lengths, scheduler_run
 from thdpack.perf.mesh import COMMS, MeshRun
 from thdpack.perf.modes import MODES, mode_run
 from thdpack.perf.profiles import PROFILE_NAMES, load_profile
@@ -143,7 +143,7 @@ def megatron_check(steps: int = MEGATRON_STEPS, gpus: tuple[int, ...] = MEGATRON
     """Megatron's two schedulers on the H100 and GB200 profiles against the published table, and
     thdpack's modes on the same workload (GB200)."""
     shape = NAMED_SHAPES["megatron-dcp-gpt"]
-    spec = TrainingSpec()  # Megatron's script: bf16 gradients, no overlap, no distributed optimizer
+    spec = MEGATRON_SPEC
     out: dict[str, object] = {"steps": steps, "profiles": {}, "thdpack": {}}
     for name in ("h100_sxm", "gb200_nvl72"):
         profile = load_profile(name)
@@ -275,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cp", type=int, default=8, help="CP group of te / adaptive / a2a (mesh: all GPUs)")
     parser.add_argument("--rank-tokens", type=int, default=8192, help="tokens per rank: packs of cp x this")
     parser.add_argument("--micro-batches", type=int, default=1, help="packs per data-parallel rank per step")
-    parser.add_argument("--overlap-dp", action="store_true", help="the gradient all-reduce overlaps the backward")
+    parser.add_argument("--overlap-dp", action=argparse.BooleanOptionalAction, default=True,
+                        help="the gradient all-reduce overlaps the last backward (thdpack's trainer: yes)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help=f"the first {TINY_SEQUENCES:,} lengths, 8 and 16 GPUs")
     parser.add_argument("--megatron", action="store_true", help="check the model against Megatron-LM's table")
     parser.add_argument("--timing", type=int, nargs="?", const=1_000_000, default=None,

@@ -39,8 +39,12 @@ from collections import deque
 import numpy as np
 
 from thdpack.perf.mesh import COMMS, MeshRun
+from thdpack.perf.step import TrainingSpec
 
 SCHEDULERS: tuple[str, ...] = ("dp_balanced", "dynamic_cp")
+MEGATRON_SPEC = TrainingSpec(grad_itemsize=2, overlap_dp=False)
+"""How ``benchmark_dcp.sh`` trains: bf16 gradients all-reduced after the backward (no
+``--overlap-grad-reduce``, no ``--accumulate-allreduce-grads-in-fp32``), Adam not distributed."""
 
 
 def lognormal_lengths(

@@ -140,8 +140,9 @@ class ModelShape:
         """Bytes of one token's K and V in one layer (what a ring step sends)."""
         return 2 * self.kv_heads * self.head_dim * self.itemsize
 
-    def qkv_bytes_per_token(self, copies: int = 1) -> int:
-        """Bytes of one token's Q, K and V (K and V with each head repeated ``copies`` times)."""
+    def qkv_bytes_per_token(self, copies: Any = 1) -> Any:
+        """Bytes of one token's Q, K and V, K and V with each head repeated ``copies`` times (an int
+        or an array of them)."""
         return (self.heads + 2 * self.kv_heads * copies) * self.head_dim * self.itemsize
 
     def out_bytes_per_token(self) -> int:

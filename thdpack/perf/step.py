@@ -48,16 +48,18 @@ PARTS: tuple[str, ...] = ("linear", "attention", "comm", "wait", "dp", "optimize
 class TrainingSpec:
     """How the run trains, beside the model and the machine."""
 
-    grad_itemsize: int = 2
-    """Bytes per gradient element the data-parallel all-reduce sends (bf16: Megatron's default)."""
+    grad_itemsize: int = 4
+    """Bytes per gradient element the data-parallel all-reduce sends (fp32: thdpack's trainer reduces
+    in fp32; Megatron-LM's default is bf16, 2)."""
     optimizer_bytes_per_param: float = 40.0
     """HBM bytes the optimizer step moves per parameter: Adam with fp32 master weights reads and
     writes the fp32 parameter, gradient and both moments (28), copies the bf16 gradient to fp32 (6),
     reads it once more for the gradient norm (4) and writes the bf16 parameter (2)."""
     optimizer_shards: int = 1
     """Ranks one parameter's update is spread over (a distributed optimizer: the DP size)."""
-    overlap_dp: bool = False
-    """The gradient all-reduce overlaps the last round's backward (Megatron: ``--overlap-grad-reduce``)."""
+    overlap_dp: bool = True
+    """The gradient all-reduce overlaps the last round's backward (DDP's buckets, FSDP2; Megatron-LM
+    only with ``--overlap-grad-reduce``)."""
 
 
 @dataclass(frozen=True)
@@ -170,9 +172,9 @@ class StepModel:
         if a2a.any():
             held_G = run.tokens.reshape(-1)[run.cells()]
             copies = np.array([self.shape.kv_copies(int(g)) for g in size_G])
-            qkv = held_G * (self.shape.heads + 2 * self.shape.kv_heads * copies) * self.shape.head_dim
+            qkv = held_G * self.shape.qkv_bytes_per_token(copies)
             out = held_G * self.shape.out_bytes_per_token()
-            both = (self.comm.collective("all_to_all", qkv * self.shape.itemsize, size_G, domains_G)
+            both = (self.comm.collective("all_to_all", qkv, size_G, domains_G)
                     + self.comm.collective("all_to_all", out, size_G, domains_G))  # fmt: skip
             exp_f += spread(np.where(a2a & has_work, both, 0.0))
             exp_b += spread(np.where(a2a & has_work, both, 0.0))
