@@ -38,6 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from thdpack.data.stats_command import example_lengths_path, load_lengths
 from thdpack.perf.comm import Topology
 from thdpack.perf.megatron import MEGATRON_SPEC, SCHEDULERS, lognormal_lengths, scheduler_run
 from thdpack.perf.mesh import COMMS, MeshRun
@@ -49,7 +50,6 @@ from thdpack.perf.step import PARTS, StepModel, TrainingSpec
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("THDPACK_SHARED_DATA", ROOT.parent / "shared" / "data"))
 ALPACA = SHARED / "alpaca_data.gpt2.lengths.npy"
-STDLIB = ROOT / "thdpack" / "assets" / "examples" / "python311_stdlib.gpt2.lengths.npy"
 TINY_SEQUENCES = 3000
 
 # Megatron-LM examples/dynamic_context_parallel/README.md (June 9, 2026): 10%-trimmed mean step ms
@@ -61,12 +61,11 @@ MEGATRON_STEPS = 200
 
 
 def read_lengths(path: Path | None, tiny: bool) -> tuple[str, np.ndarray]:
-    """(name, lengths >= 1) of a .npy / text file, or of the shared Alpaca lengths (the stdlib
-    example when they are absent)."""
+    """(name, lengths >= 1) of a lengths file (``thdpack stats``' formats), or of the shared Alpaca
+    lengths (the stdlib example shipped with thdpack when they are absent)."""
     if path is None:
-        path = ALPACA if ALPACA.exists() else STDLIB
-    lengths = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, dtype=np.int64, ndmin=1)
-    lengths = np.asarray(lengths, dtype=np.int64)
+        path = ALPACA if ALPACA.exists() else example_lengths_path()
+    lengths = load_lengths(path)
     lengths = lengths[lengths > 0]  # lengths files count records that tokenized to nothing
     return path.name, lengths[:TINY_SEQUENCES] if tiny else lengths
 
@@ -267,7 +266,7 @@ def timing(lengths: np.ndarray, model: StepModel, world: int, cp: int, rank_toke
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=Path, default=None, help="a .npy or text file of sequence lengths")
+    parser.add_argument("--lengths", type=Path, default=None, help="a .npy, text file or token store of lengths")
     parser.add_argument("--model", default="llama3-8b", help=f"a config.json, or one of {', '.join(NAMED_SHAPES)}")
     parser.add_argument("--profile", default="h100_sxm", help=f"a profile JSON or one of {', '.join(PROFILE_NAMES)}")
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])

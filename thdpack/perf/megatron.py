@@ -6,8 +6,9 @@ which ranks run which samples in each micro-batch (``megatron/core/datasets/data
 ``data_schedule_utils.py``, NVIDIA/Megatron-LM, June 2026, read for this module; no code copied):
 
 - ``dp_balanced`` (``DpBalancedScheduler``): the samples in their order are packed next-fit up to
-  ``cp x max_seqlen_per_rank`` tokens; while the number of packs is not a multiple of ``dp``, the
-  last sample of the last pack holding several becomes a pack of its own; micro-batch ``i`` gives
+  ``cp x max_seqlen_per_rank`` tokens (``thdpack.plan.ordered.next_fit``); while the number of
+  packs is not a multiple of ``dp``, the last sample of the last pack holding several becomes a
+  pack of its own; micro-batch ``i`` gives
   pack ``i x dp + d`` to data-parallel rank ``d``, whose CP group splits every sample over its
   ``cp`` ranks in TE's layout (the ring);
 - ``dynamic_cp`` (``DefaultDynamicCPScheduler``): every sample needs the smallest power-of-2 group
@@ -33,6 +34,7 @@ Legend: ``W`` ranks of the mesh.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 
@@ -40,6 +42,7 @@ import numpy as np
 
 from thdpack.perf.mesh import COMMS, MeshRun
 from thdpack.perf.step import TrainingSpec
+from thdpack.plan.ordered import next_fit
 
 SCHEDULERS: tuple[str, ...] = ("dp_balanced", "dynamic_cp")
 MEGATRON_SPEC = TrainingSpec(grad_itemsize=2, overlap_dp=False)
@@ -70,18 +73,8 @@ def dp_balanced(
 ) -> list[list[list[int]]]:
     """``[micro-batch][dp rank] -> sample indices`` of Megatron's ``dp_balanced`` scheduler for one
     global batch of (padded) ``lengths`` in order."""
-    capacity = cp * max_seqlen_per_rank
-    packs: list[list[int]] = []
-    current: list[int] = []
-    total = 0
-    for i, length in enumerate(int(x) for x in lengths):
-        if current and total + length > capacity:
-            packs.append(current)
-            current, total = [], 0
-        current.append(i)
-        total += length
-    if current:
-        packs.append(current)
+    offsets = next_fit(np.asarray(lengths, dtype=np.int64), cp * max_seqlen_per_rank).tolist()
+    packs = [list(range(a, b)) for a, b in itertools.pairwise(offsets)]
     missing = -len(packs) % dp
     i = len(packs) - 1
     while missing:

@@ -185,13 +185,18 @@ def load_profile(name_or_path: str | Path) -> MachineProfile:
                 f"unknown profile {str(name_or_path)!r}: not a file, and not one of {', '.join(PROFILE_NAMES)}"
             )
         path = PROFILE_DIR / f"{name_or_path}.json"
+    return MachineProfile.from_dict(read_json_object(path, "profile"))
+
+
+def read_json_object(path: Path, what: str) -> Mapping[str, Any]:
+    """The JSON object in ``path``; ``ValueError`` naming ``what`` and the file otherwise."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
-        raise ValueError(f"profile {path}: not valid JSON ({err})") from None
+        raise ValueError(f"{what} {path}: not valid JSON ({err})") from None
     if not isinstance(data, Mapping):
-        raise ValueError(f"profile {path}: the file holds a {type(data).__name__}, not a JSON object")
-    return MachineProfile.from_dict(data)
+        raise ValueError(f"{what} {path}: the file holds a {type(data).__name__}, not a JSON object")
+    return data
 
 
 # The schema: key -> a nested schema (dict) or the kind of value

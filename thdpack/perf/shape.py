@@ -19,12 +19,13 @@ linear layer costs twice its forward (the gradients of the input and of the weig
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+
+from thdpack.perf.profiles import read_json_object
 
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Backward FLOPs of an attention block per forward FLOP (FlashAttention's convention: five
@@ -183,12 +184,7 @@ def load_shape(spec: str | Path) -> ModelShape:
     ``small``, ``114m``; loading a preset imports torch, as ``thdpack.models`` does)."""
     path = Path(spec)
     if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"model config {path}: not valid JSON ({err})") from None
-        if not isinstance(data, Mapping):
-            raise ValueError(f"model config {path}: holds a {type(data).__name__}, not a JSON object")
+        data = read_json_object(path, "model config")
         own = {f.name for f in fields(ModelShape)}
         if "layers" in data:
             unknown = sorted(set(data) - own)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.data.stats_command import load_lengths
 from thdpack.perf.comm import Topology
 from thdpack.perf.modes import mode_run
 from thdpack.perf.profiles import PROFILE_NAMES, load_profile
@@ -28,7 +29,7 @@ from thdpack.perf.step import PARTS, StepModel, TrainingSpec
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suggest", type=Path, required=True, metavar="LENGTHS",
-                        help="a .npy or text file of sequence lengths (one per line)")  # fmt: skip
+                        help="sequence lengths: a .npy, a text file (one per line) or a token store")  # fmt: skip
     parser.add_argument("--model", default="llama3-8b",
                         help=f"a config.json (Hugging Face or ModelShape fields), one of {', '.join(NAMED_SHAPES)}, "
                         "or a thdpack preset (tiny, small, 114m)")  # fmt: skip
@@ -101,11 +102,8 @@ def format_rows(rows: list[dict[str, object]]) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     path = args.suggest
-    if not path.is_file():
-        raise FileNotFoundError(f"lengths file {path} does not exist")
-    lengths = np.load(path) if path.suffix == ".npy" else np.loadtxt(path, dtype=np.int64, ndmin=1)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    lengths = lengths[lengths > 0]
+    lengths = load_lengths(path)
+    lengths = lengths[lengths > 0]  # records that tokenized to nothing have no work
     if not len(lengths):
         raise ValueError(f"{path} holds no sequence of at least one token")
     profile = load_profile(args.profile)

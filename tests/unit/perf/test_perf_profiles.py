@@ -91,3 +91,17 @@ def test_files_that_are_not_profiles(tmp_path):
         load_profile(tmp_path / "list.json")
     with pytest.raises(ValueError, match="unknown profile 'b300'"):
         load_profile("b300")
+
+
+def test_the_model_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import thdpack.perf.step, thdpack.perf.megatron, thdpack.perf.modes, thdpack.perf.suggest\n"
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False"]
