@@ -3,6 +3,7 @@
     python benchmarks/mesh_sim.py                                   # Alpaca on H100, 8 .. 1,024 GPUs
     python benchmarks/mesh_sim.py --lengths my.npy --model llama3-8b --profile gb200_nvl72 --gpus 64 1024 \\
         --cp 8 --rank-tokens 8192 --json out.json --plot out.png
+    python benchmarks/mesh_sim.py --lognormal 1000000 --plot docs/performance/mesh_sim.png   # Megatron's mix
     python benchmarks/mesh_sim.py --tiny                            # seconds on the CPU (the test)
     python benchmarks/mesh_sim.py --megatron                        # Megatron-LM's dynamic-CP table, checked
     python benchmarks/mesh_sim.py --timing                          # 1M sequences at 1,024 GPUs: seconds per mode
@@ -40,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from thdpack.data.stats_command import example_lengths_path, load_lengths
 from thdpack.perf.comm import Topology
+from thdpack.perf.machine import PROFILE_NAMES, load_profile
 from thdpack.perf.megatron import MEGATRON_SPEC, SCHEDULERS, lognormal_lengths, scheduler_run
 from thdpack.perf.mesh import COMMS, MeshRun
 from thdpack.perf.modes import MODES, mode_run
-from thdpack.perf.profiles import PROFILE_NAMES, load_profile
 from thdpack.perf.shape import NAMED_SHAPES, ModelShape, load_shape
 from thdpack.perf.step import PARTS, StepModel, TrainingSpec
 
@@ -267,16 +268,19 @@ def timing(lengths: np.ndarray, model: StepModel, world: int, cp: int, rank_toke
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=Path, default=None, help="a .npy, text file or token store of lengths")
+    parser.add_argument("--lognormal", type=int, default=None, metavar="N",
+                        help="N lengths of Megatron-LM's mock distribution instead of a file")  # fmt: skip
     parser.add_argument("--model", default="llama3-8b", help=f"a config.json, or one of {', '.join(NAMED_SHAPES)}")
     parser.add_argument("--profile", default="h100_sxm", help=f"a profile JSON or one of {', '.join(PROFILE_NAMES)}")
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024])
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
     parser.add_argument("--cp", type=int, default=8, help="CP group of te / adaptive / a2a (mesh: all GPUs)")
     parser.add_argument("--rank-tokens", type=int, default=8192, help="tokens per rank: packs of cp x this")
-    parser.add_argument("--micro-batches", type=int, default=1, help="packs per data-parallel rank per step")
+    parser.add_argument("--micro-batches", type=int, default=8, help="packs per data-parallel rank per step")
     parser.add_argument("--overlap-dp", action=argparse.BooleanOptionalAction, default=True,
                         help="the gradient all-reduce overlaps the last backward (thdpack's trainer: yes)")  # fmt: skip
-    parser.add_argument("--tiny", action="store_true", help=f"the first {TINY_SEQUENCES:,} lengths, 8 and 16 GPUs")
+    parser.add_argument("--tiny", action="store_true",
+                        help=f"the first {TINY_SEQUENCES:,} lengths, 8 and 16 GPUs, one micro-batch")  # fmt: skip
     parser.add_argument("--megatron", action="store_true", help="check the model against Megatron-LM's table")
     parser.add_argument("--timing", type=int, nargs="?", const=1_000_000, default=None,
                         help="seconds for N (1M) lognormal lengths at the largest --gpus")  # fmt: skip
@@ -300,10 +304,14 @@ def main(argv: list[str] | None = None) -> int:
             record["timing"] = timing(lengths, model, world, args.cp, args.rank_tokens)
             print(f"all modes: {time.perf_counter() - tick:.1f} s")
         else:
-            name, lengths = read_lengths(args.lengths, args.tiny)
+            if args.lognormal:
+                name, lengths = f"lognormal x {args.lognormal:,}", lognormal_lengths(args.lognormal, seed=0)
+            else:
+                name, lengths = read_lengths(args.lengths, args.tiny)
             gpus = [8, 16] if args.tiny else args.gpus
+            micro_batches = 1 if args.tiny else args.micro_batches
             rows = simulate(lengths, model=model, gpus=gpus, cp=args.cp, rank_tokens=args.rank_tokens,
-                            micro_batches=args.micro_batches)  # fmt: skip
+                            micro_batches=micro_batches)  # fmt: skip
             print(f"{name}: {len(lengths):,} sequences, model {args.model}, profile {profile.name}")
             print(table(rows))
             record["rows"] = rows

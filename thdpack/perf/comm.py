@@ -12,7 +12,7 @@ network's hop latency). One send of a ring step costs ``base + hop + B / bandwid
 
 Legend: ``G`` groups.
 
->>> from thdpack.perf.profiles import load_profile
+>>> from thdpack.perf.machine import load_profile
 >>> comm = Comm(load_profile("h100_sxm"), Topology(gpus_per_node=8, nvlink_domain=8))
 >>> inside, across = comm.collective("all_reduce", 1e9, 8, np.array([1, 2]))
 >>> round(float(inside) * 1e3, 2), round(float(across) * 1e3, 2)   # 1 GB over 8 GPUs: NVLink, then 2 nodes
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from thdpack.perf.profiles import MachineProfile
+from thdpack.perf.machine import MachineProfile
 
 
 @dataclass(frozen=True)

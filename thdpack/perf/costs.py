@@ -20,7 +20,7 @@ compute, which is not additive).
 
 Legend: ``S`` sequences, ``G`` ranks of a group.
 
->>> from thdpack.perf.profiles import load_profile
+>>> from thdpack.perf.machine import load_profile
 >>> from thdpack.perf.shape import ModelShape
 >>> shape = ModelShape(layers=12, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128, vocab=131072,
 ...                    gated_mlp=False)
@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.perf.kernels import KernelTimes
-from thdpack.perf.profiles import MachineProfile
+from thdpack.perf.machine import MachineProfile
 from thdpack.perf.shape import ModelShape
 
 

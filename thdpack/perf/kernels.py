@@ -16,7 +16,7 @@ backward takes the same slowdown the causal forward shows against the full forwa
 
 Times are per layer unless a name says otherwise. Legend: ``S`` blocks (sequences).
 
->>> from thdpack.perf.profiles import load_profile
+>>> from thdpack.perf.machine import load_profile
 >>> from thdpack.perf.shape import ModelShape
 >>> k = KernelTimes(load_profile("h100_sxm"), ModelShape(layers=1, hidden=2048, ffn=8192, heads=16, kv_heads=16,
 ...                                                     head_dim=128, vocab=32000))
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from thdpack.perf.profiles import MachineProfile
+from thdpack.perf.machine import MachineProfile
 from thdpack.perf.shape import ATTENTION_BACKWARD_FACTOR, ModelShape
 
 BACKWARD_KERNELS = 3

@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from thdpack.perf.profiles import read_json_object
+from thdpack.perf.machine import read_json_object
 
 ATTENTION_BACKWARD_FACTOR = 2.5
 """Backward FLOPs of an attention block per forward FLOP (FlashAttention's convention: five

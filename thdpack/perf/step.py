@@ -36,8 +36,8 @@ import numpy as np
 
 from thdpack.perf.comm import Comm, Topology
 from thdpack.perf.costs import SequenceCosts, split_slot
+from thdpack.perf.machine import MachineProfile
 from thdpack.perf.mesh import COMMS, MeshRun
-from thdpack.perf.profiles import MachineProfile
 from thdpack.perf.shape import ModelShape
 
 PARTS: tuple[str, ...] = ("linear", "attention", "comm", "wait", "dp", "optimizer")

@@ -21,8 +21,8 @@ import numpy as np
 
 from thdpack.data.stats_command import load_lengths
 from thdpack.perf.comm import Topology
+from thdpack.perf.machine import PROFILE_NAMES, load_profile
 from thdpack.perf.modes import mode_run
-from thdpack.perf.profiles import PROFILE_NAMES, load_profile
 from thdpack.perf.shape import NAMED_SHAPES, ModelShape, load_shape
 from thdpack.perf.step import PARTS, StepModel, TrainingSpec
 

@@ -12,9 +12,9 @@ import pytest
 
 from thdpack.perf.comm import Comm, Topology
 from thdpack.perf.costs import SequenceCosts
+from thdpack.perf.machine import MachineProfile, load_profile
 from thdpack.perf.megatron import lognormal_lengths
 from thdpack.perf.mesh import COMMS, MeshRun, placed_run
-from thdpack.perf.profiles import MachineProfile, load_profile
 from thdpack.perf.shape import ModelShape
 from thdpack.perf.step import StepModel, TrainingSpec
 from thdpack.plan import plan_packs

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from thdpack.perf.profiles import PROFILE_NAMES, MachineProfile, load_profile
+from thdpack.perf.machine import PROFILE_NAMES, MachineProfile, load_profile
 
 
 def _h100() -> dict:
