@@ -22,6 +22,7 @@ Legend: ``S`` sequences, ``G`` ranks of a group.
 
 >>> from thdpack.perf.machine import load_profile
 >>> from thdpack.perf.shape import ModelShape
+from thdpack.plan.placement import slot_lengths
 >>> shape = ModelShape(layers=12, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128, vocab=131072,
 ...                    gated_mlp=False)
 >>> costs = SequenceCosts(load_profile("h100_sxm"), shape)
@@ -41,13 +42,14 @@ import numpy as np
 from thdpack.perf.kernels import KernelTimes
 from thdpack.perf.machine import MachineProfile
 from thdpack.perf.shape import ModelShape
+from thdpack.plan.placement import slot_lengths
 
 
 def split_slot(lengths_S: np.ndarray, group_size: int) -> np.ndarray:
     """(S,) float64 slot of sequences split over ``group_size`` ranks: the length rounded up to a
-    multiple of ``2 * group_size`` (TE's rule; ``thdpack.plan.placement.slot_lengths``)."""
-    step = 2 * group_size
-    return np.ceil(np.asarray(lengths_S, dtype=np.float64) / step) * step
+    multiple of ``2 * group_size`` (TE's rule, ``thdpack.plan.placement.slot_lengths``)."""
+    lengths_S = np.asarray(lengths_S, dtype=np.int64)
+    return slot_lengths(lengths_S, np.full(lengths_S.shape, group_size)).astype(np.float64)
 
 
 class SequenceCosts:
