@@ -22,7 +22,6 @@ Legend: ``S`` sequences, ``G`` ranks of a group.
 
 >>> from thdpack.perf.machine import load_profile
 >>> from thdpack.perf.shape import ModelShape
-from thdpack.plan.placement import slot_lengths
 >>> shape = ModelShape(layers=12, hidden=2048, ffn=8192, heads=16, kv_heads=16, head_dim=128, vocab=131072,
 ...                    gated_mlp=False)
 >>> costs = SequenceCosts(load_profile("h100_sxm"), shape)
