@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from thdpack.layout.rules import slot_lengths
 from thdpack.perf.kernels import KernelTimes
 from thdpack.perf.machine import MachineProfile
 from thdpack.perf.shape import ModelShape
-from thdpack.plan.placement import slot_lengths
 
 
 def split_slot(lengths_S: np.ndarray, group_size: int) -> np.ndarray:
     """(S,) float64 slot of sequences split over ``group_size`` ranks: the length rounded up to a
-    multiple of ``2 * group_size`` (TE's rule, ``thdpack.plan.placement.slot_lengths``)."""
+    multiple of ``2 * group_size`` (TE's rule, ``thdpack.layout.rules.slot_lengths``)."""
     lengths_S = np.asarray(lengths_S, dtype=np.int64)
     return slot_lengths(lengths_S, np.full(lengths_S.shape, group_size)).astype(np.float64)
 

@@ -28,9 +28,9 @@ from typing import Literal, NamedTuple
 
 import numpy as np
 
+from thdpack.layout.placement import CpPlacement
 from thdpack.perf.mesh import Comm, MeshRun, placed_run
 from thdpack.plan import plan_packs
-from thdpack.plan.placement import CpPlacement
 
 Mode = Literal["te", "adaptive", "a2a", "mesh"]
 MODES: tuple[Mode, ...] = ("te", "adaptive", "a2a", "mesh")
