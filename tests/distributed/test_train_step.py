@@ -57,7 +57,7 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     def dataset(**dealing) -> PackedDataset:
         return PackedDataset(samples, cfg.packing.pack_size, cp_size=cp_size, overflow="split", seed=3, **dealing)
 
-    stream = dataset(rank=runtime.dp_rank, world_size=runtime.dp_size).step_stream(
+    stream = dataset(dp_rank=runtime.dp_rank, dp_size=runtime.dp_size).step_stream(
         micro_batches=2, packs_per_micro_batch=1
     )
     model, inner = build_model(cfg, runtime, VOCAB)
