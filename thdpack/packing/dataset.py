@@ -42,7 +42,6 @@ import torch
 
 from thdpack._config_forms import FlatKeywords, Part, flat_values
 from thdpack._settings import Settings, check_int, flag, one_of, setting
-from thdpack.format_rules import check_pack_size
 from thdpack.packing.dealing import BALANCES, REMAINDERS, Balance, Epoch, Epochs, EpochShard, Remainder, rank_share
 from thdpack.packing.packer import Pack, build_pack, read_sample
 from thdpack.packing.runtime import PackingRuntime
@@ -152,7 +151,6 @@ class PackedDataset(torch.utils.data.Dataset):
         config, runtime = DATASET_KEYWORDS.build(pack_size=pack_size, **keywords)
         self.config: PackedDatasetConfig = config
         self.runtime: PackingRuntime = runtime
-        check_pack_size(config.plan.pack_size, runtime.cp_size)
         self.samples = samples
         if lengths is None:
             lengths = [len(read_sample(samples[i], i)) for i in range(len(samples))]
