@@ -55,12 +55,12 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from train_throughput import CPU_MODEL, DATASETS, SEED, TINY_MODEL, load_lengths, split_documents  # noqa: E402
 
-from thdpack.format_rules import cp_multiple  # noqa: E402
+from thdpack.layout.placement import PackPlacement  # noqa: E402
+from thdpack.layout.rules import cp_multiple  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
 from thdpack.packing.packer import pack_from_segments  # noqa: E402
 from thdpack.plan import plan_packs  # noqa: E402
 from thdpack.plan.adaptive import place_packs  # noqa: E402
-from thdpack.plan.placement import PackPlacement  # noqa: E402
 from thdpack.testing import run_distributed  # noqa: E402
 from thdpack.thd import thd_collate  # noqa: E402
 from thdpack.train.step import forward_backward, prepare_micro_batches  # noqa: E402

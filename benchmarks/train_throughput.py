@@ -86,7 +86,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from thdpack.format_rules import IGNORE_INDEX  # noqa: E402
+from thdpack.layout.rules import IGNORE_INDEX  # noqa: E402
 from thdpack.loss import StepLoss  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
 from thdpack.packing.layout import position_ids  # noqa: E402

@@ -36,11 +36,11 @@ from torch.overrides import TorchFunctionMode
 
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp import shard
-from thdpack.format_rules import cp_multiple
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.rules import cp_multiple
 from thdpack.loss import count_loss_tokens
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
 from thdpack.packing import pack_from_segments
-from thdpack.plan.placement import PackPlacement
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
 

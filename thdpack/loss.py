@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from thdpack.format_rules import IGNORE_INDEX
+from thdpack.layout.rules import IGNORE_INDEX
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import global_placement
 

@@ -23,6 +23,7 @@ import thdpack.cp.comm as comm
 from thdpack.attention import thd_attention
 from thdpack.cp import shard
 from thdpack.testing import run_distributed
+from thdpack.thd.parts import shard_parts
 
 pytestmark = pytest.mark.distributed
 
@@ -102,7 +103,7 @@ def _mutants_in(group, cp_size: int) -> list:
     local = shard(thd, cp_size, rank)
     index = shard_rows(local)
     foreign = shard_rows(shard(thd, cp_size, (rank + 1) % cp_size))
-    parts = local["thd_meta"].parts
+    parts = shard_parts(local["thd_meta"])
     swapped = torch.cat([index[p.rows] for p in reversed(parts)])
     out = []
     for name, rows in zip(MUTANTS, (foreign, swapped), strict=True):
@@ -263,7 +264,7 @@ def test_only_the_split_sequences_k_v_travel_within_their_groups(placed_runs, cp
     thd = placed_metadata(MIXED_PACKS[cp_size])
     for rank, rank_counts in enumerate(collectives):
         local = shard(thd, cp_size, rank % cp_size)
-        parts = [(p.group_size, p.rows.stop - p.rows.start) for p in local["thd_meta"].parts if p.group_size > 1]
+        parts = [(p.group_size, p.rows.stop - p.rows.start) for p in shard_parts(local["thd_meta"]) if p.group_size > 1]
         ring = sorted(("batch_isend_irecv", g, n) for g, n in parts for _ in range(3 * g - 2))
         gather = sorted((name, g, n) for g, n in parts for name in ("_all_gather",) * 2 + ("_reduce_scatter",) * 2)
         calls = {comm_type: rank_counts[cp_size][("mixed", comm_type)][0] for comm_type in ("p2p", "all_gather")}

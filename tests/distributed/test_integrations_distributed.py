@@ -56,7 +56,7 @@ from _trainer_cases import (
 
 from thdpack.cp import gather
 from thdpack.testing import run_distributed
-from thdpack.thd.meta import META_KEY
+from thdpack.thd.carriage import META_KEY
 
 pytestmark = pytest.mark.distributed
 

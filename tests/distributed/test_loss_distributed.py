@@ -17,7 +17,7 @@ import torch.distributed as dist
 from thdpack.cp import partition_indices
 from thdpack.loss import StepLoss, cross_entropy_sum, loss_weights
 from thdpack.testing import run_distributed
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 VOCAB, DIM, MICRO_STEPS = 13, 6, 2
 LENGTHS = [3, 9, 2, 14, 5, 7, 1, 11, 4, 6]

@@ -44,7 +44,8 @@ from thdpack.attention.backends.base import AttendFn, AttentionCall, AttentionOu
 from thdpack.attention.config import AttentionConfig, resolve_softmax_scale
 from thdpack.cp.comm import all_to_all_blocks
 from thdpack.cp.partition import GatherOrder, gather_order
-from thdpack.thd.meta import ThdMeta, attach_meta, thd_meta
+from thdpack.thd.carriage import attach_meta, thd_meta
+from thdpack.thd.meta import ThdMeta
 
 
 def kv_replication(nq: int, nkv: int, cp_size: int) -> int:

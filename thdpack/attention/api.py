@@ -16,7 +16,7 @@ import torch.distributed as dist
 from thdpack.attention.backends.base import AttentionCall, CallFacts
 from thdpack.attention.config import AttentionConfig, resolve_softmax_scale
 from thdpack.attention.select import attend_function, choose_backend, log_choice
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 CONFIG_KEYWORDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
 """The keywords ``thd_attention`` accepts as a shorthand for ``config=AttentionConfig(...)``."""

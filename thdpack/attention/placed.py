@@ -1,7 +1,7 @@
 """Attention of a CP shard under a per-sequence placement: each part by its own path, one output.
 
 Under a per-sequence placement (``plan_packs(..., cp_placement="adaptive")``,
-docs/design/cp_placement.md) a rank's rows come in parts (``ThdMeta.parts``): one per split group
+docs/design/cp_placement.md) a rank's rows come in parts (``thdpack.thd.parts``): one per split group
 that holds sequences of the rank (largest group first), then its whole sequences.
 
 - A split group's rows are a Transformer Engine shard of the group's sequences over its ``g``
@@ -31,7 +31,10 @@ import torch
 from thdpack.attention.backends.base import AttendFn, AttentionCall, AttentionOutput
 from thdpack.attention.merge import accumulation_dtype
 from thdpack.cp.comm import placement_groups
-from thdpack.thd.meta import ThdMeta, attach_meta, cu_from_lengths
+from thdpack.thd.carriage import attach_meta
+from thdpack.thd.cu import cu_from_lengths
+from thdpack.thd.meta import ThdMeta
+from thdpack.thd.parts import shard_parts
 
 
 def part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, Any]:
@@ -39,7 +42,7 @@ def part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, 
     ``cu_seqlens_padded`` / ``max_seqlen`` and record), built once per shard and device."""
 
     def build() -> Mapping[str, Any]:
-        part = meta.parts[index].meta
+        part = shard_parts(meta)[index].meta
         batch: dict[str, Any] = {
             "cu_seqlens": cu_from_lengths(part.lengths_S, device),
             "cu_seqlens_padded": cu_from_lengths(part.lengths_padded_S, device),
@@ -71,7 +74,7 @@ def placed_attention(
     intermediate = (groups.size_S > 1) & (groups.size_S < cp_size)
     subgroups = placement_groups(call.cp_group) if intermediate.any() else {}
     outs, lses = [], []
-    for index, part in enumerate(meta.parts):
+    for index, part in enumerate(shard_parts(meta)):
         batch = part_batch(meta, index, q_TNH.device)
         if part.group_size == 1:
             attend, group = whole, None

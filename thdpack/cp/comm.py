@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from thdpack.plan.placement import group_options
+from thdpack.layout.rules import group_options
 
 
 class Pending(Protocol):

@@ -44,7 +44,7 @@ from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
-from thdpack.format_rules import check_pack_size
+from thdpack.layout.rules import check_pack_size
 from thdpack.packing.dataset import DATASET_SEED
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from thdpack._optional import require
 from thdpack.attention.api import thd_attention
 from thdpack.attention.config import AttentionConfig
-from thdpack.thd.meta import META_KEY, thd_meta
+from thdpack.thd.carriage import META_KEY, thd_meta
 
 THD_KWARG = "thdpack_thd"
 """Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""

@@ -35,7 +35,7 @@ from thdpack.attention.config import AttentionConfig
 from thdpack.models.config import ModelConfig, check_head_sizes
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
 from thdpack.models.hf_folder import FOLDER_FIX, check_causal, config_json, load_hf_folder
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 ATTENTION_NAME = "thdpack"
 """``attn_implementation`` of the models built here."""

@@ -48,7 +48,7 @@ import torch
 
 from thdpack._config_forms import FlatKeywords, Part, flat_values
 from thdpack._settings import Settings, integer, one_of, setting
-from thdpack.format_rules import check_pack_size, cp_multiple, round_up_to_cp
+from thdpack.layout.rules import check_pack_size, cp_multiple, round_up_to_cp
 from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sample
 from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.state import check_saved_settings

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from thdpack._config_forms import FlatKeywords, Part
-from thdpack.format_rules import check_cp_size, check_pack_size, cp_multiple
+from thdpack.layout.rules import check_cp_size, check_pack_size, cp_multiple
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
 from thdpack.plan.config import MAX_LENGTH, PlanConfig

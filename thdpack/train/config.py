@@ -18,7 +18,7 @@ from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
-from thdpack.format_rules import check_pack_size
+from thdpack.layout.rules import check_pack_size
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import ModelConfig
 from thdpack.models.hf_causal_lm import HFModelConfig

@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from thdpack.cp.partition import shard
 from thdpack.loss import StepLoss, loss_weights
 from thdpack.thd.batch import thd_collate, thd_to_device
+from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import THDBatch
-from thdpack.thd.meta import thd_meta
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from thdpack.models.transformer import Transformer
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.testing import run_distributed
 from thdpack.thd.batch import thd_to_device
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 from thdpack.verify.exactness import (
     FAULTS,
     StepSpread,

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thdpack._settings import check_int
 from thdpack.cp.comm import create_placement_groups
 from thdpack.cp.partition import local_placement, shard
-from thdpack.format_rules import cp_multiple
+from thdpack.layout.rules import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dealing import round_robin
@@ -43,8 +43,8 @@ from thdpack.packing.packer import build_pack, pack_from_segments
 from thdpack.plan.api import plan_packs
 from thdpack.plan.config import CP_PLACEMENTS, LIBRARY_CP_PLACEMENT, CpPlacementMode
 from thdpack.thd.batch import thd_collate
+from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import THDBatch
-from thdpack.thd.meta import thd_meta
 from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]

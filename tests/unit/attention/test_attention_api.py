@@ -18,7 +18,7 @@ from thdpack.attention.backends.base import AttentionCall
 from thdpack.attention.select import ENV_VAR
 from thdpack.cp import shard as cp_shard
 from thdpack.thd import thd_collate
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 
 @pytest.fixture(autouse=True)

@@ -36,7 +36,8 @@ from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, wri
 from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer, packed_dataset
 from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.parts import shard_parts
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
@@ -173,7 +174,7 @@ def test_an_adaptive_plan_reaches_the_packs_and_the_cp_shards():
         source = StepSource(stream, cp_size=2, cp_rank=cp_rank, device=torch.device("cpu"), num_examples=0)
         micro = source[(0, 0)]
         assert len(micro["input_ids"]) == 32 * len(dataset) // 2
-        part_sizes |= {part.group_size for part in thd_meta(micro).parts}
+        part_sizes |= {part.group_size for part in shard_parts(thd_meta(micro))}
     assert part_sizes == {1, 2}
 
     te = _cp2_dataset("te")
