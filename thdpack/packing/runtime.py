@@ -42,14 +42,10 @@ class PackingRuntime:
     """The run's context of a packing component (module docstring)."""
 
     cp_size: int = setting(
-        "Context-parallel ranks per pack: each sequence takes a multiple of 2*cp_size slots (1: no CP).",
-        default=1,
-        check=integer(1),
+        "Context-parallel ranks; a sequence takes a multiple of 2*cp_size slots.", default=1, check=integer(1)
     )
     dp_rank: int = setting(
-        "This process's data-parallel rank: which share of every epoch's packs it is dealt.",
-        default=0,
-        check=integer(0),
+        "This process's data-parallel rank: which share of the packs it is dealt.", default=0, check=integer(0)
     )
     dp_size: int = setting("Data-parallel ranks the packs are dealt to.", default=1, check=integer(1))
     pad_id: int = setting(
