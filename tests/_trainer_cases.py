@@ -151,7 +151,7 @@ def placement_kinds(dataset: PackedDataset, packs_per_step: int, steps: int) -> 
     mixed = 0
     for epoch, pack in step_packs(dataset, packs_per_step, steps):
         placement = dataset.epochs[epoch].plan.placement
-        size_S = placement.pack(pack).group_size_S if placement is not None else np.array([dataset.cp_size])
+        size_S = placement.pack(pack).group_size_S if placement is not None else np.array([dataset.runtime.cp_size])
         sizes |= set(size_S.tolist())
         mixed += int((size_S == 1).any() and (size_S > 1).any())
     return {"group_sizes": sorted(sizes), "mixed_packs": mixed}

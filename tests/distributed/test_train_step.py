@@ -51,14 +51,14 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     from thdpack.verify.exactness import unpacked_step
 
     cfg = _config(cp_size, reduction, sharding)
-    runtime = init_runtime(ParallelConfig(cp_size=cp_size, dp_sharding=sharding))
+    runtime = init_runtime(ParallelConfig(cp_size=cp_size, dp_sharding=sharding), cp_placement="te")
     samples = _samples()
 
     def dataset(**dealing) -> PackedDataset:
         return PackedDataset(samples, cfg.packing.pack_size, cp_size=cp_size, overflow="split", seed=3, **dealing)
 
     topology = runtime.topology
-    stream = dataset(rank=topology.dp_rank, world_size=topology.dp_size).step_stream(
+    stream = dataset(dp_rank=topology.dp_rank, dp_size=topology.dp_size).step_stream(
         micro_batches=2, packs_per_micro_batch=1
     )
     model, inner = build_model(cfg, runtime, VOCAB)

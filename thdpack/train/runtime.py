@@ -63,7 +63,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_runtime(parallel: ParallelConfig, *, cp_placement: CpPlacementMode = "te") -> Runtime:
+def init_runtime(parallel: ParallelConfig, *, cp_placement: CpPlacementMode) -> Runtime:
     """Join (or create) the process group and build the dp x cp topology (``CpTopology.create``,
     which validates the sizes); with ``cp_placement="adaptive"`` also the process groups of the
     smaller groups of CP ranks a sequence may be split over (cp >= 4)."""

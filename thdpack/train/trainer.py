@@ -32,6 +32,7 @@ from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_mode
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.steps import Step, StepStream
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
@@ -173,8 +174,8 @@ class RunData:
 
 def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
     """The token store (verified, and tokenized with the model folder's tokenizer when it ships
-    one), the dataset over it with the run's CP size, DP layout and pad id beside the packing
-    settings, and the step stream. With ``data.store``, epoch 0 trains on the
+    one), the dataset over it with the run's ``PackingRuntime`` (CP size, DP rank and size, pad id)
+    beside the packing settings, and the step stream. With ``data.store``, epoch 0 trains on the
     store's prepared plan when it was planned with the run's settings (else the note says which
     setting differs)."""
     store = open_token_store(
@@ -195,15 +196,8 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
         prepared = read_prepared_plan(store.path, store.manifest, packing.plan, cp_size=topology.cp_size)
         _say(runtime, prepared.note)
         first_plan = prepared.plan
-    dataset = packing.build(
-        store,
-        cp_size=topology.cp_size,
-        rank=topology.dp_rank,
-        world_size=topology.dp_size,
-        pad_id=pad_id_of(store),
-        lengths=store.lengths,
-        first_plan=first_plan,
-    )
+    context = PackingRuntime.from_topology(topology, pad_id=pad_id_of(store))
+    dataset = packing.build(store, context, lengths=store.lengths, first_plan=first_plan)
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
     placement = dataset.plan.placement_summary()
     if placement is not None:

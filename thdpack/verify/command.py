@@ -29,12 +29,13 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 import torch.distributed as dist
 
+from thdpack._config_forms import add_options
 from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
 from thdpack.cp.topology import CpTopology
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
-from thdpack.plan.config import CP_PLACEMENTS
+from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.testing import run_distributed
 from thdpack.thd.batch import thd_to_device
 from thdpack.thd.carriage import thd_meta
@@ -71,13 +72,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (default auto)")
     parser.add_argument("--dtype", choices=VERIFY_DTYPES, default="float64", help="precision (default float64)")
     parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="CP K/V exchange")
-    parser.add_argument(
-        "--cp-placement",
-        choices=CP_PLACEMENTS,
-        default="te",
-        help="te: every sequence split over all CP ranks; adaptive: short ones whole on one rank, long ones split "
-        "over a group (default te)",
-    )
+    add_options(parser, PlanConfig, only=("cp_placement",), defaults={"cp_placement": TRAINING_CP_PLACEMENT})
     parser.add_argument("--reduction", choices=LOSS_REDUCTIONS, default="token_mean", help="loss normalisation")
     parser.add_argument("--micro-steps", type=int, default=2, help="gradient-accumulation micro-steps (default 2)")
     parser.add_argument("--model", choices=MODEL_PRESETS, default="tiny", help="model preset (default tiny)")

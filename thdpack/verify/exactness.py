@@ -41,7 +41,7 @@ from thdpack.models.transformer import Transformer
 from thdpack.packing.dealing import round_robin
 from thdpack.packing.packer import build_pack, pack_from_segments
 from thdpack.plan.api import plan_packs
-from thdpack.plan.config import CP_PLACEMENTS, CpPlacementMode
+from thdpack.plan.config import CP_PLACEMENTS, LIBRARY_CP_PLACEMENT, CpPlacementMode
 from thdpack.thd.batch import thd_collate
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import THDBatch
@@ -79,7 +79,7 @@ class StepSpread:
     """``"token_mean"`` or ``"sequence_mean"`` (``thdpack.loss``)."""
     fault: Fault = "none"
     """A layout bug to plant (``FAULTS``), or ``"none"``."""
-    cp_placement: CpPlacementMode = "te"
+    cp_placement: CpPlacementMode = LIBRARY_CP_PLACEMENT
     """How the packs place their sequences on the CP ranks: ``"te"`` (every sequence split over all)
     or ``"adaptive"`` (whole on one rank or split over a group: ``thdpack.plan.adaptive``)."""
 
@@ -122,7 +122,7 @@ def make_samples(lengths: Sequence[int], vocab_size: int, seed: int) -> list[dic
     return samples
 
 
-def pack_size_for(lengths: Sequence[int], cp_size: int, cp_placement: CpPlacementMode = "te") -> int:
+def pack_size_for(lengths: Sequence[int], cp_size: int, cp_placement: CpPlacementMode = LIBRARY_CP_PLACEMENT) -> int:
     """The smallest multiple of ``2*cp_size`` that is >= 24 and >= the longest sequence; under
     ``cp_placement="adaptive"`` also >= ``10 * cp_size`` (a rank's budget of 10 tokens), so that
     the test lengths mix sequences whole on one rank, split over a pair of ranks (cp >= 4) and
