@@ -78,11 +78,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from thdpack.attention.a2a import a2a_bytes
+from thdpack.layout.entries import rank_sums
+from thdpack.layout.placement import CpPlacement
+from thdpack.layout.rules import group_sizes, round_up_to_cp
 from thdpack.plan import plan_packs
 from thdpack.plan.adaptive import plan_adaptive
-from thdpack.plan.cp_cost import TILE, causal_tiles, full_tiles, pairs_below, split_cost, te_slot
+from thdpack.plan.cp_cost import TILE, causal_tiles, full_tiles, pairs_below, rank_costs, split_cost
 from thdpack.plan.overflow import apply_overflow
-from thdpack.plan.placement import CpPlacement, group_sizes, rank_sums
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("THDPACK_SHARED_DATA", ROOT.parent / "shared" / "data"))
@@ -96,7 +98,7 @@ TINY_SEQUENCES = 3000
 
 def te_layout(real: np.ndarray, cp_size: int) -> dict[str, np.ndarray]:
     """(W,) pairs, tiles and tokens of one pack under TE's dual-chunk layout and ring schedule."""
-    padded = te_slot(real, cp_size)
+    padded = round_up_to_cp(real, cp_size)
     return {
         "pairs": split_cost(real, padded, cp_size, "pairs").sum(0),
         "tiles": split_cost(real, padded, cp_size, "tiles").sum(0),
@@ -164,8 +166,8 @@ def _summary(work: dict[str, np.ndarray], real_tokens: int, padded_tokens: int, 
 
 def _placed(placement: CpPlacement) -> dict[str, np.ndarray]:
     return {
-        "tiles": placement.rank_costs("tiles"),
-        "pairs": placement.rank_costs("pairs"),
+        "tiles": rank_costs(placement, "tiles"),
+        "pairs": rank_costs(placement, "pairs"),
         "tokens": placement.rank_tokens(),
     }
 

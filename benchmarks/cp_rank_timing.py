@@ -10,7 +10,7 @@ per step (a micro-batch of one pack). Modes:
 - ``te``: Transformer Engine's layout, every sequence split over all ``cp`` ranks: each rank runs
   thdpack's ring (``thdpack.attention.ring``) over its shard;
 - ``adaptive``: the per-sequence placement (docs/design/cp_placement.md): each rank runs its shard's
-  parts (``ThdMeta.parts``) as ``thdpack.attention.placed`` does: the ring over each split group
+  parts (``thdpack.thd.parts``) as ``thdpack.attention.placed`` does: the ring over each split group
   (the part's own record, ``cp_size = g``), the backend's own kernel on its whole sequences;
 - ``a2a``: thdpack's all-to-all (``thdpack.attention.a2a``) on ``te``'s packs: every rank runs the
   backend's kernel on every sequence whole for ``Nq / cp`` query heads (and ``Nkv * f / cp`` KV
@@ -76,7 +76,9 @@ from thdpack.attention.ring import RingPass, TileKernel
 from thdpack.attention.select import BACKEND_TABLE
 from thdpack.cp.partition import shard
 from thdpack.thd.batch import thd_collate, thd_to_device
-from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.meta import ThdMeta
+from thdpack.thd.parts import shard_parts
 
 MODES = ("te", "adaptive", "a2a", "a2a_adaptive")
 SEED = 1234
@@ -206,7 +208,7 @@ def rank_attention(meta: ThdMeta, qkv: tuple[torch.Tensor, ...], backend: str, k
     q_TNH, k_TNH, v_TNH, dout_TNH = qkv
     scale = q_TNH.shape[-1] ** -0.5
     outs = []
-    for index, part in enumerate(meta.parts):
+    for index, part in enumerate(shard_parts(meta)):
         batch = part_batch(meta, index, q_TNH.device)
         q, k, v = q_TNH[part.rows], k_TNH[part.rows], v_TNH[part.rows]
         if part.group_size == 1:

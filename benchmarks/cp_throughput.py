@@ -55,12 +55,13 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from throughput_inputs import CPU_MODEL, DATASETS, SEED, TINY_MODEL, load_lengths, split_documents  # noqa: E402
 
-from thdpack.format_rules import cp_multiple  # noqa: E402
+from thdpack.cp.topology import CpTopology  # noqa: E402
+from thdpack.layout.placement import PackPlacement  # noqa: E402
+from thdpack.layout.rules import cp_multiple  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
 from thdpack.packing.packer import pack_from_segments  # noqa: E402
 from thdpack.plan import plan_packs  # noqa: E402
 from thdpack.plan.adaptive import place_packs  # noqa: E402
-from thdpack.plan.placement import PackPlacement  # noqa: E402
 from thdpack.testing import run_distributed  # noqa: E402
 from thdpack.thd import thd_collate  # noqa: E402
 from thdpack.train.step import forward_backward, prepare_micro_batches  # noqa: E402
@@ -149,7 +150,7 @@ def rank_main(rank: int, world: int, cfg: CpThroughputConfig, steps: list[list[d
     """One CP rank: train every mode's copy of the model on the steps, interleaved; per mode the
     slowest rank's step seconds and the losses."""
     device = torch.device("cuda", rank) if dist.get_backend() == "nccl" else torch.device("cpu")
-    group = dist.group.WORLD
+    topology = CpTopology.create(world, device_type=device.type)  # the adaptive packs' pairs and quads too
     models, optimizers = {}, {}
     for mode in CP_MODES:
         config = replace(cfg.model, attention=replace(cfg.model.attention, cp_comm_type=COMM_TYPE[mode]))
@@ -166,8 +167,8 @@ def rank_main(rank: int, world: int, cfg: CpThroughputConfig, steps: list[list[d
             micro = [thd_collate([packs[mode]]) for packs in step]
             dist.barrier()
             start = time.perf_counter()
-            local = prepare_micro_batches(micro, cp_size=world, cp_rank=rank, device=device, reduction="token_mean")
-            step_loss = forward_backward(models[mode], local, cp_group=group, grad_average_size=world)
+            local = prepare_micro_batches(micro, topology=topology, device=device, reduction="token_mean")
+            step_loss = forward_backward(models[mode], local, topology=topology)
             optimizers[mode].step()
             optimizers[mode].zero_grad(set_to_none=True)
             loss = float(step_loss.value())

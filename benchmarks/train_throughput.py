@@ -89,7 +89,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from throughput_inputs import CPU_MODEL, DATASETS, SEED, TINY_MODEL, load_lengths, split_documents  # noqa: E402
 
-from thdpack.format_rules import IGNORE_INDEX  # noqa: E402
+from thdpack.layout.rules import IGNORE_INDEX  # noqa: E402
 from thdpack.loss import StepLoss  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
 from thdpack.packing.layout import position_ids  # noqa: E402

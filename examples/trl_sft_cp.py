@@ -105,10 +105,10 @@ def main() -> None:
     result = trainer.train()
     if trainer.is_world_process_zero():
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        layout = trainer.layout
+        topology = trainer.topology
         print(trainer.packed_dataset.stats)
         print(
-            f"trained {result.global_step} steps at dp {layout.dp_size} x cp {layout.cp_size} "
+            f"trained {result.global_step} steps at dp {topology.dp_size} x cp {topology.cp_size} "
             f"({trainer.model.config._attn_implementation} attention): loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
             f"{time.perf_counter() - start:.1f} s; checkpoint {options.output_dir}/checkpoint-{result.global_step}"
         )

@@ -36,11 +36,12 @@ from torch.overrides import TorchFunctionMode
 
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp import shard
-from thdpack.format_rules import cp_multiple
+from thdpack.cp.topology import CpTopology
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.rules import cp_multiple
 from thdpack.loss import count_loss_tokens
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
 from thdpack.packing import pack_from_segments
-from thdpack.plan.placement import PackPlacement
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
 
@@ -62,6 +63,7 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "Gemma": {"head_dim": 8},  # scaled embeddings, (1 + w) RMSNorm, GeLU MLP, its own head_dim
 }
 LENGTHS = (13, 1, 4, 9, 2, 8, 6, 3, 11, 5, 7)
+ONE_PROCESS = CpTopology.single()
 """One row's sequences: a length 1 (no loss token), 2, 4 and 8 (exactly 2*cp_size for cp 1, 2, 4)
 and lengths CP padding rounds up; every third masks its first third out of the loss."""
 
@@ -124,9 +126,7 @@ def packed_step(
     model: torch.nn.Module,
     thd: THDBatch,
     *,
-    cp_size: int = 1,
-    cp_rank: int = 0,
-    cp_group: dist.ProcessGroup | None = None,
+    topology: CpTopology = ONE_PROCESS,
     drop_position_ids: bool = False,
     attention: AttentionConfig | None = None,
 ) -> StepResult:
@@ -136,10 +136,11 @@ def packed_step(
     ``drop_position_ids`` plants a bug for a test to catch: transformers then numbers the
     tokens it is given 0..T-1, so RoPE is wrong after the first sequence (or CP chunk).
     ``attention``: thdpack's attention settings for the call (e.g. ``cp_comm_type="a2a"``)."""
-    local = shard(thd, cp_size, cp_rank) if cp_size > 1 else thd
+    cp_group = topology.cp_group if topology.cp_size > 1 else None
+    local = shard(thd, topology.cp_size, topology.cp_rank) if cp_group is not None else thd
     denominator = count_loss_tokens([local["labels"]], group=cp_group)
     model.zero_grad(set_to_none=True)
-    kwargs = hf_packed_kwargs(local, cp_group=cp_group, include_labels=True, model=model)
+    kwargs = hf_packed_kwargs(local, cp_group=topology, include_labels=True, model=model)
     if drop_position_ids:
         del kwargs["position_ids"]
     if attention is not None:

@@ -126,7 +126,7 @@ def step_losses(trainer: Any) -> list[float]:
     per_micro = torch.stack(trainer.micro_losses).reshape(-1, trainer.args.gradient_accumulation_steps)
     total = per_micro.sum(dim=1)
     dist.all_reduce(total)
-    return (total / trainer.layout.grad_average_size).tolist()
+    return (total / trainer.topology.grad_average_size).tolist()
 
 
 def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -151,7 +151,7 @@ def placement_kinds(dataset: PackedDataset, packs_per_step: int, steps: int) -> 
     mixed = 0
     for epoch, pack in step_packs(dataset, packs_per_step, steps):
         placement = dataset.epochs[epoch].plan.placement
-        size_S = placement.pack(pack).group_size_S if placement is not None else np.array([dataset.cp_size])
+        size_S = placement.pack(pack).group_size_S if placement is not None else np.array([dataset.runtime.cp_size])
         sizes |= set(size_S.tolist())
         mixed += int((size_S == 1).any() and (size_S > 1).any())
     return {"group_sizes": sorted(sizes), "mixed_packs": mixed}

@@ -11,7 +11,7 @@ from collections import Counter
 import numpy as np
 import torch
 
-from thdpack.format_rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
+from thdpack.layout.rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
 from thdpack.packing.layout import position_ids
 from thdpack.thd.tokens import real_rows
 

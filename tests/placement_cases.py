@@ -15,10 +15,14 @@ import torch
 from hypothesis import strategies as st
 
 from thdpack.cp.partition import rank_token_indices
+from thdpack.layout.entries import CpLayout
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.rules import group_options
 from thdpack.packing.packer import SampleTokens, assemble_pack
-from thdpack.plan.placement import CpLayout, PackPlacement, group_options
 from thdpack.thd.batch import thd_collate
-from thdpack.thd.meta import EntryGroups, ThdMeta, attach_meta, cu_from_lengths
+from thdpack.thd.carriage import attach_meta
+from thdpack.thd.cu import cu_from_lengths
+from thdpack.thd.meta import EntryGroups, ThdMeta
 
 CP_SIZES = [1, 2, 3, 4, 6, 8]
 

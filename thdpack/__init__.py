@@ -32,7 +32,7 @@ _EXPORTS = {
     "HistogramPlan": "thdpack.plan",
     "PlanConfig": "thdpack.plan",
     # the THD format's rules (numpy only)
-    "IGNORE_INDEX": "thdpack.format_rules",
+    "IGNORE_INDEX": "thdpack.layout.rules",
     # packs
     "build_pack": "thdpack.packing",
     "Pack": "thdpack.packing",

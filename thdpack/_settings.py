@@ -1,10 +1,13 @@
-"""What every component config shares: its checks, its fingerprint, and runtime values kept apart.
+"""What every component config shares: its fields' help and checks, its fingerprint.
 
 A config holds settings: what a user chooses and a checkpoint must match on resume (pack size,
-algorithm, seed, ...). Runtime values (the CP size, the data-parallel rank and world size, the
-tokenizer's pad id) come from the run, so they are passed beside the config, to its ``build``,
-never stored in it; ``refuse_settings`` turns away a runtime keyword that names a setting (the
-``Config.build(**runtime)`` rule of torchtitan's ``Configurable``). Pure Python: no numpy, no torch.
+algorithm, seed, ...). Each field is declared once with ``setting(help, default=..., check=...)``:
+its help text and its check are data on the field (``field.metadata``), so the config checks
+itself field by field, and the other forms of the config (flat keywords, ``PackingArguments``,
+command-line options: ``thdpack._config_forms``) show the same help and run the same checks.
+Runtime values (the CP size, the data-parallel rank and size, the tokenizer's pad id) come from
+the run, so they travel beside a config, never in it (``thdpack.packing.PackingRuntime``). Pure
+Python: no numpy, no torch.
 
 >>> check_int("pack_size", 2048, 1)
 2048
@@ -12,18 +15,22 @@ never stored in it; ``refuse_settings`` turns away a runtime keyword that names 
 Traceback (most recent call last):
 ...
 TypeError: pack_size must be an integer, got 20.5
->>> check_int("pack_size", 0, 1)
+>>> optional(integer(0))("seed", -1)
 Traceback (most recent call last):
 ...
-ValueError: pack_size must be >= 1, got 0
+ValueError: seed must be >= 0, got -1
 """
 
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+
+Check = Callable[[str, Any], Any]
+"""A field's check: ``check(name, value)`` returns the value to store (an ``int`` for a numpy
+integer) or raises ``TypeError`` / ``ValueError`` naming the field."""
 
 
 def check_int(name: str, value: object, minimum: int) -> int:
@@ -43,37 +50,69 @@ def check_choice(name: str, value: object, options: Iterable[str]) -> None:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(options)}")
 
 
-class Settings:
-    """Base of the frozen, kw_only config dataclasses: ``fingerprint()`` and the runtime rule.
+def integer(minimum: int) -> Check:
+    """The check of an integer field: ``check_int`` with ``minimum``."""
+    return lambda name, value: check_int(name, value, minimum)
 
-    Subclasses check their fields in ``__post_init__``; ``normalize(name, value)`` stores a checked
-    value (an ``int`` for a numpy integer) in the frozen instance.
+
+def one_of(options: Iterable[str], label: str | None = None) -> Check:
+    """The check of a closed set: ``check_choice`` (the message says ``label``, default the field's name)."""
+    options = tuple(options)
+
+    def check(name: str, value: Any) -> Any:
+        check_choice(label or name, value, options)
+        return value
+
+    return check
+
+
+def flag(name: str, value: Any) -> bool:
+    """The check of a ``bool`` field: ``TypeError`` for anything but True / False (1 included)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def optional(check: Check) -> Check:
+    """``check``, letting None through."""
+    return lambda name, value: None if value is None else check(name, value)
+
+
+def setting(help: str, *, default: Any = dataclasses.MISSING, check: Check | None = None, **field: Any) -> Any:
+    """A config field with its help text and its check, the one place both are declared
+    (``dataclasses.field(metadata={"help": ..., "check": ...})``, as transformers'
+    ``HfArgumentParser`` reads ``metadata["help"]``); ``field`` passes e.g. ``default_factory``."""
+    return dataclasses.field(default=default, metadata={"help": help, "check": check}, **field)
+
+
+def field_help(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
+
+
+def field_checks(config: Any) -> dict[str, Check]:
+    """The checks of ``config``'s fields (``setting(check=...)``), by field name."""
+    return {f.name: f.metadata["check"] for f in dataclasses.fields(config) if f.metadata.get("check")}
+
+
+def check_fields(config: Any, checks: Mapping[str, Check] | None = None) -> None:
+    """Run the checks (default: ``field_checks(config)``) on the frozen dataclass ``config``,
+    storing each checked value."""
+    for name, check in (field_checks(config) if checks is None else checks).items():
+        object.__setattr__(config, name, check(name, getattr(config, name)))
+
+
+class Settings:
+    """Base of the frozen, kw_only config dataclasses: their fields' checks and ``fingerprint()``.
+
+    ``__post_init__`` runs each field's check; a subclass with checks that span fields calls it first.
     """
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     def fingerprint(self) -> dict[str, Any]:
         """The settings as plain values (saved with a resumable state, compared on resume)."""
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-
-    def normalize(self, name: str, value: Any) -> None:
-        object.__setattr__(self, name, value)
-
-    def setting_names(self) -> set[str]:
-        """This config's fields and those of the configs it holds."""
-        names = set()
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            names |= {f.name, *(value.setting_names() if isinstance(value, Settings) else ())}
-        return names
-
-    def refuse_settings(self, runtime: Mapping[str, Any]) -> None:
-        """``TypeError`` when a runtime keyword names one of this config's settings."""
-        overlap = sorted(self.setting_names() & set(runtime))
-        if overlap:
-            kind = type(self).__name__
-            raise TypeError(
-                f"{', '.join(overlap)} {'is a setting' if len(overlap) == 1 else 'are settings'} of {kind}: "
-                f"set {'it' if len(overlap) == 1 else 'them'} in the {kind}, not as a runtime value of build()"
-            )
 
 
 def _plain(value: Any) -> Any:

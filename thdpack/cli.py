@@ -3,6 +3,7 @@
     thdpack prepare INPUT --tokenizer TOK --pack-size L --cp-size C --out DIR [--on-bad-record skip]
     thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
     thdpack verify --cp-size N [--dp-size M] [--dtype float64]
+    thdpack plan --suggest LENGTHS --model CONFIG --profile h100_sxm --gpus N [--json out.json]
 
 A subcommand's module is imported only when that subcommand runs (``verify`` needs torch,
 ``stats`` does not).
@@ -30,6 +31,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "thdpack.data.stats_command",
         "add_stats_arguments",
         "run_stats",
+    ),
+    "plan": (
+        "suggest dp x cp, placement and K/V exchange for a lengths file, by modelled step time",
+        "thdpack.perf.suggest",
+        "add_plan_arguments",
+        "run_plan",
     ),
     "verify": (
         "prove on this machine that packed, CP-sharded training equals unpacked training",

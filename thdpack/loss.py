@@ -18,8 +18,8 @@ divide — otherwise ranks with more padding are over-weighted".
 The recipe for one optimizer step of M micro-batches per rank (``StepLoss`` packages it):
 
 1. Before the micro-steps, ``denominator = count_loss_tokens([mb["labels"] for mb in mbs],
-   group=dp_cp_group)``: this rank's loss tokens over its M micro-batches, all-reduced (SUM) over
-   the DP x CP group. One collective per step.
+   group=topology.dp_cp_group)``: this rank's loss tokens over its M micro-batches, all-reduced
+   (SUM) over the DP x CP group. One collective per step.
 2. Each micro-step: ``packed_cross_entropy(logits_TV, labels_T, denominator=denominator,
    grad_average_size=G).backward()``: ``sum(local token losses) / denominator * G``. Gradient
    accumulation sums the micro-steps' gradients, which is what the global mean needs.
@@ -32,7 +32,8 @@ The recipe for one optimizer step of M micro-batches per rank (``StepLoss`` pack
    - one process, or you all-reduce (SUM) the gradients yourself over DP x CP: ``G = 1``
    - DDP / FSDP over the DP group, plus your own all-reduce (SUM) over the CP group: ``G = dp_size``
    - FSDP2 / DDP over the flattened DP x CP mesh (torchtitan's and NeMo's ``dp_shard_cp``):
-     ``G = dp_size * cp_size``
+     ``G = dp_size * cp_size`` (``CpTopology.grad_average_size``: what thdpack's trainer, its
+     Trainer integrations and ``thdpack verify`` do, and what ``StepLoss.begin`` takes)
 
 4. Logging: the global loss is the SUM over ranks and micro-steps of ``local sum / denominator``
    (``StepLoss.value()``: one more collective, only when you log).
@@ -69,7 +70,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from thdpack.format_rules import IGNORE_INDEX
+from thdpack.cp.topology import CpTopology
+from thdpack.layout.rules import IGNORE_INDEX
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import global_placement
 
@@ -217,8 +219,9 @@ class StepLoss:
     """One optimizer step's globally normalised loss (the module recipe as an object).
 
     >>> import math
+    >>> from thdpack.cp.topology import CpTopology
     >>> mbs = [torch.tensor([1, 2, -100]), torch.tensor([0, 1, 1, 2])]   # one rank, 2 micro-batches
-    >>> step = StepLoss.begin(mbs, grad_average_size=1)                   # 6 loss tokens
+    >>> step = StepLoss.begin(mbs, topology=CpTopology.single())          # 6 loss tokens
     >>> for labels_T in mbs:
     ...     logits_TV = torch.zeros(len(labels_T), 3, dtype=torch.float64, requires_grad=True)
     ...     step(logits_TV, labels_T).backward()
@@ -247,14 +250,21 @@ class StepLoss:
         cls,
         micro_batch_labels: Iterable[torch.Tensor],
         *,
-        grad_average_size: int,
-        group: dist.ProcessGroup | None = None,
+        topology: CpTopology,
         micro_batch_weights: Iterable[torch.Tensor] | None = None,
         ignore_index: int = IGNORE_INDEX,
     ) -> StepLoss:
-        """Count the step's global denominator (one collective) from every micro-batch's labels,
-        or from ``micro_batch_weights`` (``loss_weights`` shards) for the per-sequence mean. The
-        same collective counts the step's loss tokens (``loss_tokens``)."""
+        """Count the step's global denominator (one collective over ``topology.dp_cp_group``) from
+        every micro-batch's labels, or from ``micro_batch_weights`` (``loss_weights`` shards) for
+        the per-sequence mean. The same collective counts the step's loss tokens (``loss_tokens``).
+        ``G`` is ``topology.grad_average_size`` (a gradient average over every rank); for another
+        reduction build the step with the constructor and your own ``grad_average_size``."""
+        if topology.world_size > 1 and topology.dp_cp_group is None:
+            raise ValueError(
+                f"topology dp {topology.dp_size} x cp {topology.cp_size} has no process groups (a described mesh); "
+                "the loss all-reduces over them: make it with CpTopology.create(...) on every process"
+            )
+        group, grad_average_size = topology.dp_cp_group, topology.grad_average_size
         labels = list(micro_batch_labels)
         if not labels:
             raise ValueError("micro_batch_labels is empty: a step needs at least one micro-batch")

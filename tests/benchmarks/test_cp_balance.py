@@ -14,8 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thdpack.cp import partition_indices
-from thdpack.format_rules import round_up_to_cp
-from thdpack.plan.placement import PackPlacement
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.rules import round_up_to_cp
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_balance.py"
 spec = importlib.util.spec_from_file_location("cp_balance", SCRIPT)

@@ -18,7 +18,8 @@ import thdpack.attention.ring as ring
 from thdpack.attention import simulated_ring_attention
 from thdpack.cp import shard
 from thdpack.thd import thd_collate
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.parts import shard_parts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import cp_rank_timing
@@ -93,8 +94,8 @@ def test_a_placed_rank_runs_its_split_part_in_a_ring_and_its_whole_part_locally(
     meta = thd_meta(shard(thd_collate([pack]), 4, 0))
     local = cp_rank_timing._qkv(16, 4, 2, cp_rank_timing.TINY, torch.device("cpu"))
     cp_rank_timing.rank_attention(meta, local, "math", "math")
-    split = [part for part in meta.parts if part.group_size > 1]
-    assert split and sum(part.rows.stop - part.rows.start for part in meta.parts) == 16
-    assert whole == [part.rows.stop - part.rows.start for part in meta.parts if part.group_size == 1]
+    split = [part for part in shard_parts(meta) if part.group_size > 1]
+    assert split and sum(part.rows.stop - part.rows.start for part in shard_parts(meta)) == 16
+    assert whole == [part.rows.stop - part.rows.start for part in shard_parts(meta) if part.group_size == 1]
     forward_steps = [step for kind, step, *_ in tiles.calls[0] if kind == "forward" and step != "whole"]
     assert forward_steps == [s for part in split for s in range(part.group_size)]

@@ -29,10 +29,12 @@ from thdpack.attention.a2a import a2a_bytes
 from thdpack.attention.backends import math as math_backend
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp.comm import all_to_all_blocks
-from thdpack.cp.partition import gather_order_of, partition_from_lengths
-from thdpack.plan.placement import CpLayout, PackPlacement
+from thdpack.cp.partition import gather_order_of
+from thdpack.layout.entries import CpLayout
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.ranks import rank_indices
 from thdpack.testing import run_distributed
-from thdpack.thd.meta import cu_from_lengths
+from thdpack.thd.cu import cu_from_lengths
 
 pytestmark = pytest.mark.distributed
 
@@ -64,12 +66,12 @@ MUTANT = "mutant: index maps of the next rank"
 
 def _te_placement(cp_size: int) -> tuple[dict, list[np.ndarray]]:
     """A pack in TE's layout (slots multiples of 2*cp, the tail in the last slot) and every rank's
-    indices (``partition_from_lengths``, what ``thdpack.cp.shard`` uses)."""
+    indices (``thdpack.layout.rank_indices``, what ``thdpack.cp.shard`` uses)."""
     m = 2 * cp_size
     lengths = [9 * m + 5, 1, 2, 3, m - 1, 4]
     slots = [-(-n // m) * m for n in lengths]
     slots[-1] += m
-    return _thd(lengths, slots), [partition_from_lengths(np.array(slots), cp_size, r) for r in range(cp_size)]
+    return _thd(lengths, slots), [rank_indices(np.array(slots), cp_size, r) for r in range(cp_size)]
 
 
 def _adaptive_placement(cp_size: int) -> tuple[dict, list[np.ndarray]]:

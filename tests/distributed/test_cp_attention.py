@@ -19,7 +19,7 @@ from thdpack.attention import thd_attention
 from thdpack.cp import shard
 from thdpack.testing import run_distributed
 from thdpack.thd import thd_collate
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 pytestmark = pytest.mark.distributed
 

@@ -4,7 +4,8 @@ One launch of 4 ranks covers cp 2 (both pairs, side by side), cp 3 (ranks 0-2) a
 every rank builds the same global batch of packs that mix whole, subgroup-split (cp 4: over a
 pair of ranks) and all-split sequences with empty and non-empty padding entries
 (``placement_cases.MIXED_PACKS``), shards it by its placement, runs ``thd_attention(...,
-cp_group=...)`` forward and backward with every backend the CPU has (``math`` with the ring and
+cp_group=topology)`` (a plain process group for cp 3, whose placements split over all three ranks
+only) forward and backward with every backend the CPU has (``math`` with the ring and
 the all-gather, ``sdpa`` without an LSE, ``flex`` forward only: no CPU backward), and returns its
 shard's results; the parent compares them with the per-sequence dense fp64 oracle on the real
 tokens. Two deliberately wrong layouts must fail the comparison, and a pack with no split
@@ -22,7 +23,9 @@ from placement_cases import MIXED_PACKS, WHOLE_PACKS, placed_metadata, shard_row
 import thdpack.cp.comm as comm
 from thdpack.attention import thd_attention
 from thdpack.cp import shard
+from thdpack.cp.topology import CpTopology
 from thdpack.testing import run_distributed
+from thdpack.thd.parts import shard_parts
 
 pytestmark = pytest.mark.distributed
 
@@ -58,13 +61,13 @@ def _case(cp_size: int, dtype: torch.dtype, seed: int) -> tuple[dict, dict]:
     return thd, random_case(thd, HEADS, 2, 8, dtype, seed=seed)
 
 
-def _run(local: dict, group, q, k, v, case: dict, index, method) -> dict:
+def _run(local: dict, cp, q, k, v, case: dict, index, method) -> dict:
     backend, comm_type, causal, _, gradients = method
     with_lse = backend != "sdpa"
     q, k, v = (t.clone().requires_grad_(gradients) for t in (q, k, v))
     with torch.set_grad_enabled(gradients):
         result = thd_attention(
-            q, k, v, local, cp_group=group, backend=backend, cp_comm_type=comm_type, causal=causal,
+            q, k, v, local, cp_group=cp, backend=backend, cp_comm_type=comm_type, causal=causal,
             return_lse=with_lse,
         )  # fmt: skip
     out, lse = result if with_lse else (result, None)
@@ -79,8 +82,12 @@ def _run(local: dict, group, q, k, v, case: dict, index, method) -> dict:
     return got
 
 
-def _methods_in(group, cp_size: int) -> list:
-    rank = dist.get_rank(group)
+def _cp_rank(cp) -> int:
+    return cp.cp_rank if isinstance(cp, CpTopology) else dist.get_rank(cp)
+
+
+def _methods_in(cp, cp_size: int) -> list:
+    rank = _cp_rank(cp)
     results = []
     for m, method in enumerate(METHODS):
         if not _runs_at(method, cp_size):
@@ -89,25 +96,25 @@ def _methods_in(group, cp_size: int) -> list:
         local = shard(thd, cp_size, rank)
         index = shard_rows(local)
         q, k, v = (case[n][index] for n in ("q", "k", "v"))
-        results.append(((cp_size, m), index, _run(local, group, q, k, v, case, index, method)))
+        results.append(((cp_size, m), index, _run(local, cp, q, k, v, case, index, method)))
     return results
 
 
-def _mutants_in(group, cp_size: int) -> list:
+def _mutants_in(cp, cp_size: int) -> list:
     """Two wrong layouts under the right record: the next rank's rows, and the parts' rows swapped
     (the whole sequences where the split chunks should be)."""
-    rank = dist.get_rank(group)
+    rank = _cp_rank(cp)
     method = METHODS[0]
     thd, case = _case(cp_size, torch.float64, seed=10 * cp_size)
     local = shard(thd, cp_size, rank)
     index = shard_rows(local)
     foreign = shard_rows(shard(thd, cp_size, (rank + 1) % cp_size))
-    parts = local["thd_meta"].parts
+    parts = shard_parts(local["thd_meta"])
     swapped = torch.cat([index[p.rows] for p in reversed(parts)])
     out = []
     for name, rows in zip(MUTANTS, (foreign, swapped), strict=True):
         q, k, v = (case[n][rows] for n in ("q", "k", "v"))
-        out.append(((cp_size, name), index, _run(local, group, q, k, v, case, index, method)))
+        out.append(((cp_size, name), index, _run(local, cp, q, k, v, case, index, method)))
     return out
 
 
@@ -155,10 +162,10 @@ class _Counted:
             setattr(owner, name, original)
 
 
-def _collectives_in(group, cp_size: int) -> dict:
+def _collectives_in(topology: CpTopology) -> dict:
     """Collective calls of a forward and backward per comm type: none for a pack of whole
     sequences; some for the mixed packs (the counter sees them)."""
-    rank = dist.get_rank(group)
+    cp_size, rank = topology.cp_size, topology.cp_rank
     counts = {}
     for label, packs in (("whole", WHOLE_PACKS[cp_size]), ("mixed", MIXED_PACKS[cp_size])):
         thd = placed_metadata(packs)
@@ -168,26 +175,26 @@ def _collectives_in(group, cp_size: int) -> dict:
         for comm_type in ("p2p", "all_gather"):
             q, k, v = (case[n][index] for n in ("q", "k", "v"))
             with _Counted() as counter:
-                got = _run(local, group, q, k, v, case, index, ("math", comm_type, True, torch.float64, True))
+                got = _run(local, topology, q, k, v, case, index, ("math", comm_type, True, torch.float64, True))
             counts[(label, comm_type)] = (list(counter.calls), index, got)
     return counts
 
 
 def _rank_main(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs = CpTopology.create(2, device_type="cpu")  # dp 2 x cp 2: both pairs side by side
     triple = dist.new_group([0, 1, 2])
+    cp4 = CpTopology.create(4, device_type="cpu")  # with its placement groups, the pairs
     out: dict = {"results": [], "collectives": {}}
-    # the counts first: before any placed batch has created the pair groups of the world
-    out["collectives"][4] = _collectives_in(dist.group.WORLD, 4)
-    out["collectives"][2] = _collectives_in(pairs[rank // 2], 2)
-    out["results"] += _methods_in(pairs[rank // 2], 2)
-    out["results"] += _mutants_in(pairs[rank // 2], 2)
+    out["collectives"][4] = _collectives_in(cp4)
+    out["collectives"][2] = _collectives_in(pairs)
+    out["results"] += _methods_in(pairs, 2)
+    out["results"] += _mutants_in(pairs, 2)
     if rank < 3:
         out["results"] += _methods_in(triple, 3)
         out["results"] += _mutants_in(triple, 3)
-    out["results"] += _methods_in(dist.group.WORLD, 4)
-    out["results"] += _mutants_in(dist.group.WORLD, 4)
+    out["results"] += _methods_in(cp4, 4)
+    out["results"] += _mutants_in(cp4, 4)
     return out
 
 
@@ -263,12 +270,10 @@ def test_only_the_split_sequences_k_v_travel_within_their_groups(placed_runs, cp
     thd = placed_metadata(MIXED_PACKS[cp_size])
     for rank, rank_counts in enumerate(collectives):
         local = shard(thd, cp_size, rank % cp_size)
-        parts = [(p.group_size, p.rows.stop - p.rows.start) for p in local["thd_meta"].parts if p.group_size > 1]
+        parts = [(p.group_size, p.rows.stop - p.rows.start) for p in shard_parts(local["thd_meta"]) if p.group_size > 1]
         ring = sorted(("batch_isend_irecv", g, n) for g, n in parts for _ in range(3 * g - 2))
         gather = sorted((name, g, n) for g, n in parts for name in ("_all_gather",) * 2 + ("_reduce_scatter",) * 2)
         calls = {comm_type: rank_counts[cp_size][("mixed", comm_type)][0] for comm_type in ("p2p", "all_gather")}
-        created = [c for c in calls["p2p"] if c[0] == "new_group"]
-        # cp 4 over the world: the two pair groups, created on the first batch that needs them, then cached
-        assert len(created) == (2 if cp_size == 4 else 0), created
-        assert sorted(c for c in calls["p2p"] if c[0] != "new_group") == ring, rank
+        # the topology made every group before: attention creates none
+        assert sorted(calls["p2p"]) == ring, rank
         assert sorted(calls["all_gather"]) == gather, rank

@@ -1,7 +1,7 @@
 """Placed CP attention on GPUs (NCCL, one GPU per rank): the CUDA backends' split and whole parts.
 
 Each rank holds its shard of ``placement_cases.MIXED_PACKS`` in bf16 on its GPU and runs
-``thd_attention(..., cp_group=...)`` with ``flash`` (the ring with FlashAttention-2 tiles, whole
+``thd_attention(..., cp_group=topology)`` with ``flash`` (the ring with FlashAttention-2 tiles, whole
 sequences through flash-attn), ``varlen`` (the same ring, whole sequences through torch's
 varlen_attn), ``te`` (TE's own CP attention over each group's process group, whole sequences
 through TE without CP) and ``math``; the issue's GPU criterion: out, dQ, dK, dV within 2x plain
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from _attention_cases import random_case
 from placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 from thdpack import _optional
 from thdpack.attention import reference_attention, thd_attention
 from thdpack.cp import shard
+from thdpack.cp.topology import CpTopology
 from thdpack.testing import run_distributed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
@@ -44,6 +44,7 @@ def _grads(attend, q, k, v, dout):
 def _rank_errors(rank: int, world: int, cp_size: int) -> dict:
     """This rank's max errors per backend and plain bf16's, on its shard's real rows."""
     device = torch.device("cuda", rank)
+    topology = CpTopology.create(cp_size, device_type="cuda")  # cp 4: the pairs' groups too
     thd = placed_metadata(MIXED_PACKS[cp_size])
     case = random_case(thd, 8, 2, 64, torch.float32, seed=cp_size)
     case = {name: t.to(device) for name, t in case.items()}
@@ -68,7 +69,7 @@ def _rank_errors(rank: int, world: int, cp_size: int) -> dict:
             continue
 
         def attend(q, k, v, backend=backend):
-            return thd_attention(q, k, v, local, backend=backend, cp_group=dist.group.WORLD)
+            return thd_attention(q, k, v, local, backend=backend, cp_group=topology)
 
         got = _grads(attend, *(t[index].bfloat16() for t in qkv), case["dout"][index])
         result[backend] = errors(got)

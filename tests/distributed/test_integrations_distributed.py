@@ -56,7 +56,7 @@ from _trainer_cases import (
 
 from thdpack.cp import gather
 from thdpack.testing import run_distributed
-from thdpack.thd.meta import META_KEY
+from thdpack.thd.carriage import META_KEY
 
 pytestmark = pytest.mark.distributed
 
@@ -127,8 +127,8 @@ def _exactness(trainer, examples, steps: int) -> dict:
         trainer.train()
     reference = tiny_llama(vocab_size=trainer.model.config.vocab_size)
     reference.load_state_dict(initial, strict=False)
-    layout, args = trainer.layout, trainer.args
-    packs_per_step = layout.dp_size * args.gradient_accumulation_steps * args.per_device_train_batch_size
+    topology, args = trainer.topology, trainer.args
+    packs_per_step = topology.dp_size * args.gradient_accumulation_steps * args.per_device_train_batch_size
     ref_losses, ref_weights = reference_run(
         reference, examples, step_examples(trainer.packed_dataset, packs_per_step, steps)
     )
@@ -238,14 +238,14 @@ def probe(rank: int, output_dir: str) -> dict:
     )
     micro = next(iter(trainer.get_train_dataloader()))
     perturbed = dict(micro, input_ids=micro["input_ids"].clone())
-    if trainer.layout.cp_rank == 0:  # CP rank 0 holds the row's first chunk, so global token 0
+    if trainer.topology.cp_rank == 0:  # CP rank 0 holds the row's first chunk, so global token 0
         perturbed["input_ids"][0] = (perturbed["input_ids"][0] + 1) % model.config.vocab_size
 
     def row_logits(batch) -> torch.Tensor:
         with torch.no_grad(), keep_float64():
             logits_TV = model(**trainer.model_kwargs(batch)).logits[0]
         keys = ("input_ids", "cu_seqlens", "cu_seqlens_padded", "max_seqlen", META_KEY)
-        return gather({**{k: batch[k] for k in keys}, "logits": logits_TV}, trainer.layout.cp_group)["logits"]
+        return gather({**{k: batch[k] for k in keys}, "logits": logits_TV}, trainer.topology.cp_group)["logits"]
 
     changed_T = (row_logits(micro) - row_logits(perturbed)).abs().amax(dim=-1) > 1e-9
     cu, cu_padded = micro["cu_seqlens"].tolist(), micro["cu_seqlens_padded"].tolist()
@@ -289,11 +289,11 @@ def refusals(output_dir: str) -> dict:
 
 
 def accelerate_layout(rank: int, world: int) -> dict:
-    """``parallel_layout`` from accelerate's own dp_shard x cp mesh (accelerate builds it only with
-    FSDP2 on accelerators, so a stand-in accelerator carries the real ParallelismConfig and mesh)."""
+    """``accelerator_topology`` from accelerate's own dp_shard x cp mesh (accelerate builds it only
+    with FSDP2 on accelerators, so a stand-in accelerator carries the real ParallelismConfig and mesh)."""
     from accelerate import ParallelismConfig
 
-    from thdpack.integrations.parallel import parallel_layout
+    from thdpack.integrations.parallel import accelerator_topology
 
     config = ParallelismConfig(dp_shard_size=world // CP, cp_size=CP)
     accelerator = SimpleNamespace(
@@ -303,15 +303,15 @@ def accelerate_layout(rank: int, world: int) -> dict:
         torch_device_mesh=config.build_device_mesh("cpu"),
         device=torch.device("cpu"),
     )
-    layout = parallel_layout(accelerator, None)
+    topology = accelerator_topology(accelerator, None, placement_groups=False)
     try:
-        parallel_layout(accelerator, 4)
+        accelerator_topology(accelerator, 4, placement_groups=False)
         conflict = "accepted"
     except ValueError as err:
         conflict = str(err)
     return {
-        "layout": (layout.dp_size, layout.dp_rank, layout.cp_size, layout.cp_rank, layout.grad_average_size),
-        "cp_members": dist.get_process_group_ranks(layout.cp_group),
+        "layout": (topology.dp_size, topology.dp_rank, topology.cp_size, topology.cp_rank, topology.grad_average_size),
+        "cp_members": dist.get_process_group_ranks(topology.cp_group),
         "conflict": conflict,
     }
 

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from thdpack.cp import partition_indices
+from thdpack.cp.topology import CpTopology
 from thdpack.loss import StepLoss, cross_entropy_sum, loss_weights
 from thdpack.testing import run_distributed
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 VOCAB, DIM, MICRO_STEPS = 13, 6, 2
 LENGTHS = [3, 9, 2, 14, 5, 7, 1, 11, 4, 6]
@@ -73,12 +74,11 @@ def local_shards(dp_size: int, dp_rank: int, cp_size: int, cp_rank: int) -> list
     return shards
 
 
-def config_step(rank: int, dp_size: int, cp_size: int, groups: dict) -> dict:
-    """One optimizer step of the (dp_size, cp_size) layout, on ranks 0 .. dp_size*cp_size-1."""
-    world = dp_size * cp_size
-    dp_rank, cp_rank = divmod(rank, cp_size)
-    dp_cp_group, cp_group, dp_group = groups["dp_cp"], groups["cp"][dp_rank], groups["dp"][cp_rank]
-    shards = local_shards(dp_size, dp_rank, cp_size, cp_rank)
+def config_step(topology: CpTopology) -> dict:
+    """One optimizer step of the topology's dp x cp layout on this rank."""
+    world, dp_size, cp_size = topology.world_size, topology.dp_size, topology.cp_size
+    dp_cp_group, cp_group, dp_group = topology.dp_cp_group, topology.cp_group, topology.dp_group
+    shards = local_shards(dp_size, topology.dp_rank, cp_size, topology.cp_rank)
     out = {}
     for reduction in ("token_mean", "sequence_mean"):
         for layout in ("flat_average", "dp_average_cp_sum"):
@@ -87,9 +87,10 @@ def config_step(rank: int, dp_size: int, cp_size: int, groups: dict) -> dict:
             loss = StepLoss.begin(
                 [mb["labels"] for mb in shards],
                 micro_batch_weights=[mb["weights"] for mb in shards] if per_sequence else None,
-                grad_average_size=world if layout == "flat_average" else dp_size,
-                group=dp_cp_group,
+                topology=topology,  # G = every rank: the flattened mesh's average
             )
+            if layout == "dp_average_cp_sum":  # the same denominator, your own G
+                loss = StepLoss(loss.denominator, grad_average_size=dp_size, group=dp_cp_group)
             for mb in shards:
                 loss(model(mb["input_ids"]), mb["labels"], mb["weights"] if per_sequence else None).backward()
             for p in model.parameters():
@@ -116,20 +117,14 @@ def config_step(rank: int, dp_size: int, cp_size: int, groups: dict) -> dict:
     return out
 
 
-def all_layouts(rank: int, world: int) -> dict:
-    """Every layout in one launch: layout (dp, cp) runs on the first dp*cp ranks, through its own
-    process groups (as a trainer's DP x CP group is a subgroup of the world)."""
-    results = {}
-    for dp_size, cp_size in LAYOUTS:
-        # every rank creates every group, in the same order, members or not
-        groups = {
-            "dp_cp": dist.new_group(list(range(dp_size * cp_size))),
-            "cp": [dist.new_group(list(range(d * cp_size, (d + 1) * cp_size))) for d in range(dp_size)],
-            "dp": [dist.new_group(list(range(c, dp_size * cp_size, cp_size))) for c in range(cp_size)],
-        }
-        if rank < dp_size * cp_size:
-            results[dp_size, cp_size] = config_step(rank, dp_size, cp_size, groups)
-    return results
+def world_layouts(rank: int, world: int) -> dict:
+    """Every layout of ``world`` ranks (at world 2: dp 2 x cp 1 and dp 1 x cp 2, two topologies in
+    one process), each through its own ``CpTopology``."""
+    return {
+        (dp_size, cp_size): config_step(CpTopology.create(cp_size, device_type="cpu"))
+        for dp_size, cp_size in LAYOUTS
+        if dp_size * cp_size == world
+    }
 
 
 def unpacked_reference(reduction: str) -> tuple[float, list[torch.Tensor]]:
@@ -154,7 +149,12 @@ def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 @pytest.fixture(scope="module")
 def layout_results() -> list[dict]:
-    return run_distributed(all_layouts, 4)
+    """Per rank, the results of every layout it took part in: one launch per world size."""
+    results: list[dict] = [{} for _ in range(4)]
+    for world in (1, 2, 4):
+        for rank, got in enumerate(run_distributed(world_layouts, world)):
+            results[rank].update(got)
+    return results
 
 
 @pytest.mark.distributed

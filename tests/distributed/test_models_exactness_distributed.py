@@ -1,17 +1,17 @@
 """Model-level exactness on real gloo ranks: the reference decoder's packed, CP-sharded,
 DP-spread training step with 2 accumulation micro-steps equals every sequence alone.
 
-One 4-rank launch hosts every spread through subgroups (spread dp x cp runs on the first dp*cp
-ranks): dp x cp in {1x1, 2x1, 1x2, 2x2}, token mean and per-sequence mean, fp64. Each rank
-packs the same random sequences (lengths 1 and exactly 2*cp_size among them, tail padding),
-shards its micro-batches with ``cp.shard``, runs ``Transformer(shard, cp_group=...)``, the
-global-denominator loss of ``thdpack.loss`` and the gradient average over the flattened DP x CP
-group (ring CP; at dp 2 x cp 2 also all-gather and all-to-all CP). The loss, every parameter
-gradient and every real token's logits must equal the unpacked single-process oracle
-(``_model_oracle``) to 1e-10; each planted layout bug must break that. The same holds under a
-per-sequence CP placement (``cp_placement="adaptive"``: short sequences whole on one rank, long
-ones split over a pair of ranks or all of them) at dp x cp in {1x2, 1x3, 1x4, 2x2}, with the ring,
-the all-gather and the all-to-all.
+One launch per world size (2, 3 and 4 ranks; dp 1 x cp 1 runs in the test process) hosts every
+spread of that size, each through its own ``CpTopology``: dp x cp in {1x1, 2x1, 1x2, 2x2}, token
+mean and per-sequence mean, fp64. Each rank packs the same random sequences (lengths 1 and
+exactly 2*cp_size among them, tail padding), shards its micro-batches with ``cp.shard``, runs
+``Transformer(shard, cp_group=topology)``, the global-denominator loss of ``thdpack.loss`` and the
+gradient average over the flattened DP x CP group (ring CP; at dp 2 x cp 2 also all-gather and
+all-to-all CP). The loss, every parameter gradient and every real token's logits must equal the
+unpacked single-process oracle (``_model_oracle``) to 1e-10; each planted layout bug must break
+that. The same holds under a per-sequence CP placement (``cp_placement="adaptive"``: short
+sequences whole on one rank, long ones split over a pair of ranks or all of them) at dp x cp in
+{1x2, 1x3, 1x4, 2x2}, with the ring, the all-gather and the all-to-all.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import pytest
 import torch
 from _model_oracle import compare, oracle_step
 
+from thdpack.cp.topology import CpTopology
 from thdpack.models import ModelConfig, Transformer
 from thdpack.testing import run_distributed
 from thdpack.verify.exactness import (
     StepSpread,
     global_micro_batches,
-    make_groups,
     make_samples,
     pack_size_for,
     packed_step,
@@ -58,43 +58,55 @@ def _model(cp_comm_type: str = "p2p") -> Transformer:
     return Transformer(ModelConfig.preset("tiny", cp_comm_type=cp_comm_type), seed=1, dtype=torch.float64)
 
 
-def all_cases(rank: int, world: int) -> dict:
-    samples = _samples()
-    assert sample_lengths(StepSpread(dp_size=2, cp_size=2)) == sample_lengths(StepSpread()), "one batch for all"
-    results: dict = {}
-    cases = [(dp, cp, reduction, "none") for dp, cp in LAYOUTS for reduction in REDUCTIONS]
-    cases += [(dp, cp, "token_mean", fault) for dp, cp, fault, _ in FAULT_CASES]
-    groups = {(dp, cp): make_groups(StepSpread(dp_size=dp, cp_size=cp), rank) for dp, cp in LAYOUTS}
-    for dp, cp in ((1, 3), (1, 4)):  # the adaptive placement's pairs of cp 4 are made with the groups
-        groups[dp, cp] = make_groups(StepSpread(dp_size=dp, cp_size=cp, cp_placement="adaptive"), rank)
-    for dp, cp, reduction, fault in cases:
-        spread = StepSpread(dp_size=dp, cp_size=cp, reduction=reduction, fault=fault)
-        if rank >= spread.world_size:
-            continue
-        batches = global_micro_batches(samples, spread, pack_size_for(sample_lengths(spread), cp))
-        rank_groups = groups[dp, cp]
-        results[dp, cp, reduction, fault] = packed_step(_model(), batches[rank_groups.dp_rank], spread, rank_groups)
-        if (dp, cp, reduction, fault) == (2, 2, "token_mean", "none"):  # Llama 3's all-gather CP, Ulysses a2a
-            for comm in ("all_gather", "a2a"):
-                results[comm] = packed_step(_model(comm), batches[rank_groups.dp_rank], spread, rank_groups)
-    adaptive = [(dp, cp, comm, "none") for dp, cp, comm in ADAPTIVE] + [
-        (dp, cp, "p2p", f) for dp, cp, f, _ in ADAPTIVE_FAULTS
+def _cases() -> list[tuple]:
+    """``(result key, spread, cp_comm_type)`` of every packed step the tests compare."""
+    cases = [
+        ((dp, cp, reduction, "none"), StepSpread(dp_size=dp, cp_size=cp, reduction=reduction), "p2p")
+        for dp, cp in LAYOUTS
+        for reduction in REDUCTIONS
     ]
+    cases += [
+        ((dp, cp, "token_mean", f), StepSpread(dp_size=dp, cp_size=cp, fault=f), "p2p") for dp, cp, f, _ in FAULT_CASES
+    ]
+    cases += [(comm, StepSpread(dp_size=2, cp_size=2), comm) for comm in ("all_gather", "a2a")]  # Llama 3's, Ulysses
+    adaptive = [(dp, cp, comm, "none") for dp, cp, comm in ADAPTIVE]
+    adaptive += [(dp, cp, "p2p", fault) for dp, cp, fault, _ in ADAPTIVE_FAULTS]
     for dp, cp, comm, fault in adaptive:
         spread = StepSpread(dp_size=dp, cp_size=cp, fault=fault, cp_placement="adaptive")
-        if rank >= spread.world_size:
+        cases.append((("adaptive", dp, cp, comm, fault), spread, comm))
+    return cases
+
+
+def world_cases(rank: int, world: int) -> dict:
+    """Every case of ``world`` ranks; each dp x cp layout through its own ``CpTopology`` (two of
+    them in one process at world 2 and 4), made in the same order on every rank."""
+    samples = _samples()
+    assert sample_lengths(StepSpread(dp_size=2, cp_size=2)) == sample_lengths(StepSpread()), "one batch for all"
+    topologies: dict = {}
+    results: dict = {}
+    for key, spread, comm in _cases():
+        if spread.world_size != world:
             continue
-        batches = global_micro_batches(samples, spread, pack_size_for(sample_lengths(spread), cp, "adaptive"))
-        rank_groups = groups[dp, cp]
-        results["adaptive", dp, cp, comm, fault] = packed_step(
-            _model(comm), batches[rank_groups.dp_rank], spread, rank_groups
-        )
+        layout = spread.dp_size, spread.cp_size
+        if layout not in topologies:
+            topologies[layout] = (
+                CpTopology.create(spread.cp_size, device_type="cpu") if world > 1 else CpTopology.single()
+            )
+        topology = topologies[layout]
+        pack_size = pack_size_for(sample_lengths(spread), spread.cp_size, spread.cp_placement)
+        batches = global_micro_batches(samples, spread, pack_size)
+        results[key] = packed_step(_model(comm), batches[topology.dp_rank], spread, topology)
     return results
 
 
 @pytest.fixture(scope="module")
 def rank_results() -> list[dict]:
-    return run_distributed(all_cases, 4)
+    """Per rank, every case it took part in: dp 1 x cp 1 in this process, then one launch per world size."""
+    results = [world_cases(0, 1), {}, {}, {}]
+    for world in (2, 3, 4):
+        for rank, got in enumerate(run_distributed(world_cases, world)):
+            results[rank].update(got)
+    return results
 
 
 @pytest.fixture(scope="module")

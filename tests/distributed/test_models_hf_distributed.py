@@ -4,9 +4,9 @@ Gemma (tiny random configs, fp64) on thdpack's registered attention, one packed 
 the global loss-token count), loss and gradients summed over the CP group: the loss and every
 parameter gradient must equal each sequence run alone through plain eager transformers, to 1e-10.
 
-One 4-rank launch hosts both CP sizes through subgroups, every architecture inside the ranks
-(starting processes and importing transformers is the cost on a 2-core machine). Each CP size
-also plants a bug (the shard's positions left out, so transformers
+One 4-rank launch hosts both CP sizes (a dp 2 x cp 2 and a cp 4 ``CpTopology``), every
+architecture inside the ranks (starting processes and importing transformers is the cost on a
+2-core machine). Each CP size also plants a bug (the shard's positions left out, so transformers
 counts 0..T_local-1 on every rank and RoPE is wrong) that the comparison must catch, and asks
 ``hf_packed_kwargs`` for HF's own sdpa on a shard, which must be refused; Llama also runs with
 all-to-all CP (``cp_comm_type="a2a"``). The adapter passes a per-sequence CP placement through
@@ -17,7 +17,6 @@ ranks (cp 4) or over all of them are exact too.
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 from _hf_cases import (
     ARCHITECTURES,
     differences,
@@ -30,6 +29,7 @@ from _hf_cases import (
 )
 
 from thdpack.attention.config import AttentionConfig
+from thdpack.cp.topology import CpTopology
 from thdpack.models.hf_attention import register_hf_attention
 from thdpack.testing import run_distributed
 
@@ -45,29 +45,26 @@ def cp_steps(rank: int, world: int) -> dict:
     architecture the summed loss and gradients, the planted bug's, and the refusal message for
     sdpa on a shard."""
     name = register_hf_attention()
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group, in order
+    # every rank makes both, in order: dp 2 x cp 2 (the pairs), and cp 4 with its pairs' placement groups
+    topologies = {cp_size: CpTopology.create(cp_size, device_type="cpu") for cp_size in (2, 4)}
     results: dict = {}
-    for cp_size, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
-        cp_rank = rank % cp_size
+    for cp_size, topology in topologies.items():
         thd = packed_row(samples(), cp_size=cp_size)
         out: dict = {}
         for arch in ARCHITECTURES:
-            out[arch] = packed_step(hf_model(arch, name), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
+            out[arch] = packed_step(hf_model(arch, name), thd, topology=topology)
         out["Llama a2a"] = packed_step(
-            hf_model("Llama", name), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group,
-            attention=AttentionConfig(cp_comm_type="a2a"),
-        )  # fmt: skip
-        out["no positions"] = packed_step(
-            hf_model("Llama", name), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group, drop_position_ids=True
+            hf_model("Llama", name), thd, topology=topology, attention=AttentionConfig(cp_comm_type="a2a")
         )
+        out["no positions"] = packed_step(hf_model("Llama", name), thd, topology=topology, drop_position_ids=True)
         try:
-            packed_step(hf_model("Llama", "sdpa"), thd, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
+            packed_step(hf_model("Llama", "sdpa"), thd, topology=topology)
         except ValueError as err:
             out["sdpa"] = str(err)
         placed = placed_row(samples(), cp_size)
         for arch in PLACED_ARCHITECTURES:
             model = hf_model(arch, name)
-            out["placed", arch] = packed_step(model, placed, cp_size=cp_size, cp_rank=cp_rank, cp_group=group)
+            out["placed", arch] = packed_step(model, placed, topology=topology)
         results[cp_size] = out
     return results
 

@@ -51,27 +51,26 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     from thdpack.verify.exactness import unpacked_step
 
     cfg = _config(cp_size, reduction, sharding)
-    runtime = init_runtime(ParallelConfig(cp_size=cp_size, dp_sharding=sharding))
+    runtime = init_runtime(ParallelConfig(cp_size=cp_size, dp_sharding=sharding), cp_placement="te")
     samples = _samples()
 
     def dataset(**dealing) -> PackedDataset:
         return PackedDataset(samples, cfg.packing.pack_size, cp_size=cp_size, overflow="split", seed=3, **dealing)
 
-    stream = dataset(rank=runtime.dp_rank, world_size=runtime.dp_size).step_stream(
+    topology = runtime.topology
+    stream = dataset(dp_rank=topology.dp_rank, dp_size=topology.dp_size).step_stream(
         micro_batches=2, packs_per_micro_batch=1
     )
     model, inner = build_model(cfg, runtime, VOCAB)
     micro = shard_micro_batches(stream.next_step().micro_batches, runtime, reduction=reduction)
-    loss = float(
-        forward_backward(model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size).value()
-    )
+    loss = float(forward_backward(model, micro, topology=topology).value())
     grads = {
         name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
         for name, p in inner.named_parameters()
     }
 
     # the same global step, every sequence alone on one process
-    everything = dataset(balance="none").step_stream(micro_batches=2 * runtime.dp_size, packs_per_micro_batch=1)
+    everything = dataset(balance="none").step_stream(micro_batches=2 * topology.dp_size, packs_per_micro_batch=1)
     packs = [p for mb in everything.next_step().micro_batches for p in mb]
     reference = Transformer(cfg.model_config(), seed=cfg.train.seed, dtype=torch.float64)
     want = unpacked_step(reference, _pieces(packs), reduction)

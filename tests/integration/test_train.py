@@ -109,4 +109,4 @@ def test_bad_config_is_a_message(tmp_path, cache):
     assert result.returncode != 0
     assert "pack_size=258 is not a multiple of 2*cp_size=4" in result.stderr
     result = torchrun(tmp_path, cache, "parallel.cp_size=4", check=False)
-    assert "parallel.cp_size=4 does not divide the world size 2" in result.stderr
+    assert "cp_size=4 does not divide the world size 2; launch a multiple of 4 processes" in result.stderr

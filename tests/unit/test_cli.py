@@ -10,7 +10,8 @@ from thdpack.cli import main
 
 
 def test_embedded_example(capsys, tmp_path):
-    assert main(["stats", "--algorithm", "bfd", "sequential", "--json", str(tmp_path / "rows.json")]) == 0
+    argv = ["stats", "--algorithm", "bfd", "sequential", "--overflow", "split", "--json", str(tmp_path / "rows.json")]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "skipped 28 empty sequences (length 0)" in out
     assert "| 4,096 | bfd |" in out and "| 4,096 | sequential |" in out
@@ -25,6 +26,31 @@ def test_lengths_files(capsys, tmp_path):
     for name in ("l.npy", "l.txt"):
         assert main(["stats", str(tmp_path / name), "--pack-size", "512", "1024", "--cp-size", "2"]) == 0
         assert "| 1,024 | window |" in capsys.readouterr().out
+
+
+def test_stats_defaults_overflow_as_the_plan_config(capsys):
+    """``thdpack stats`` plans like ``PlanConfig``: overflow='error' unless told (it was 'split')."""
+    assert main(["stats", "--algorithm", "bfd"]) == 2
+    assert "sequence 4 has 13283 tokens, over pack_size=4096 (772 sequences in total)" in capsys.readouterr().err
+
+
+def test_stats_says_which_cp_placement_it_assumed(capsys, tmp_path):
+    """At cp > 1 ``thdpack stats`` plans the trainer's default placement (adaptive) and says so;
+    --cp-placement te plans Transformer Engine's layout, every sequence a multiple of 2*cp slots."""
+    lengths = [101, 203, 301, 31, 41, 2001]
+    np.save(tmp_path / "l.npy", np.array(lengths))
+    argv = ["stats", str(tmp_path / "l.npy"), "--pack-size", "2048", "--cp-size", "2", "--algorithm", "bfd"]
+    rows = {}
+    for placement in ("adaptive", "te"):
+        flag = [] if placement == "adaptive" else ["--cp-placement", "te"]
+        assert main([*argv, *flag, "--json", str(tmp_path / f"{placement}.json")]) == 0
+        rows[placement] = json.loads((tmp_path / f"{placement}.json").read_text())[0]
+        said = {"adaptive": "adaptive (the trainer's default: short", "te": "te (Transformer Engine's layout"}
+        assert f"cp placement: {said[placement]}" in capsys.readouterr().out
+    assert rows["te"]["cp_padding_tokens"] == sum(-n % 4 for n in lengths)
+    assert rows["adaptive"]["cp_padding_tokens"] < rows["te"]["cp_padding_tokens"]  # whole sequences are not padded
+    assert main(["stats", str(tmp_path / "l.npy"), "--pack-size", "4096"]) == 0
+    assert "cp placement: none (cp_size 1" in capsys.readouterr().out
 
 
 def test_errors_are_messages_not_tracebacks(capsys, tmp_path):

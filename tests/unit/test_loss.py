@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from thdpack.cp.topology import CpTopology
 from thdpack.loss import (
     StepLoss,
     count_loss_tokens,
@@ -17,6 +18,7 @@ from thdpack.loss import (
 )
 from thdpack.thd.meta import ThdMeta
 
+ONE = CpTopology.single()
 LOG2 = 0.6931471805599453
 LOG4_3 = 0.28768207245178085  # CE of logits (log 3, 0) for label 0: -log(3/4)
 
@@ -41,7 +43,7 @@ def test_cross_entropy_sum_written_out():
 
 def test_global_token_mean_is_not_the_mean_of_means():
     mbs = two_micro_batches()
-    step = StepLoss.begin([labels for _, labels in mbs], grad_average_size=1)
+    step = StepLoss.begin([labels for _, labels in mbs], topology=ONE)
     assert step.denominator.item() == 4.0
     for logits, labels in mbs:
         step(logits, labels)
@@ -57,7 +59,7 @@ def test_step_gradients_equal_the_unpacked_mean():
     head = torch.nn.Linear(3, 5, dtype=torch.float64)
     xs = [torch.randn(4, 3, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)]
     labels = [torch.tensor([1, -100, 4, 0]), torch.tensor([-100, -100, 2, 2, 3, 1, 0])]
-    step = StepLoss.begin(labels, grad_average_size=1)
+    step = StepLoss.begin(labels, topology=ONE)
     for x, lb in zip(xs, labels, strict=True):
         step(head(x), lb).backward()
     packed = [p.grad.clone() for p in head.parameters()]
@@ -96,7 +98,7 @@ def test_sequence_mean_loss_written_out():
     logits_TV = torch.tensor([[0.0, 0.0]] + [[math.log(3), 0.0]] * 3, dtype=torch.float64)
     labels_T = torch.tensor([1, 0, 0, 0])
     weights_T = loss_weights(labels_T, ThdMeta.from_lengths([1, 3], [1, 3]), reduction="sequence_mean")
-    step = StepLoss.begin([labels_T], micro_batch_weights=[weights_T], grad_average_size=1)
+    step = StepLoss.begin([labels_T], micro_batch_weights=[weights_T], topology=ONE)
     step(logits_TV, labels_T, weights_T)
     assert step.value().item() == pytest.approx((LOG2 + LOG4_3) / 2, abs=1e-15)
 
@@ -145,3 +147,9 @@ def test_bad_inputs_raise_with_the_values():
         global_loss_denominator([])
     with pytest.raises(ValueError, match=r"a process group was given but torch\.distributed is not initialised"):
         count_loss_tokens([labels], group=object())
+
+
+def test_a_described_topology_cannot_reduce_the_loss():
+    described = CpTopology(dp_size=2, cp_size=2, rank=0, gpus_per_node=4)
+    with pytest.raises(ValueError, match=r"topology dp 2 x cp 2 has no process groups \(a described mesh\); the loss"):
+        StepLoss.begin([torch.tensor([1, 2])], topology=described)

@@ -41,7 +41,8 @@ from thdpack.attention.config import AttentionConfig, resolve_softmax_scale
 from thdpack.attention.heads import kv_replication, repeat_kv_heads
 from thdpack.cp.comm import all_to_all_blocks
 from thdpack.cp.partition import GatherOrder, gather_order
-from thdpack.thd.meta import ThdMeta, attach_meta, thd_meta
+from thdpack.thd.carriage import attach_meta, thd_meta
+from thdpack.thd.meta import ThdMeta
 
 
 def a2a_bytes(

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from thdpack.attention.backends.base import AttentionCall, CallFacts
 from thdpack.attention.config import AttentionConfig, resolve_softmax_scale
 from thdpack.attention.select import attend_function, choose_backend, log_choice
-from thdpack.thd.meta import thd_meta
+from thdpack.cp.topology import CpGroupLike, CpTopology
+from thdpack.thd.carriage import thd_meta
 
 CONFIG_KEYWORDS = tuple(f.name for f in dataclasses.fields(AttentionConfig))
 """The keywords ``thd_attention`` accepts as a shorthand for ``config=AttentionConfig(...)``."""
@@ -33,7 +34,7 @@ def thd_attention(
     thd: Mapping[str, Any],
     *,
     config: AttentionConfig | None = None,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CpGroupLike | None = None,
     return_lse: bool = False,
     **keywords: Any,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -61,12 +62,16 @@ def thd_attention(
             (default ``H ** -0.5``) and ``cp_comm_type`` (``"p2p"`` ring, ``"all_gather"`` or
             ``"a2a"``: all-to-all to whole sequences for ``Nq / cp`` heads, any backend's kernel).
             Default: ``AttentionConfig()``.
-        cp_group: the context-parallel group when q/k/v are a CP shard: the group the batch was
-            sharded for (its size and this process's rank in it are the shard's ``cp_size`` and
-            ``cp_rank``). ``te`` does CP itself; ``flash`` / ``varlen`` run thdpack's
-            ring with FlashAttention-2 tiles; ``math`` runs it with exact math tiles (CPU/gloo),
-            or the all-gather of K/V; with ``cp_comm_type="a2a"`` every backend's own kernel runs
-            on the whole sequences thdpack's all-to-all delivers (``te``: TE's all-to-all).
+        cp_group: when q/k/v are a CP shard, the run's :class:`~thdpack.cp.topology.CpTopology`
+            (its CP group, and the placement groups a per-sequence placement splits sequences
+            over), or a plain process group: the CP group the batch was sharded for (its size
+            and this process's rank in it are the shard's ``cp_size`` and ``cp_rank``), enough
+            for TE's layout and for placements whose split sequences all span the whole group
+            (else ``ValueError``: pass the topology). ``te`` does CP itself; ``flash`` /
+            ``varlen`` run thdpack's ring with FlashAttention-2 tiles; ``math`` runs it with
+            exact math tiles (CPU/gloo), or the all-gather of K/V; with ``cp_comm_type="a2a"``
+            every backend's own kernel runs on the whole sequences thdpack's all-to-all delivers
+            (``te``: TE's all-to-all).
         return_lse: also return the log-sum-exp (differentiable with ``math`` and the CP ring).
         **keywords: ``causal``, ``backend``, ``softmax_scale``, ``cp_comm_type``: a shorthand for
             ``config=AttentionConfig(**keywords)`` (not together with ``config``).
@@ -94,7 +99,9 @@ def thd_attention(
     config = _attention_config(config, keywords)
     _check_qkv(q, k, v)
     meta = thd_meta(thd)
-    meta.check_cp_group(cp_group)
+    topology = cp_group if isinstance(cp_group, CpTopology) else None
+    group = cp_group if topology is None else _topology_cp_group(topology)
+    meta.check_cp_group(group)
     meta.check_token_count(q.shape[0], "q")
     cp = meta.cp_size > 1
     situation = CallFacts.of(
@@ -107,11 +114,17 @@ def thd_attention(
         meta=meta,
         config=config,
         scale=resolve_softmax_scale(config.softmax_scale, q.shape[-1]),
-        cp_group=cp_group if cp else None,
+        cp_group=group if cp else None,
         return_lse=return_lse,
+        topology=topology,
     )
     out, lse = attend_function(backend, situation)(q, k, v, call)
     return (out, lse) if return_lse else out
+
+
+def _topology_cp_group(topology: CpTopology) -> dist.ProcessGroup | None:
+    """The topology's CP group; one without process groups is refused under CP (``CpTopology.group``)."""
+    return topology.group(0, topology.cp_size) if topology.cp_size > 1 else topology.cp_group
 
 
 def _attention_config(config: AttentionConfig | None, keywords: Mapping[str, Any]) -> AttentionConfig:

@@ -23,8 +23,8 @@ import torch
 
 from thdpack._optional import has_flex_attention
 from thdpack.cp.partition import local_placement
+from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import SEQ_LENS_SENTINEL, bshd_meta
-from thdpack.thd.meta import thd_meta
 from thdpack.thd.tokens import TokenPlacement, global_placement
 
 if TYPE_CHECKING:

@@ -1,13 +1,14 @@
 """Attention of a CP shard under a per-sequence placement: each part by its own path, one output.
 
 Under a per-sequence placement (``plan_packs(..., cp_placement="adaptive")``,
-docs/design/cp_placement.md) a rank's rows come in parts (``ThdMeta.parts``): one per split group
+docs/design/cp_placement.md) a rank's rows come in parts (``thdpack.thd.parts``): one per split group
 that holds sequences of the rank (largest group first), then its whole sequences.
 
 - A split group's rows are a Transformer Engine shard of the group's sequences over its ``g``
   ranks (the part's record: ``cp_size = g``, ``cp_rank`` = the rank in the group, the group's own
   ``cu_seqlens``), so the existing CP algorithm runs them unchanged: the ring, the all-gather or
-  TE's own CP attention, over the group's process group (``thdpack.cp.comm.placement_groups``).
+  TE's own CP attention, over the group's process group (``CpTopology.group``: the CP group for
+  a group of all CP ranks, a placement group of the run's topology for a smaller one).
   Only these sequences' K/V travel, only within their group.
 - The whole part runs the backend's own kernel on one device, with the whole sequences'
   ``cu_seqlens``: no communication. (Padding entries have no real token: no work.)
@@ -30,8 +31,10 @@ import torch
 
 from thdpack.attention.backends.base import AttendFn, AttentionCall, AttentionOutput
 from thdpack.attention.merge import accumulation_dtype
-from thdpack.cp.comm import placement_groups
-from thdpack.thd.meta import ThdMeta, attach_meta, cu_from_lengths
+from thdpack.thd.carriage import attach_meta
+from thdpack.thd.cu import cu_from_lengths
+from thdpack.thd.meta import ThdMeta
+from thdpack.thd.parts import shard_parts
 
 
 def part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, Any]:
@@ -39,7 +42,7 @@ def part_batch(meta: ThdMeta, index: int, device: torch.device) -> Mapping[str, 
     ``cu_seqlens_padded`` / ``max_seqlen`` and record), built once per shard and device."""
 
     def build() -> Mapping[str, Any]:
-        part = meta.parts[index].meta
+        part = shard_parts(meta)[index].meta
         batch: dict[str, Any] = {
             "cu_seqlens": cu_from_lengths(part.lengths_S, device),
             "cu_seqlens_padded": cu_from_lengths(part.lengths_padded_S, device),
@@ -65,19 +68,17 @@ def placed_attention(
     ``whole`` (the backend's kernel) on the whole part's rows; every rank of ``call.cp_group``
     calls it together."""
     meta = call.meta
-    groups = meta.groups
-    assert groups is not None and call.cp_group is not None, "placed_attention runs a placed CP shard"
-    cp_size = meta.cp_size
-    intermediate = (groups.size_S > 1) & (groups.size_S < cp_size)
-    subgroups = placement_groups(call.cp_group) if intermediate.any() else {}
+    assert meta.groups is not None and call.cp_group is not None, "placed_attention runs a placed CP shard"
+    _check_subgroups(call)
     outs, lses = [], []
-    for index, part in enumerate(meta.parts):
+    for index, part in enumerate(shard_parts(meta)):
         batch = part_batch(meta, index, q_TNH.device)
         if part.group_size == 1:
             attend, group = whole, None
+        elif call.topology is None:  # a plain CP group: every split part spans it (_check_subgroups)
+            attend, group = split, call.cp_group
         else:
-            attend = split
-            group = call.cp_group if part.group_size == cp_size else subgroups[(part.group_start, part.group_size)]
+            attend, group = split, call.topology.group(part.group_start, part.group_size)
         part_call = AttentionCall(
             thd=batch,
             meta=batch["thd_meta"],
@@ -96,3 +97,23 @@ def placed_attention(
     acc = accumulation_dtype(q_TNH.dtype)
     lse_NT = torch.cat([lse.to(acc) for lse in lses], dim=1)
     return out_TNH, lse_NT
+
+
+def _check_subgroups(call: AttentionCall) -> None:
+    """``ValueError`` before any collective when the shard splits sequences over groups smaller than
+    its CP group and the caller has no process group for them: a plain process group has no
+    sub-groups, a topology may lack its placement groups. The batch's placement is every rank's,
+    so every rank of the CP group refuses."""
+    meta = call.meta
+    assert meta.groups is not None
+    smaller = sorted({g for g in meta.groups.size_S.tolist() if 1 < g < meta.cp_size})
+    if not smaller:
+        return
+    if call.topology is None:
+        raise ValueError(
+            f"the batch's CP placement splits sequences over groups of {smaller} ranks, smaller than its CP group "
+            f"of {meta.cp_size}, and a plain process group has no sub-groups; pass the run's CpTopology as "
+            "cp_group (thdpack.cp.topology.CpTopology.create(cp_size, device_type=...) on every process makes them)"
+        )
+    for size in smaller:  # this rank's aligned group of each size (raises the topology's reason)
+        call.topology.group(meta.cp_rank // size * size, size)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from thdpack.attention.config import resolve_softmax_scale
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 
 def reference_attention(

@@ -23,8 +23,9 @@ import torch
 from thdpack.attention.config import resolve_softmax_scale
 from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
 from thdpack.attention.ring import TileKernel, ring_backward, ring_forward
-from thdpack.cp.partition import partition_from_lengths
-from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.layout.ranks import rank_indices
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.meta import ThdMeta
 
 
 class _MailboxPending:
@@ -148,7 +149,7 @@ def simulated_ring_attention(
         )
     shards = []
     for rank in range(cp_size):
-        index = partition_from_lengths(whole.lengths_padded_S, cp_size, rank)
+        index = rank_indices(whole.lengths_padded_S, cp_size, rank)
         shards.append((whole.for_rank(cp_size, rank), torch.from_numpy(index).to(q_TNH.device, torch.int64)))
     scale = resolve_softmax_scale(softmax_scale, q_TNH.shape[-1])
     return differentiable_attention(q_TNH, k_TNH, v_TNH, SimulatedRing(shards, causal, scale, kernel))

@@ -15,12 +15,12 @@ import torch
 from thdpack._optional import has_module
 from thdpack.attention.masks import block_causal_mask
 from thdpack.compat._nemo_errors import NemoRuntimeError
-from thdpack.format_rules import IGNORE_INDEX, check_pack_size
+from thdpack.layout.rules import IGNORE_INDEX, check_pack_size
 from thdpack.packing.packer import SampleTokens, assemble_pack, read_sample
 from thdpack.plan import plan_packs
 from thdpack.thd.batch import collate
+from thdpack.thd.cu import cu_from_lengths
 from thdpack.thd.format import PACK_KEYS, SEQ_LENS_SENTINEL  # NeMo's filler for "no sequence here"
-from thdpack.thd.meta import cu_from_lengths
 
 log = logging.getLogger(__name__)
 

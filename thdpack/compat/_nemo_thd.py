@@ -19,8 +19,9 @@ import torch.distributed as dist
 from thdpack.compat._nemo_errors import NemoKeyError
 from thdpack.cp.partition import shard
 from thdpack.thd.batch import split_micro_batches, to_thd
+from thdpack.thd.carriage import META_KEY, thd_meta
+from thdpack.thd.cu import cu_from_lengths
 from thdpack.thd.format import SEQ_LENS_SENTINEL
-from thdpack.thd.meta import META_KEY, cu_from_lengths, thd_meta
 from thdpack.thd.tokens import real_rows
 
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")

@@ -49,7 +49,7 @@ from thdpack.compat._nemo_packing import (
     packed_sequence_thd_collater,
 )
 from thdpack.compat._nemo_thd import make_cp_batch_for_te, process_input_for_thd, split_batch_into_thd_chunks
-from thdpack.format_rules import IGNORE_INDEX
+from thdpack.layout.rules import IGNORE_INDEX
 
 CROSS_ENTROPY_IGNORE_IDX = IGNORE_INDEX
 

@@ -2,7 +2,8 @@
 (or a per-sequence placement's layout), and the collectives that move its shards.
 
 ``partition_indices`` (TE's ``thd_get_partitioned_indices``), ``shard`` / ``unshard`` / ``gather``
-of THD batches, ``rank_token_indices`` (a rank's global token indices, under either layout), and the
+of THD batches, ``rank_token_indices`` (a rank's global token indices, under either layout),
+``CpTopology`` (this process's place in dp x cp, with its process groups: ``topology``), and the
 ring / row communication (``comm``) that the CP attention algorithms in ``thdpack.attention``
 (ring, all-gather) use.
 """
@@ -10,5 +11,6 @@ ring / row communication (``comm``) that the CP attention algorithms in ``thdpac
 from __future__ import annotations
 
 from thdpack.cp.partition import gather, local_placement, partition_indices, rank_token_indices, shard, unshard
+from thdpack.cp.topology import CpTopology
 
-__all__ = ["gather", "local_placement", "partition_indices", "rank_token_indices", "shard", "unshard"]
+__all__ = ["CpTopology", "gather", "local_placement", "partition_indices", "rank_token_indices", "shard", "unshard"]

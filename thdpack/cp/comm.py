@@ -13,10 +13,8 @@ path) and :func:`all_to_all_blocks` (the all-to-all path): ``all_to_all_single``
 blocks, which gloo implements as well as NCCL (torch 2.13 checked: ``tests/distributed``), so
 the CPU path runs the same collective as the GPU one.
 
-:func:`placement_groups` gives the process groups of the aligned groups of CP ranks, for the
-sequences a per-sequence CP placement splits over fewer than all ranks; they are created once per
-CP group (every aligned group of every allowed size, in one order: :func:`create_placement_groups`)
-and cached.
+The process groups these run over come from the caller (``thdpack.cp.topology.CpTopology`` holds
+a run's CP group and its placement groups).
 """
 
 from __future__ import annotations
@@ -26,8 +24,6 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-
-from thdpack.plan.placement import group_options
 
 
 class Pending(Protocol):
@@ -104,60 +100,3 @@ def all_to_all_blocks(x_W: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     out = torch.empty_like(x_W)
     dist.all_to_all_single(out, x_W, group=group)
     return out
-
-
-_PLACEMENT_GROUPS: dict[tuple[int, ...], dict[tuple[int, int], dist.ProcessGroup]] = {}
-"""Per CP group (its global ranks): the process group of each aligned group of its ranks, smaller
-than it, that this process belongs to."""
-
-
-def create_placement_groups(cp_groups: Sequence[Sequence[int]]) -> None:
-    """Create the process groups a per-sequence CP placement needs, for every CP group of the run.
-
-    Collective over the default group: every process calls it with the same ``cp_groups`` (the
-    global ranks of every CP group, e.g. ``[[0, 1, 2, 3], [4, 5, 6, 7]]`` for dp 2 x cp 4), in
-    the same order, once (again: nothing happens). For each CP group it creates the group of
-    every aligned run of its ranks of every allowed size between 1 and the CP size
-    (``thdpack.plan.placement.group_options``: for cp 8, two quads then four pairs) with
-    ``dist.new_group``, which every process of the default group must call for every group, and
-    keeps this process's for :func:`placement_groups`. CP sizes without such sizes (2, 3, ...)
-    need none. The trainer and ``thdpack verify`` call it; a CP group spanning all processes
-    creates its own on first use.
-    """
-    for ranks in cp_groups:
-        key = tuple(int(r) for r in ranks)
-        if key in _PLACEMENT_GROUPS:
-            continue
-        mine: dict[tuple[int, int], dist.ProcessGroup] = {}
-        size_O, start_O = group_options(len(key))
-        for size, start in zip(size_O.tolist(), start_O.tolist(), strict=True):
-            if size in (1, len(key)):
-                continue
-            members = list(key[start : start + size])
-            group = dist.new_group(members)
-            if dist.get_rank() in members:
-                mine[(start, size)] = group
-        _PLACEMENT_GROUPS[key] = mine
-
-
-def placement_groups(cp_group: dist.ProcessGroup) -> dict[tuple[int, int], dist.ProcessGroup]:
-    """``{(group_start, group_size): process group}`` of the aligned groups of ``cp_group``'s ranks
-    smaller than it that contain this process (for cp 8: its quad and its pair; ``cp_group``
-    itself serves the groups of all its ranks), made by :func:`create_placement_groups`.
-
-    A ``cp_group`` of every process of the default group makes its own on the first call, which
-    every rank then makes together (thdpack's attention does, on the first batch whose placement
-    splits a sequence over a smaller group: every rank knows the batch's placement). Otherwise
-    ``ValueError`` naming the call that creates them.
-    """
-    key = tuple(dist.get_process_group_ranks(cp_group))
-    if key not in _PLACEMENT_GROUPS:
-        if len(key) != dist.get_world_size():
-            raise ValueError(
-                f"the batch's CP placement splits sequences over groups smaller than its CP group (ranks {list(key)}), "
-                "whose process groups do not exist yet; call thdpack.cp.comm.create_placement_groups(cp_groups) on "
-                "every process once after creating the CP groups, with every CP group's global ranks (the trainer "
-                "and thdpack verify do)"
-            )
-        create_placement_groups([key])
-    return _PLACEMENT_GROUPS[key]

@@ -2,25 +2,24 @@
 
 Every sequence (padded length a multiple of ``2*cp_size``) is cut into ``2*cp_size`` equal
 chunks; rank ``r`` keeps chunk ``r`` and chunk ``2*cp_size-1-r`` of each sequence, sequence by
-sequence, head chunk first. For causal attention this gives every rank the same work.
-
-``partition_indices`` runs TE's own CUDA kernel when Transformer Engine is installed and the
-metadata lives on a GPU, and an exact twin otherwise (torch on accelerators, numpy on CPU).
-``shard`` applies the partition to a THD batch (``thdpack.to_thd``); ``unshard`` and
-``gather`` invert it.
-
-A batch of a per-sequence CP placement (its record's ``groups``: packs of ``plan_packs(...,
+sequence, head chunk first. For causal attention this gives every rank the same work. A batch of
+a per-sequence CP placement (its record's ``groups``: packs of ``plan_packs(...,
 cp_placement="adaptive")``, docs/design/cp_placement.md) is sharded by its placement instead:
 rank ``r`` keeps its split groups' chunks (largest group first, TE's layout within each group),
-then its whole entries (``thdpack.plan.placement.placement_indices``). :func:`rank_token_indices`
-gives any rank's global token indices for both layouts: the one index map every view of a shard
-(``shard``, ``unshard``, ``gather``, ``local_placement``) derives from.
+then its whole entries. Both are ``thdpack.layout.rank_indices``.
+
+``partition_indices`` is TE's ``thd_get_partitioned_indices`` (TE's own CUDA kernel where it
+applies, else computed on the host). ``shard`` applies a rank's indices to a THD batch
+(``thdpack.to_thd``); ``unshard`` and ``gather`` invert it. :func:`rank_token_indices` is the one
+index map every view of a shard (``shard``, ``unshard``, ``gather``, ``local_placement``) derives from.
 
 Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``S`` sequences, ``W = cp_size``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -29,14 +28,25 @@ import torch
 import torch.distributed as dist
 
 from thdpack._optional import has_transformer_engine, require
-from thdpack.format_rules import cp_multiple
-from thdpack.plan.placement import CpLayout, PackPlacement, placement_indices, rank_groups
+from thdpack.layout.entries import CpLayout
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.ranks import rank_indices, rank_parts
+from thdpack.layout.rules import check_cp
+from thdpack.thd.carriage import attach_meta, thd_meta
+from thdpack.thd.cu import cu_lengths
 from thdpack.thd.format import THD_METADATA_KEYS, THDBatch, check_token_rows
-from thdpack.thd.meta import EntryGroups, ThdMeta, attach_meta, check_cp, cu_lengths, thd_meta
+from thdpack.thd.meta import EntryGroups, ThdMeta
 from thdpack.thd.tokens import TokenPlacement, global_placement
 
-PartitionImpl = Literal["auto", "te", "torch", "numpy"]
-_IMPLS = ("auto", "te", "torch", "numpy")
+log = logging.getLogger(__name__)
+
+PartitionImpl = Literal["auto", "te", "numpy"]
+_IMPLS = ("auto", "te", "numpy")
+
+TE_MAX_SEQUENCES = 48 * 1024 // 4 - 1
+"""The most sequences TE's ``thd_partition_indices_kernel`` takes in one call (12,287): it keeps
+``cu_seqlens`` ((S+1,) int32) in dynamic shared memory, which a launch gets up to 48 KiB of
+without opting in to more (TE does not), so the launch fails beyond (``context_parallel.cu``)."""
 
 
 def partition_indices(
@@ -56,10 +66,12 @@ def partition_indices(
         cp_size: context-parallel world size (>= 1).
         cp_rank: this rank, ``0 <= cp_rank < cp_size``.
         impl: ``"auto"`` runs TE's kernel when Transformer Engine is installed and
-            ``cu_seqlens_padded`` is on CUDA, the torch twin on other accelerators, and the
-            numpy twin on CPU (numpy's ``repeat`` is several times faster than torch's
-            ``repeat_interleave`` there); ``"te"`` / ``"torch"`` / ``"numpy"`` force one
-            (``"te"`` needs TE and a CUDA tensor). All three give identical results.
+            ``cu_seqlens_padded`` is on CUDA, else ``"numpy"``: the indices computed on the host
+            (where the checks have the lengths already) and moved to ``cu_seqlens_padded``'s
+            device. ``"te"`` forces TE's kernel (it needs TE and a CUDA tensor); with no token
+            (``T == 0``, which TE refuses) or more than :data:`TE_MAX_SEQUENCES` sequences
+            (which overflow its shared memory) it computes on the host too. Both give identical
+            results.
 
     Returns:
         (T / cp_size,) int32 on ``cu_seqlens_padded``'s device: same values, same order as TE.
@@ -78,50 +90,39 @@ def partition_indices(
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     total_tokens = int(total_tokens)
     lengths_S = cu_lengths("cu_seqlens_padded", cu_seqlens_padded)
-    layout = ThdMeta.from_lengths(lengths_S, lengths_S, copy=False)
-    layout.check_token_count(total_tokens, "the batch (total_tokens)")
-    layout.for_rank(cp_size, cp_rank)  # cp_size, cp_rank and the 2*cp_size rule
+    record = ThdMeta.from_lengths(lengths_S, lengths_S, copy=False)
+    record.check_token_count(total_tokens, "the batch (total_tokens)")
+    local = record.for_rank(cp_size, cp_rank)  # cp_size, cp_rank and the 2*cp_size rule
+    on_cuda = cu_seqlens_padded.is_cuda
     if impl == "auto":
-        if cu_seqlens_padded.device.type == "cpu":
-            impl = "numpy"
-        else:
-            impl = "te" if cu_seqlens_padded.is_cuda and has_transformer_engine() else "torch"
-    if impl == "te" and not cu_seqlens_padded.is_cuda:
+        impl = "te" if on_cuda and has_transformer_engine() else "numpy"
+    if impl == "te" and not on_cuda:
         raise ValueError(
             f"impl='te' runs TE's CUDA kernel, but cu_seqlens_padded is on {cu_seqlens_padded.device}; "
             "move it to a GPU or use impl='auto'"
         )
-    if cp_size == 1:  # what TE's formula gives for one rank, also where a slot is odd (TE would refuse)
-        return torch.arange(total_tokens, dtype=torch.int32, device=cu_seqlens_padded.device)
-    if impl == "te":
-        tex = require("transformer_engine_torch", "partition_indices(impl='te')")
-        return tex.thd_get_partitioned_indices(cu_seqlens_padded.to(torch.int32), total_tokens, cp_size, cp_rank)
-    if impl == "numpy":
-        index = partition_from_lengths(lengths_S, cp_size, cp_rank)
-        return torch.from_numpy(index).to(cu_seqlens_padded.device)
-    return _partition_indices_torch(cu_seqlens_padded, total_tokens, cp_size, cp_rank)
+    # TE's formula for one rank is the identity, also where a slot is odd (TE would refuse); TE
+    # refuses T == 0 and cannot launch for more than TE_MAX_SEQUENCES sequences
+    if impl == "te" and local.cp_size > 1 and total_tokens > 0:
+        if len(lengths_S) <= TE_MAX_SEQUENCES:
+            tex = require("transformer_engine_torch", "partition_indices(impl='te')")
+            # TE allocates its output on the current CUDA device and launches there: make that cu's
+            with torch.cuda.device(cu_seqlens_padded.device):
+                return tex.thd_get_partitioned_indices(
+                    cu_seqlens_padded.to(torch.int32), total_tokens, local.cp_size, local.cp_rank
+                )
+        _log_too_many_sequences_for_te()
+    index_T = rank_indices(lengths_S, local.cp_size, local.cp_rank)
+    return torch.from_numpy(index_T).to(cu_seqlens_padded.device)
 
 
-def partition_from_lengths(lengths_padded_S: np.ndarray, cp_size: int, cp_rank: int) -> np.ndarray:
-    """(T / cp_size,) int32 global token indices of ``cp_rank``, from validated host slot lengths.
-
-    The numpy twin of ``_partition_indices_torch`` (same formula); every other view of TE's
-    dual-chunk layout (a shard's token placement, the all-gather order) derives from it.
-    One rank (``cp_size`` 1) keeps every token in order.
-    """
-    lengths_S = np.asarray(lengths_padded_S, dtype=np.int64)
-    local_T = int(lengths_S.sum()) // cp_size
-    if cp_size == 1:
-        return np.arange(local_T, dtype=np.int32)
-    chunks = cp_multiple(cp_size)  # 2W chunks per sequence: rank r keeps chunk r and chunk 2W-1-r
-    starts_S = np.cumsum(lengths_S) - lengths_S
-    chunk_S = lengths_S // chunks
-    local_starts_S = 2 * (np.cumsum(chunk_S) - chunk_S)
-    base_S = starts_S - local_starts_S
-    offset_S2 = np.stack((base_S + cp_rank * chunk_S, base_S + (chunks - 2 - cp_rank) * chunk_S), 1)
-    index_T = np.repeat(offset_S2.reshape(-1).astype(np.int32), np.repeat(chunk_S, 2))
-    index_T += np.arange(local_T, dtype=np.int32)
-    return index_T
+@functools.cache
+def _log_too_many_sequences_for_te() -> None:
+    log.warning(
+        "partition_indices: more than %d sequences in one call overflow the shared memory of Transformer Engine's "
+        "thd_get_partitioned_indices kernel; computing the indices on the host instead (logged once)",
+        TE_MAX_SEQUENCES,
+    )
 
 
 def rank_token_indices(meta: ThdMeta, rank: int | None = None) -> np.ndarray:
@@ -130,12 +131,10 @@ def rank_token_indices(meta: ThdMeta, rank: int | None = None) -> np.ndarray:
 
     Every view of a shard that needs to know where its rows come from reads it: the token
     placement (:func:`local_placement`), the all-gather's and the all-to-all's global order
-    (:func:`gather_order`). The layout is Transformer Engine's (``partition_from_lengths`` of the
-    slots) or, under a per-sequence placement, the split groups' chunks then the whole entries
-    (``placement_indices``). ``meta`` is the record of any rank's shard of the batch; ``rank``
-    must be a rank of its CP group (0 for a global record). Cached on ``meta`` per rank.
+    (:func:`gather_order`). It is ``thdpack.layout.rank_indices`` of the record's slots (and
+    groups, under a per-sequence placement). ``meta`` is the record of any rank's shard of the
+    batch; ``rank`` must be a rank of its CP group (0 for a global record). Cached on ``meta`` per rank.
 
-    >>> from thdpack.thd.meta import ThdMeta
     >>> meta = ThdMeta.from_lengths([3, 8], [4, 8], cp_size=2, cp_rank=0)
     >>> rank_token_indices(meta).tolist(), rank_token_indices(meta, 1).tolist()
     ([0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9])
@@ -144,22 +143,25 @@ def rank_token_indices(meta: ThdMeta, rank: int | None = None) -> np.ndarray:
     >>> rank_token_indices(meta).tolist(), rank_token_indices(meta, 1).tolist()
     ([0, 1, 6, 7, 11, 12, 13, 14], [2, 3, 4, 5, 8, 9, 10, 15])
     """
-    rank = meta.cp_rank if rank is None else rank
-    check_cp(meta.cp_size, rank)
+    rank = _rank_of(meta, rank)
 
     def build() -> np.ndarray:
-        placement = meta.placement
-        if placement is None:
-            index_T = partition_from_lengths(meta.lengths_padded_S, meta.cp_size, rank)
-        else:
-            index_T = placement_indices(
-                placement.slots_S, placement.group_size_S, placement.group_start_S, meta.cp_size, rank
-            )
-        index_T = index_T.astype(np.int64)
+        groups = meta.groups
+        sizes, starts = (None, None) if groups is None else (groups.size_S, groups.start_S)
+        index_T = rank_indices(meta.lengths_padded_S, meta.cp_size, rank, sizes, starts).astype(np.int64)
         index_T.flags.writeable = False
         return index_T
 
     return meta.cached(("rank token indices", rank), build)
+
+
+def _rank_of(meta: ThdMeta, rank: int | None) -> int:
+    """``rank``, checked against the record's CP size, or the record's own rank (checked when the
+    record was made)."""
+    if rank is None:
+        return meta.cp_rank
+    check_cp(meta.cp_size, rank)
+    return rank
 
 
 class GatherOrder(NamedTuple):
@@ -211,7 +213,6 @@ def gather_order(meta: ThdMeta, device: torch.device | str) -> GatherOrder:
     """The :class:`GatherOrder` of a CP shard's batch (every rank's :func:`rank_token_indices`),
     cached on ``meta`` per device.
 
-    >>> from thdpack.thd.meta import ThdMeta
     >>> meta = ThdMeta.from_lengths([8], [8], cp_size=2, cp_rank=1)
     >>> gather_order(meta, "cpu").gathered_of_global_T.tolist()   # rank 0 holds 0,1,6,7; rank 1 holds 2..5
     [0, 1, 4, 5, 6, 7, 2, 3]
@@ -231,7 +232,6 @@ def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None 
     the rank's entries in its order (``TokenPlacement.sequences``: its split groups' sequences,
     largest group first, then its whole ones).
 
-    >>> from thdpack.thd.meta import ThdMeta
     >>> meta = ThdMeta.from_lengths([3, 4], [4, 4], cp_size=2, cp_rank=0)
     >>> local_placement(meta, "cpu", rank=1).pos_T.tolist()   # chunk 1 and chunk 2 of each sequence
     [1, 2, 1, 2]
@@ -240,8 +240,7 @@ def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None 
     ...
     ValueError: cp_rank must be an int in [0, 1), got 1
     """
-    rank = meta.cp_rank if rank is None else rank
-    check_cp(meta.cp_size, rank)
+    rank = _rank_of(meta, rank)
     device = torch.device(device)
 
     def build() -> TokenPlacement:
@@ -257,8 +256,8 @@ def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None 
         if placement is None:
             counts = tuple(n // meta.cp_size for n in meta.lengths_padded)
             return TokenPlacement(counts, tuple(valid_S.tolist()), pos_T)
-        runs = [entries for _, _, entries in rank_groups(placement.group_size_S, placement.group_start_S, rank)]
-        entries_S = np.concatenate(runs)
+        parts = rank_parts(placement.slots_S, meta.cp_size, rank, placement.group_size_S, placement.group_start_S)
+        entries_S = np.concatenate([part.entries_S for part in parts]) if parts else np.zeros(0, dtype=np.int64)
         counts_S = placement.slots_S[entries_S] // placement.group_size_S[entries_S]
         keep = counts_S > 0  # an entry with an empty slot has no rows here
         entries_S = entries_S[keep]
@@ -266,28 +265,6 @@ def local_placement(meta: ThdMeta, device: torch.device | str, rank: int | None 
         return TokenPlacement(counts, valid, pos_T, sequences=tuple(entries_S.tolist()))
 
     return meta.cached(("local placement", rank, device), build)
-
-
-def _partition_indices_torch(
-    cu_seqlens_padded: torch.Tensor, total_tokens: int, cp_size: int, cp_rank: int
-) -> torch.Tensor:
-    """The torch twin of TE's kernel, for validated input; no host sync on any device.
-
-    Rank ``r``'s local tokens come in ``2N`` runs (head chunk, tail chunk of each sequence), and
-    inside a run the global index is the local index plus a per-run constant, so the whole
-    answer is ``arange(T_local) + repeat_interleave(offset_2N, run_length_2N)``.
-    """
-    chunks = cp_multiple(cp_size)  # 2W
-    cu_S1 = cu_seqlens_padded.to(torch.int64)
-    starts_S = cu_S1[:-1]
-    chunk_S = (cu_S1[1:] - starts_S) // chunks  # tokens per chunk of each sequence
-    local_starts_S = 2 * (torch.cumsum(chunk_S, 0) - chunk_S)  # where each sequence starts locally
-    base_S = starts_S - local_starts_S
-    # head run: chunk r; tail run: chunk 2W-1-r, which starts c tokens later in local order
-    offset_S2 = torch.stack((base_S + cp_rank * chunk_S, base_S + (chunks - 2 - cp_rank) * chunk_S), 1)
-    local_T = total_tokens // cp_size
-    offset_T = torch.repeat_interleave(offset_S2.reshape(-1), chunk_S.repeat_interleave(2), output_size=local_T)
-    return (torch.arange(local_T, device=cu_S1.device) + offset_T).to(torch.int32)
 
 
 def shard(
@@ -319,7 +296,7 @@ def shard(
         then its whole entries; the GLOBAL ``cu_seqlens``, ``cu_seqlens_padded`` and
         ``max_seqlen`` kept, as TE expects (it divides them itself); ``thd_meta`` the shard's
         record (``cp_size``, ``cp_rank``: which shard it is; the placement, and so its
-        ``parts``), made from the batch's without validating again. Positions stay the global
+        parts), made from the batch's without validating again. Positions stay the global
         position within each sequence, so RoPE needs no correction; labels travel with their
         tokens. Non-tensor values pass through.
 
@@ -354,7 +331,8 @@ def shard(
     ([1, 2, 0, 0, 100, 0, 0, 0], [0, 1, 6, 7, 0, 0, 1, 2])
     >>> rank1["input_ids"].tolist(), rank1["position_ids"].tolist()
     ([3, 4, 5, 6, 10, 20, 30, 0], [2, 3, 4, 5, 0, 1, 2, 0])
-    >>> [(p.group_size, p.rows) for p in rank1["thd_meta"].parts]   # the ring over both ranks, then whole
+    >>> from thdpack.thd.parts import shard_parts
+    >>> [(p.group_size, p.rows) for p in shard_parts(rank1["thd_meta"])]   # the ring over both ranks, then whole
     [(2, slice(0, 4, None)), (1, slice(4, 8, None))]
     """
     meta = thd_meta(thd)
@@ -362,7 +340,7 @@ def shard(
         meta = _with_placement(meta, placement)
     local = meta.for_rank(cp_size, cp_rank)
     check_token_rows(thd, meta)
-    if cp_size == 1:  # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
+    if local.cp_size == 1:  # nothing to split, and packs without CP need no even slot widths (TE's kernel would)
         return dict(thd)
     # computed on the host from the validated record (no device read), then moved with the tokens
     index_T = torch.tensor(rank_token_indices(local))  # a copy: the cached map is read-only

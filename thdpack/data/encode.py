@@ -60,7 +60,7 @@ from thdpack.data.records import (
     text_chars,
 )
 from thdpack.data.tokenizer import EOS_CANDIDATES, TextTokenizer, load_tokenizer
-from thdpack.format_rules import IGNORE_INDEX
+from thdpack.layout.rules import IGNORE_INDEX
 
 SampleFormat = Literal["labels", "loss_mask"]
 SAMPLE_FORMATS: tuple[str, ...] = get_args(SampleFormat)

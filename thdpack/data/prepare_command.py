@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from thdpack._config_forms import add_options, from_flat
 from thdpack._optional import has_module
 from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES, SAMPLE_FORMATS, TokenizeConfig
@@ -43,10 +44,9 @@ from thdpack.data.store import TokenStore
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
 from thdpack.files.lock import FolderLock
 from thdpack.files.publish import disk_full_note
-from thdpack.format_rules import check_pack_size
-from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, TRAINING_CP_PLACEMENT, PlanConfig
-from thdpack.plan.cp_cost import COST_MODELS
-from thdpack.plan.overflow import OVERFLOWS
+from thdpack.layout.rules import check_pack_size
+from thdpack.packing.dataset import DATASET_SEED
+from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,40 +65,13 @@ def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
         "tokenizer_config.json; its chat template renders chat records) (default: gpt2)",
     )
     parser.add_argument("--out", type=Path, required=True, help="output folder")
-    # the plan's settings (thdpack.plan.PlanConfig: one argument per field) and the CP size beside them
-    parser.add_argument("--pack-size", type=int, required=True, help="tokens per pack")
-    parser.add_argument("--algorithm", default="bfd", choices=ALGORITHMS, help="packing algorithm (default: bfd)")
-    parser.add_argument("--overflow", default="error", choices=OVERFLOWS, help="samples over a pack (default: error)")
-    parser.add_argument(
-        "--window",
-        type=int,
-        default=DEFAULT_WINDOW,
-        help=f"lookahead of --algorithm window (default: {DEFAULT_WINDOW})",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="base seed, as the trainer's packing.seed: epoch 0 plans with a seed derived from it (default: 0)",
-    )
-    parser.add_argument(
-        "--cp-placement",
-        default=TRAINING_CP_PLACEMENT,
-        choices=CP_PLACEMENTS,
-        help="under --cp-size > 1: every sequence split over all CP ranks (te), or short sequences whole on "
-        f"one rank and long ones split over a group (adaptive) (default: {TRAINING_CP_PLACEMENT}, as the trainer)",
-    )
-    parser.add_argument(
-        "--cost-model",
-        default="tiles",
-        choices=COST_MODELS,
-        help="what --cp-placement adaptive balances over the ranks: kernel tiles or causal pairs (default: tiles)",
-    )
-    parser.add_argument(
-        "--improve",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="after bfd / ffd, re-pack the packs that are not full with exact fills (default: on)",
+    # the plan's settings: one option per field of thdpack.plan.PlanConfig, with its help and check;
+    # the trainer's defaults (its packing.seed and cp_placement), so that plan.npz is the trainer's epoch 0
+    add_options(
+        parser,
+        PlanConfig,
+        defaults={"seed": DATASET_SEED, "cp_placement": TRAINING_CP_PLACEMENT},
+        notes={"seed": "The base seed, as the trainer's packing.seed."},
     )
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (default: 1)")
     parser.add_argument("--format", default="auto", choices=["auto", *SOURCE_FORMATS], help="input format")
@@ -168,8 +141,8 @@ def _write_failure(out: Path, err: OSError) -> str:
 
 
 def plan_config_of(args: argparse.Namespace) -> PlanConfig:
-    """The ``PlanConfig`` of the command line: each of its fields from the argument of that name."""
-    return PlanConfig(**{name: getattr(args, name) for name in PlanConfig.__dataclass_fields__})
+    """The ``PlanConfig`` of the command line: each of its fields from the option of that name."""
+    return from_flat(PlanConfig, vars(args))
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -1,8 +1,13 @@
 """``thdpack stats``: compare planners and pack sizes on a dataset's lengths; table, JSON, plots.
 
-thdpack stats                                   # the embedded example (CPython stdlib, GPT-2 tokens)
+thdpack stats --overflow split                  # the embedded example (CPython stdlib, GPT-2 tokens)
 thdpack stats lengths.npy --pack-size 8192 --cp-size 2 --plot-dir out/
 thdpack stats runs/web --pack-size 8192         # a token store: verified in full first (non-zero exit if damaged)
+
+Every setting of the plan is an option (generated from ``thdpack.plan.PlanConfig``'s fields, its
+defaults but ``--cp-placement``'s, which is the trainer's: ``adaptive``); ``--pack-size`` and
+``--algorithm`` take several values to compare. Under ``--cp-size`` > 1 the output says which CP
+placement it assumed.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack._config_forms import add_options, from_flat
 from thdpack._optional import has_module
 from thdpack.data.store_verify import verify_store
-from thdpack.plan.api import plan_packs
-from thdpack.plan.config import ALGORITHMS
-from thdpack.plan.overflow import OVERFLOWS
+from thdpack.plan.api import plan_with
+from thdpack.plan.config import ALGORITHMS, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.packing_stats import PackingStats
 
 EXAMPLE = "python311_stdlib.gpt2.lengths.npy"
@@ -76,21 +81,18 @@ class Row:
     stats: PackingStats
 
 
-def compare(
-    lengths: np.ndarray, pack_sizes: list[int], algorithms: list[str], *, cp_size: int, overflow: str
-) -> list[Row]:
-    """Plan every (pack size, algorithm) pair; time each plan (best of 3 for short runs)."""
+def compare(lengths: np.ndarray, configs: list[PlanConfig], *, cp_size: int) -> list[Row]:
+    """Plan with every config; time each plan (best of 3 for short runs)."""
     rows = []
-    for pack_size in pack_sizes:
-        for algorithm in algorithms:
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                plan = plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, overflow=overflow)
-                best = min(best, time.perf_counter() - start)
-                if best > 0.5:
-                    break
-            rows.append(Row(algorithm, pack_size, best, plan.stats))
+    for config in configs:
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            plan = plan_with(lengths, config, cp_size=cp_size)
+            best = min(best, time.perf_counter() - start)
+            if best > 0.5:
+                break
+        rows.append(Row(config.algorithm, config.pack_size, best, plan.stats))
     return rows
 
 
@@ -159,24 +161,53 @@ def plot(lengths: np.ndarray, rows: list[Row], out_dir: Path) -> list[Path]:
 
 
 def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``thdpack stats`` arguments: the input, the CP size, and every plan setting (``--pack-size``
+    and ``--algorithm`` take several values, each pair one row)."""
     parser.add_argument(
         "input",
         nargs="?",
         help="lengths .npy / .txt, or a token store folder (verified in full first; default: embedded example)",
     )
-    parser.add_argument("--pack-size", type=int, nargs="+", default=[4096], help="one or more pack sizes")
     parser.add_argument("--cp-size", type=int, default=1, help="context-parallel size (slots rounded to 2*cp)")
-    parser.add_argument(
-        "--algorithm", nargs="+", default=["all"], choices=["all", *ALGORITHMS], help="planners to compare"
-    )
-    parser.add_argument(
-        "--overflow", default="split", choices=OVERFLOWS, help="sequences longer than a pack (default: split)"
+    add_options(
+        parser,
+        PlanConfig,
+        defaults={"pack_size": [4096], "algorithm": ["all"], "cp_placement": TRAINING_CP_PLACEMENT},
+        many=("pack_size", "algorithm"),
+        more_choices={"algorithm": ("all",)},
+        notes={"pack_size": "One or more: each is planned.", "algorithm": "One or more, or 'all': each is planned."},
     )
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
 
 
+def plan_configs(args: argparse.Namespace) -> list[PlanConfig]:
+    """One ``PlanConfig`` per (pack size, algorithm) of the command line, the other settings its options."""
+    algorithms = list(ALGORITHMS) if "all" in args.algorithm else args.algorithm
+    return [
+        from_flat(PlanConfig, {**vars(args), "pack_size": pack_size, "algorithm": algorithm})
+        for pack_size in args.pack_size
+        for algorithm in algorithms
+    ]
+
+
+def placement_note(cp_size: int, cp_placement: str) -> str:
+    """Which CP layout the plans assume, and how to get the other."""
+    if cp_size == 1:
+        return "cp placement: none (cp_size 1: every sequence on one rank)"
+    if cp_placement == "adaptive":
+        return (
+            f"cp placement: adaptive (the trainer's default: short sequences whole on one of the {cp_size} CP ranks, "
+            "long ones split over a group); --cp-placement te plans Transformer Engine's layout"
+        )
+    return (
+        f"cp placement: te (Transformer Engine's layout: every sequence split over all {cp_size} CP ranks); "
+        "the trainer defaults to --cp-placement adaptive"
+    )
+
+
 def run_stats(args: argparse.Namespace) -> int:
+    configs = plan_configs(args)  # the settings are checked before a store is read
     source = Path(args.input) if args.input else example_lengths_path()
     if source.is_dir():  # a token store: read every byte against its checksums before trusting it
         print(verify_store(source))
@@ -192,8 +223,8 @@ def run_stats(args: argparse.Namespace) -> int:
         f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens, lengths min {lengths.min():,} / "
         f"median {int(np.median(lengths)):,} / max {lengths.max():,}\n"
     )
-    algorithms = list(ALGORITHMS) if "all" in args.algorithm else args.algorithm
-    rows = compare(lengths, args.pack_size, algorithms, cp_size=args.cp_size, overflow=args.overflow)
+    print(placement_note(args.cp_size, configs[0].cp_placement))
+    rows = compare(lengths, configs, cp_size=args.cp_size)
     print(render(rows))
     best = min(rows, key=lambda r: (r.stats.num_packs / r.stats.lower_bound_packs, r.seconds))
     print(f"\nbest: {best.algorithm} @ pack_size {best.pack_size:,}\n{best.stats}")

@@ -7,7 +7,7 @@ global loss for transformers' ``Trainer`` and TRL's ``SFTTrainer``.
   place of TRL's (needs ``thdpack[trl]``).
 - :mod:`thdpack.integrations.hf_data`: Hugging Face samples (``input_ids``, unshifted ``labels``)
   as thdpack samples, and the data loader that serves each rank its CP shard of every step.
-- :mod:`thdpack.integrations.parallel`: the dp x cp layout, from accelerate's ``ParallelismConfig``
+- :mod:`thdpack.integrations.parallel`: the dp x cp ``CpTopology``, from accelerate's ``ParallelismConfig``
   or thdpack's ``cp_size``; :mod:`thdpack.integrations.stream_state`: the pack stream's state in
   a Trainer checkpoint.
 

@@ -22,8 +22,8 @@ What the trainer does instead of the Trainer's own batches and loss:
   ``"adaptive"`` as thdpack's own trainer: short sequences whole on one CP rank, long ones split
   over an aligned group of ranks, docs/design/cp_placement.md; ``"te"``: every sequence split over
   all CP ranks, Transformer Engine's layout), which ``cp.shard`` and thdpack's attention follow;
-  for cp >= 4 the trainer creates the process groups of the smaller groups of CP ranks on every
-  process. ``per_device_train_batch_size`` counts packs. A
+  for cp >= 4 the trainer's ``CpTopology`` holds the process groups of the smaller groups of CP
+  ranks, made on every process. ``per_device_train_batch_size`` counts packs. A
   Trainer epoch is ``ceil(packs of epoch 0 / packs per step)`` steps; the stream runs on through
   thdpack's epochs without dropping or repeating a pack.
 - Attention. Under CP the model runs thdpack's attention (registered with transformers as
@@ -55,21 +55,23 @@ on its train loader, or on the batch sampler inside accelerate's ``skip_first_ba
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from thdpack._config_forms import Part, config_of, from_flat, twin
 from thdpack._optional import require
+from thdpack._settings import Check, check_fields, integer, optional, setting
 from thdpack.attention.config import AttentionConfig
-from thdpack.cp.comm import create_placement_groups
 from thdpack.cp.partition import shard
+from thdpack.cp.topology import CpTopology
 from thdpack.integrations.hf_data import (
     MICRO_BATCH_KEY,
     STEP_LABELS_KEY,
@@ -77,7 +79,7 @@ from thdpack.integrations.hf_data import (
     StepSource,
     packed_step_loader,
 )
-from thdpack.integrations.parallel import ParallelLayout, parallel_layout
+from thdpack.integrations.parallel import accelerator_topology
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.loss import StepLoss
 from thdpack.models.hf_attention import (
@@ -88,19 +90,11 @@ from thdpack.models.hf_attention import (
     hf_packed_kwargs,
     register_hf_attention,
 )
-from thdpack.packing.dataset import BALANCES, Balance, PackedDataset, PackedDatasetConfig
+from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
 from thdpack.packing.packer import pack_from_segments
-from thdpack.plan.config import (
-    ALGORITHMS,
-    CP_PLACEMENTS,
-    DEFAULT_WINDOW,
-    TRAINING_CP_PLACEMENT,
-    Algorithm,
-    CpPlacementMode,
-    PlanConfig,
-)
-from thdpack.plan.cp_cost import COST_MODELS, CostModel
-from thdpack.plan.overflow import OVERFLOWS, Overflow
+from thdpack.packing.runtime import PackingRuntime
+from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
+from thdpack.plan.overflow import Overflow
 from thdpack.thd.batch import thd_collate
 
 transformers = require("transformers", "thdpack.integrations.transformers")
@@ -112,12 +106,11 @@ __all__ = [
     "ATTENTION_NAME",
     "STATE_FILE",
     "PackingArguments",
-    "ParallelLayout",
     "StreamCheckpoint",
     "ThdpackTrainer",
     "ThdpackTrainerMixin",
+    "accelerator_topology",
     "packed_dataset",
-    "parallel_layout",
     "read_stream_state",
     "write_stream_state",
 ]
@@ -129,66 +122,19 @@ ATTENTION_NAME = "thdpack"
 _ORDER_KEEPING = ("sequential", "window")
 
 
-@dataclass(frozen=True, kw_only=True)
-class PackingArguments:
-    """thdpack's settings for ``ThdpackTrainer`` / ``thdpack.integrations.trl.SFTTrainer``.
+class _PackingArgumentsMethods:
+    """What ``PackingArguments`` does with its fields (which ``packing_arguments`` generates)."""
 
-    >>> PackingArguments(pack_size=4096, algorithm="window").shuffle_packs
-    False
-    >>> PackingArguments(algorithm="first_fit")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown algorithm 'first_fit'; valid: bfd, ffd, sequential, window
-    >>> PackingArguments(cp_placement="ring")
-    Traceback (most recent call last):
-    ...
-    ValueError: unknown cp_placement 'ring'; valid: te, adaptive
-    """
-
-    pack_size: int | None = None
-    """Tokens per pack, a multiple of 2*cp_size. None: ``SFTConfig.max_length`` (TRL); ThdpackTrainer needs one."""
-    cp_size: int | None = None
-    """Context-parallel size. None: accelerate's ``ParallelismConfig.cp_size`` (1 without one); when
-    both are set they must agree."""
-    algorithm: Algorithm = "bfd"
-    """Planner: "bfd" / "ffd" (CP-aware), or "window" / "sequential" to keep the dataset's order."""
-    overflow: Overflow | None = None
-    """Sequences longer than pack_size: "error", "drop", "truncate" or "split" (counted in the stats).
-    None: "error" (ThdpackTrainer); TRL: "split" for ``packing_strategy="bfd_split"``, else "truncate"."""
-    window: int = DEFAULT_WINDOW
-    """Lookahead of algorithm="window"."""
-    balance: Balance = "attention"
-    """How each step's packs are dealt to the DP ranks: "attention", "tokens" or "none"."""
-    shuffle: bool | None = None
-    """Shuffle the pack order of every epoch. None: yes, except for "window" / "sequential"."""
-    cp_placement: CpPlacementMode = TRAINING_CP_PLACEMENT
-    """Under CP: "adaptive" (short sequences whole on one CP rank, long ones split over an aligned
-    group of ranks, chosen per pack; the default, as thdpack's own trainer) or "te" (every sequence
-    split over all CP ranks, Transformer Engine's layout). Ignored without CP."""
-    cost_model: CostModel = "tiles"
-    """What the adaptive placement minimises on each pack's busiest CP rank: "tiles" (128 x 128
-    kernel tiles) or "pairs" (causal query-key pairs)."""
-    attention: AttentionConfig = field(default_factory=AttentionConfig)
-    """Backend and CP exchange of thdpack's attention."""
+    plan_config: ClassVar[type[PlanConfig]]
+    field_checks: ClassVar[dict[str, Check]]
 
     def __post_init__(self) -> None:
-        for name in ("pack_size", "cp_size", "window"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 (or None), got {value!r}")
-        for name, value, valid in (
-            ("algorithm", self.algorithm, ALGORITHMS),
-            ("overflow", self.overflow, (*OVERFLOWS, None)),
-            ("balance", self.balance, BALANCES),
-            ("cp_placement", self.cp_placement, CP_PLACEMENTS),
-            ("cost_model", self.cost_model, COST_MODELS),
-        ):
-            if value not in valid:
-                raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(str(v) for v in valid if v)}")
+        check_fields(self, self.field_checks)
 
     @property
     def shuffle_packs(self) -> bool:
-        return self.algorithm not in _ORDER_KEEPING if self.shuffle is None else self.shuffle
+        shuffle = self.shuffle  # type: ignore[attr-defined]
+        return self.algorithm not in _ORDER_KEEPING if shuffle is None else shuffle  # type: ignore[attr-defined]
 
     def dataset_config(self, *, pack_size: int, overflow: Overflow, seed: int) -> PackedDatasetConfig:
         """The settings the trainers plan and deal packs with: these, plus the pack size and
@@ -198,16 +144,80 @@ class PackingArguments:
         >>> PackingArguments(cp_placement="te").dataset_config(pack_size=64, overflow="error", seed=0).plan.cp_placement
         'te'
         """
-        plan = PlanConfig(
-            pack_size=pack_size,
-            algorithm=self.algorithm,
-            overflow=overflow,
-            window=self.window,
-            seed=seed,
-            cp_placement=self.cp_placement,
-            cost_model=self.cost_model,
-        )
-        return PackedDatasetConfig(plan=plan, shuffle=self.shuffle_packs, balance=self.balance)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        values.update(pack_size=pack_size, overflow=overflow, seed=seed, shuffle=self.shuffle_packs)
+        return from_flat(PackedDatasetConfig, {**values, "plan": from_flat(self.plan_config, values)})
+
+
+_PACKING_ARGUMENTS_DOC = """thdpack's settings for ``ThdpackTrainer`` / ``thdpack.integrations.trl.SFTTrainer``.
+
+Its fields are ``PlanConfig``'s and ``PackedDatasetConfig``'s, generated from them
+(``packing_arguments``): the same help, defaults and checks, so a bad value raises what the
+config raises.
+
+>>> PackingArguments(pack_size=4096, algorithm="window").shuffle_packs
+False
+>>> PackingArguments(algorithm="first_fit")
+Traceback (most recent call last):
+...
+ValueError: unknown algorithm 'first_fit'; valid: bfd, ffd, sequential, window
+>>> PackingArguments(pack_size=8.5)
+Traceback (most recent call last):
+...
+TypeError: pack_size must be an integer, got 8.5
+>>> PackingArguments(attention={"backend": "math"}).attention
+AttentionConfig(backend='math', causal=True, softmax_scale=None, cp_comm_type='p2p')
+"""
+
+
+def packing_arguments(plan_config: type[PlanConfig] = PlanConfig) -> type:
+    """The ``PackingArguments`` dataclass: every field of ``plan_config`` and of ``PackedDatasetConfig``
+    (their help, checks and defaults; ``cp_placement``'s the training default) but the seed (the
+    Trainer's ``data_seed`` / ``seed``) and ``remainder`` (the step stream needs none), plus the CP
+    size and the attention settings."""
+    return twin(
+        [Part(plan_config), Part(PackedDatasetConfig)],
+        name="PackingArguments",
+        module=__name__,
+        exclude=("seed", "plan", "remainder"),
+        defaults={"pack_size": None, "overflow": None, "shuffle": None, "cp_placement": TRAINING_CP_PLACEMENT},
+        notes={
+            "pack_size": "None: SFTConfig.max_length (TRL); ThdpackTrainer needs one.",
+            "overflow": "None: 'error' (ThdpackTrainer); TRL: 'split' for packing_strategy='bfd_split', else "
+            "'truncate'.",
+            "shuffle": "None: yes, except for 'window' / 'sequential', which keep the dataset's order.",
+            "cp_placement": "The default is thdpack's trainer's, 'adaptive'.",
+        },
+        extra=[
+            (
+                "cp_size",
+                int | None,
+                setting(
+                    "Context-parallel size. None: accelerate's ParallelismConfig.cp_size (1 without one); when "
+                    "both are set they must agree.",
+                    default=None,
+                    check=optional(integer(1)),
+                ),
+            ),
+            (
+                "attention",
+                AttentionConfig,
+                setting(
+                    "Backend and CP exchange of thdpack's attention: an AttentionConfig or a mapping of its "
+                    "settings (as YAML or a command line gives it).",
+                    default_factory=AttentionConfig,
+                    check=config_of(AttentionConfig),
+                ),
+            ),
+        ],
+        frozen=True,
+        bases=(_PackingArgumentsMethods,),
+        namespace={"plan_config": plan_config},
+        doc=_PACKING_ARGUMENTS_DOC,
+    )
+
+
+PackingArguments = packing_arguments()
 
 
 class ThdpackTrainerMixin:
@@ -227,7 +237,9 @@ class ThdpackTrainerMixin:
             )
         self._check_arguments()
         self.packing = packing
-        self.layout = parallel_layout(self.accelerator, packing.cp_size)
+        self.topology = accelerator_topology(
+            self.accelerator, packing.cp_size, placement_groups=packing.cp_placement == "adaptive"
+        )
         # the loss is StepLoss's: counting num_items_in_batch would cost a collective for nothing
         self.model_accepts_loss_kwargs = False
         samples = HFSamples(self.train_dataset)
@@ -237,10 +249,12 @@ class ThdpackTrainerMixin:
         config = packing.dataset_config(
             pack_size=pack_size, overflow=overflow, seed=args.data_seed if args.data_seed is not None else args.seed
         )
-        self.packed_dataset = packed_dataset(config, samples, self.layout, pad_id=_pad_id(self.model), lengths=lengths)
+        self.packed_dataset = packed_dataset(
+            config, samples, self.topology, pad_id=_pad_id(self.model), lengths=lengths
+        )
         model = self.accelerator.unwrap_model(self.model)
-        _use_thdpack_attention(model, self.layout.cp_size)
-        _check_model(model, int(min(lengths.max(initial=1), pack_size)), pack_size, self.layout)
+        _use_thdpack_attention(model, self.topology.cp_size)
+        _check_model(model, int(min(lengths.max(initial=1), pack_size)), pack_size, self.topology)
         self._step_loss: StepLoss | None = None
         self._resume_state: dict[str, Any] | None = None
         self.add_callback(StreamCheckpoint())
@@ -249,8 +263,8 @@ class ThdpackTrainerMixin:
         if self.accelerator.is_main_process:
             log.info(
                 "thdpack: dp %d x cp %d, %s attention; packing plan of epoch 0:\n%s%s",
-                self.layout.dp_size,
-                self.layout.cp_size,
+                self.topology.dp_size,
+                self.topology.cp_size,
                 model.config._attn_implementation,
                 stats,
                 f"\n{placement}" if placement else "",
@@ -296,8 +310,8 @@ class ThdpackTrainerMixin:
         )
         source = StepSource(
             stream,
-            cp_size=self.layout.cp_size,
-            cp_rank=self.layout.cp_rank,
+            cp_size=self.topology.cp_size,
+            cp_rank=self.topology.cp_rank,
             device=args.device,
             num_examples=self._num_examples,
         )
@@ -338,16 +352,16 @@ class ThdpackTrainerMixin:
                 f"keys {sorted(inputs)}"
             )
         if inputs[MICRO_BATCH_KEY] == 0:  # one collective per step: the global count of loss tokens
-            self._step_loss = StepLoss.begin(inputs[STEP_LABELS_KEY], grad_average_size=self.layout.grad_average_size)
+            self._step_loss = StepLoss.begin(inputs[STEP_LABELS_KEY], topology=self.topology)
         assert self._step_loss is not None, "micro-batch 0 of every step comes first"
         outputs = model(**self.model_kwargs(inputs))
         loss = self._step_loss(outputs.logits[0], inputs["labels"])
         return (loss, outputs) if return_outputs else loss
 
     def model_kwargs(self, thd: Mapping[str, Any]) -> dict[str, Any]:
-        """The model call for a micro-batch (``hf_packed_kwargs``: ids, positions, THD metadata, CP group)."""
+        """The model call for a micro-batch (``hf_packed_kwargs``: ids, positions, THD metadata, topology)."""
         hf_model = self.accelerator.unwrap_model(self.model)
-        kwargs = hf_packed_kwargs(thd, cp_group=self.layout.cp_group, model=hf_model)
+        kwargs = hf_packed_kwargs(thd, cp_group=self.topology, model=hf_model)
         kwargs[ATTENTION_CONFIG_KWARG] = self.packing.attention
         return kwargs
 
@@ -406,7 +420,7 @@ class StreamCheckpoint(TrainerCallback):
 def packed_dataset(
     config: PackedDatasetConfig,
     samples: HFSamples,
-    layout: ParallelLayout,
+    topology: CpTopology,
     *,
     pad_id: int,
     lengths: np.ndarray,
@@ -415,19 +429,9 @@ def packed_dataset(
 
     Under CP with ``config.plan.cp_placement == "adaptive"`` its packs carry their placement
     (``cp_group_size`` / ``cp_group_start`` per entry), which ``cp.shard`` and thdpack's attention
-    follow; the process groups of the smaller groups of CP ranks (cp >= 4) are created here, a
-    collective that every process reaches with the same CP groups (``layout.cp_groups``).
+    follow, over the topology's placement groups.
     """
-    if layout.cp_size > 1 and config.plan.cp_placement == "adaptive":
-        create_placement_groups(layout.cp_groups)
-    return config.build(
-        samples,
-        cp_size=layout.cp_size,
-        rank=layout.dp_rank,
-        world_size=layout.dp_size,
-        pad_id=pad_id,
-        lengths=lengths,
-    )
+    return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id), lengths=lengths)
 
 
 def _pad_id(model: torch.nn.Module) -> int:
@@ -446,10 +450,10 @@ def _use_thdpack_attention(model: torch.nn.Module, cp_size: int) -> None:
         log.info("thdpack: attention %r -> %r (CP %d needs it)", current, ATTENTION_NAME, cp_size)
 
 
-def _check_model(model: torch.nn.Module, longest: int, pack_size: int, layout: ParallelLayout) -> None:
+def _check_model(model: torch.nn.Module, longest: int, pack_size: int, topology: CpTopology) -> None:
     """``check_hf_attention`` on a pack holding the longest sequence, before any training: an
     attention implementation, softcap, window or layer kind that cannot be exact is refused now."""
     sample = {"input_ids": np.zeros(longest, dtype=np.int64)}
-    pack = pack_from_segments([sample], ([0], [0], [longest]), pack_size, cp_size=layout.cp_size)
-    thd = shard(thd_collate([pack]), layout.cp_size, layout.cp_rank)
+    pack = pack_from_segments([sample], ([0], [0], [longest]), pack_size, cp_size=topology.cp_size)
+    thd = shard(thd_collate([pack]), topology.cp_size, topology.cp_rank)
     check_hf_attention(model, thd)

@@ -38,11 +38,11 @@ thdpack's attention as a Hugging Face backend (adds CP, the TE / flash / math ba
     from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention
     register_hf_attention("thdpack")              # transformers' AttentionInterface.register
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="thdpack")
-    out = model(**hf_packed_kwargs(cp.shard(thd, cp_size, cp_rank), cp_group=cp_group))
+    out = model(**hf_packed_kwargs(cp.shard(thd, topology.cp_size, topology.cp_rank), cp_group=topology))
 
 An attention name without a registered mask function gets ``attention_mask=None`` (transformers
 skips mask building for such "custom" backends), and the keyword arguments of the model call
-reach the attention function, which is how the THD metadata and the CP group get there.
+reach the attention function, which is how the THD metadata and the topology (or CP group) get there.
 
 Legend: ``T`` tokens of the batch (this rank's under CP), ``N`` heads, ``H`` head dim.
 """
@@ -54,17 +54,17 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from thdpack._optional import require
 from thdpack.attention.api import thd_attention
 from thdpack.attention.config import AttentionConfig
-from thdpack.thd.meta import META_KEY, thd_meta
+from thdpack.cp.topology import CpGroupLike
+from thdpack.thd.carriage import META_KEY, thd_meta
 
 THD_KWARG = "thdpack_thd"
 """Model-call keyword that carries the THD metadata to ``hf_attention_forward``."""
 CP_GROUP_KWARG = "thdpack_cp_group"
-"""Model-call keyword that carries the context-parallel group to ``hf_attention_forward``."""
+"""Model-call keyword that carries the ``CpTopology`` (or CP group) to ``hf_attention_forward``."""
 ATTENTION_CONFIG_KWARG = "thdpack_attention"
 """Optional model-call keyword: the ``AttentionConfig`` (backend, CP exchange) of thdpack's
 attention; the layer's own causality and softmax scale override its ``causal`` / ``softmax_scale``."""
@@ -75,7 +75,7 @@ _METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", META_KEY, "cp
 def hf_packed_kwargs(
     thd: Mapping[str, Any],
     *,
-    cp_group: dist.ProcessGroup | None = None,
+    cp_group: CpGroupLike | None = None,
     include_labels: bool = False,
     model: torch.nn.Module | None = None,
 ) -> dict[str, Any]:
@@ -86,8 +86,9 @@ def hf_packed_kwargs(
             ``position_ids`` (T,) integer; ``cu_seqlens`` / ``cu_seqlens_padded`` (N+1,) int32
             (``[0] == 0``, non-decreasing, ``cu_seqlens_padded[-1] == T * cp_size``);
             ``max_seqlen`` a Python int; ``labels`` (T,) (already shifted) with ``include_labels``.
-        cp_group: the CP group of a shard (the one it was sharded for; None for a batch that is
-            not a shard); thdpack's attention checks it against the shard's record.
+        cp_group: the run's ``CpTopology``, or the plain CP process group a shard was sharded for
+            (``thd_attention``'s ``cp_group``; None for a batch that is not a shard); thdpack's
+            attention checks it against the shard's record.
         include_labels: add ``labels`` and ``shift_labels`` (1, T) so the model computes the loss
             without shifting the already-shifted labels a second time.
         model: the model the kwargs are for; its attention implementation is checked

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from thdpack._optional import require
 from thdpack.attention.config import AttentionConfig
+from thdpack.cp.topology import CpGroupLike
 from thdpack.models.config import ModelConfig, check_head_sizes
 from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
 from thdpack.models.hf_folder import FOLDER_FIX, check_causal, config_json, load_hf_folder
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 ATTENTION_NAME = "thdpack"
 """``attn_implementation`` of the models built here."""
@@ -148,7 +148,7 @@ class HFCausalLM(nn.Module):
     """``model(thd, cp_group=...) -> logits_TV`` for a transformers causal LM (``self.hf``).
 
     Every call goes through ``hf_packed_kwargs`` (positions reset per sequence, no cache, the THD
-    metadata and the CP group for thdpack's attention) and ``check_hf_attention``, so a model
+    metadata and the topology for thdpack's attention) and ``check_hf_attention``, so a model
     whose attention cannot be exact on the batch is refused before it runs.
     """
 
@@ -166,7 +166,7 @@ class HFCausalLM(nn.Module):
         """The decoder layers (what FSDP2 and activation checkpointing wrap one by one)."""
         return self.hf.model.layers
 
-    def forward(self, thd: Mapping[str, Any], *, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    def forward(self, thd: Mapping[str, Any], *, cp_group: CpGroupLike | None = None) -> torch.Tensor:
         """(T, V) logits of the tokens of ``thd`` (a THD batch or a CP shard, on the model's device)."""
         sharded = thd_meta(thd).cp_size > 1
         kwargs = hf_packed_kwargs(thd, cp_group=cp_group if sharded else None, model=self.hf)

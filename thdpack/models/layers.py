@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from thdpack.attention.api import thd_attention
+from thdpack.cp.topology import CpGroupLike
 from thdpack.models.config import ModelConfig
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -97,7 +97,7 @@ class Attention(nn.Module):
         x_TD: torch.Tensor,
         rope_TH: tuple[torch.Tensor, torch.Tensor],
         thd: Mapping[str, Any],
-        cp_group: dist.ProcessGroup | None,
+        cp_group: CpGroupLike | None,
     ) -> torch.Tensor:
         cfg = self.config
         T, H = x_TD.shape[0], cfg.head_dim
@@ -137,7 +137,7 @@ class DecoderBlock(nn.Module):
         x_TD: torch.Tensor,
         rope_TH: tuple[torch.Tensor, torch.Tensor],
         thd: Mapping[str, Any],
-        cp_group: dist.ProcessGroup | None,
+        cp_group: CpGroupLike | None,
     ) -> torch.Tensor:
         x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope_TH, thd, cp_group)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))

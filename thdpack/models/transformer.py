@@ -19,9 +19,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from thdpack.cp.topology import CpGroupLike
 from thdpack.models.config import ModelConfig
 from thdpack.models.layers import DecoderBlock, RMSNorm, rope_cos_sin
 
@@ -96,7 +96,7 @@ class Transformer(nn.Module):
             values = torch.randn(param.shape, generator=generator, dtype=torch.float64) * scale
             param.copy_(values)
 
-    def forward(self, thd: Mapping[str, Any], *, cp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    def forward(self, thd: Mapping[str, Any], *, cp_group: CpGroupLike | None = None) -> torch.Tensor:
         """Logits of the tokens of ``thd``.
 
         Args:
@@ -105,7 +105,8 @@ class Transformer(nn.Module):
                 positions on a CP shard, as ``cp.shard`` keeps them), and the attention metadata
                 ``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen`` (global) with the batch's record
                 ``thd_meta``, which on a shard says which CP rank's it is.
-            cp_group: the context-parallel group the shard belongs to (None without CP).
+            cp_group: the run's ``CpTopology`` (or the plain CP process group the shard belongs to;
+                ``thd_attention``); None without CP.
 
         Returns:
             (T, V) logits in the activation dtype, one row per token of ``thd`` in its order.

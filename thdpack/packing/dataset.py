@@ -6,7 +6,7 @@ derived from ``(seed, epoch)``: for ``"bfd"`` / ``"ffd"`` which sequences share 
 from epoch to epoch, and the pack order of the epoch is shuffled by the same seed. Same seed,
 same epoch -> the same packs in the same order, on every machine.
 
-Data parallelism (the dealer, ``thdpack.packing.dealing``): with ``world_size > 1``, ``ds[i]``
+Data parallelism (the dealer, ``thdpack.packing.dealing``): with ``dp_size > 1``, ``ds[i]``
 and ``iter(ds)`` serve each rank a disjoint, interleaved slice of the epoch's packs, every rank
 the same number. When the packs do not divide evenly, ``remainder="repeat"`` (default, like
 ``DistributedSampler``) repeats the first packs of the epoch's order to fill the last round;
@@ -15,10 +15,11 @@ the same number. When the packs do not divide evenly, ``remainder="repeat"`` (de
 whole optimizer steps instead, balanced by ``balance``; it never repeats or drops a pack, so
 ``remainder`` does not apply to it.
 
-Settings live in ``PackedDatasetConfig`` (its ``plan``: a ``thdpack.plan.PlanConfig``); the
-run's values (CP size, data-parallel rank and world size, pad id) are passed beside it:
-``config.build(samples, cp_size=2, rank=r, world_size=w, pad_id=eos)``. The flat constructor
-below takes both, for a quick start.
+One way to build it: ``PackedDataset(samples, pack_size, **keywords)`` takes every setting of
+``PackedDatasetConfig`` (its ``plan``'s, a ``thdpack.plan.PlanConfig``, listed flat) and of the
+run's ``PackingRuntime`` (CP size, data-parallel rank and size, pad id) by name, generated from
+their fields: ``PackedDataset(samples, 2048, cp_size=4, cp_placement="adaptive")``. The trainer's
+typed form, ``config.build(samples, runtime)``, is a call of it.
 
 >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4)]
 >>> ds = PackedDataset(samples, 8, algorithm="sequential", shuffle=False)
@@ -39,50 +40,81 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack._settings import Settings, check_choice, check_int
-from thdpack.format_rules import check_pack_size
+from thdpack._config_forms import FlatKeywords, Part, flat_values
+from thdpack._settings import Settings, check_int, flag, one_of, setting
 from thdpack.packing.dealing import BALANCES, REMAINDERS, Balance, Epoch, Epochs, EpochShard, Remainder, rank_share
-from thdpack.packing.packer import Pack, build_pack, check_pad_id, read_sample
+from thdpack.packing.packer import Pack, build_pack, read_sample
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.state import check_saved_settings
 from thdpack.packing.steps import StepStream
 from thdpack.plan.api import as_lengths
-from thdpack.plan.config import DEFAULT_WINDOW, Algorithm, PlanConfig
-from thdpack.plan.overflow import Overflow
+from thdpack.plan.config import PlanConfig
 from thdpack.plan.packing_stats import PackingStats
 from thdpack.plan.packplan import PackPlan
+
+DATASET_SEED = 0
+"""The base seed where a dataset is made from keywords or options (``PackedDataset``'s keywords,
+the trainer's ``packing.seed``, ``thdpack prepare --seed``) instead of ``PlanConfig``'s None: a
+dataset re-plans every epoch with a seed derived from (seed, epoch), so that bfd / ffd packs differ
+from epoch to epoch."""
+
+
+def _plan_config(name: str, value: Any) -> PlanConfig:
+    if not isinstance(value, PlanConfig):
+        raise TypeError(f"{name} must be a thdpack.plan.PlanConfig, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
 class PackedDatasetConfig(Settings):
     """Settings of a ``PackedDataset`` (the trainer's ``packing`` group)."""
 
-    plan: PlanConfig
-    """How every epoch is planned; ``plan.seed`` is the base seed: epoch e plans and shuffles with
-    seeds derived from (seed, e)."""
-    shuffle: bool = True
-    """Shuffle the pack order of every epoch (bfd/ffd plans come largest-first otherwise)."""
-    remainder: Remainder = "repeat"
-    """Map-style access (``ds[i]``, ``iter(ds)``) when world_size does not divide an epoch's packs:
-    "repeat" packs or "drop" them. ``step_stream`` never needs it."""
-    balance: Balance = "attention"
-    """How ``step_stream`` deals each step's packs to the data-parallel ranks: balancing attention
-    cost and tokens ("attention"), tokens only ("tokens"), or in order ("none")."""
+    plan: PlanConfig = setting(
+        "How every epoch is planned; plan.seed is the base seed: epoch e plans and shuffles with seeds "
+        "derived from (seed, e).",
+        check=_plan_config,
+    )
+    shuffle: bool = setting(
+        "Shuffle the pack order of every epoch (bfd / ffd plans come largest first otherwise).",
+        default=True,
+        check=flag,
+    )
+    remainder: Remainder = setting(
+        "Map-style access (ds[i], iter(ds)) when dp_size does not divide an epoch's packs: 'repeat' packs "
+        "or 'drop' them. step_stream never needs it.",
+        default="repeat",
+        check=one_of(REMAINDERS, "remainder policy"),
+    )
+    balance: Balance = setting(
+        "How step_stream deals each step's packs to the data-parallel ranks: balancing attention cost and "
+        "tokens ('attention'), tokens only ('tokens'), or in order ('none').",
+        default="attention",
+        check=one_of(BALANCES),
+    )
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.plan, PlanConfig):
-            raise TypeError(f"plan must be a thdpack.plan.PlanConfig, got {type(self.plan).__name__}")
-        if not isinstance(self.shuffle, bool):
-            raise TypeError(f"shuffle must be True or False, got {self.shuffle!r}")
-        check_choice("remainder policy", self.remainder, REMAINDERS)
-        check_choice("balance", self.balance, BALANCES)
+    def build(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        runtime: PackingRuntime = PackingRuntime(),
+        *,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        first_plan: PackPlan | None = None,
+    ) -> PackedDataset:
+        """The dataset of ``samples`` with these settings and the run's ``runtime``: ``PackedDataset``
+        with both as keywords. ``lengths`` (one per sample) saves a pass over the samples;
+        ``first_plan`` is epoch 0's plan made beforehand (by ``thdpack prepare``)."""
+        if not isinstance(runtime, PackingRuntime):
+            raise TypeError(f"runtime must be a thdpack.packing.PackingRuntime, got {type(runtime).__name__}")
+        keywords = {**flat_values(self, ("plan",)), **flat_values(runtime)}
+        return PackedDataset(samples, lengths=lengths, first_plan=first_plan, **keywords)
 
-    def build(self, samples: Sequence[Mapping[str, Any]], **runtime: Any) -> PackedDataset:
-        """The dataset of ``samples`` with these settings and the run's values: ``cp_size``,
-        ``rank``, ``world_size``, ``pad_id`` (defaults 1, 0, 1, 0), ``lengths`` (one per sample,
-        saves a pass) and ``first_plan`` (epoch 0's plan made beforehand, e.g. by ``thdpack
-        prepare``). A keyword that names a setting is refused."""
-        self.refuse_settings(runtime)
-        return PackedDataset._from_config(samples, self, **runtime)
+
+DATASET_KEYWORDS = FlatKeywords(
+    "PackedDataset",
+    [Part(PackedDatasetConfig, flatten=("plan",)), Part(PackingRuntime)],
+    defaults={"seed": DATASET_SEED},
+)
+"""``PackedDataset``'s keywords: every field of its config (the plan's listed flat) and runtime."""
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -92,8 +124,7 @@ class PackedDataset(torch.utils.data.Dataset):
     tensors ``input_ids``, ``labels``, ``position_ids`` of length pack_size, ``seq_lens``,
     ``seq_lens_padded``). ``iter(ds)`` yields the rest of the epoch from the saved position
     and then moves on to the next epoch; ``state_dict()`` captures epoch, seed and position.
-    ``lengths`` (one per sample) saves a pass over the samples; they are checked as packs are
-    built. The number of packs can differ between epochs with bfd/ffd re-planning. Epoch 0 is
+    The number of packs can differ between epochs with bfd/ffd re-planning. Epoch 0 is
     planned when the dataset is made, so a bad setting or an over-long sequence fails at once.
 
     Batch packs with ``thdpack.collate`` (or ``thdpack.compat.nemo.packed_sequence_thd_collater``):
@@ -102,56 +133,24 @@ class PackedDataset(torch.utils.data.Dataset):
     carries epoch and seed, and the loader (e.g. torchdata's ``StatefulDataLoader``) its position.
     """
 
+    @DATASET_KEYWORDS.document
     def __init__(
         self,
         samples: Sequence[Mapping[str, Any]],
         pack_size: int,
         *,
-        cp_size: int = 1,
-        algorithm: Algorithm = "bfd",
-        overflow: Overflow = "error",
-        seed: int | None = 0,
-        pad_id: int = 0,
-        lengths: Sequence[int] | np.ndarray | None = None,
-        shuffle: bool = True,
-        rank: int = 0,
-        world_size: int = 1,
-        remainder: Remainder = "repeat",
-        window: int = DEFAULT_WINDOW,
-        balance: Balance = "attention",
-    ) -> None:
-        plan = PlanConfig(pack_size=pack_size, algorithm=algorithm, overflow=overflow, window=window, seed=seed)
-        config = PackedDatasetConfig(plan=plan, shuffle=shuffle, remainder=remainder, balance=balance)
-        self._start(samples, config, cp_size=cp_size, rank=rank, world_size=world_size, pad_id=pad_id, lengths=lengths)
-
-    @classmethod
-    def _from_config(
-        cls, samples: Sequence[Mapping[str, Any]], config: PackedDatasetConfig, **runtime: Any
-    ) -> PackedDataset:
-        dataset = cls.__new__(cls)
-        dataset._start(samples, config, **runtime)
-        return dataset
-
-    def _start(
-        self,
-        samples: Sequence[Mapping[str, Any]],
-        config: PackedDatasetConfig,
-        *,
-        cp_size: int = 1,
-        rank: int = 0,
-        world_size: int = 1,
-        pad_id: int = 0,
         lengths: Sequence[int] | np.ndarray | None = None,
         first_plan: PackPlan | None = None,
+        **keywords: Any,
     ) -> None:
-        self.config = config
-        self.world_size = check_int("world_size", world_size, 1)
-        self.rank = check_int("rank", rank, 0)
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank={self.rank} must be < world_size={self.world_size}")
-        self.pad_id = check_pad_id(pad_id)
-        check_pack_size(config.plan.pack_size, cp_size)
-        self.cp_size = int(cp_size)
+        """The packs of ``samples`` in ``pack_size`` tokens, with every other setting and runtime
+        value by keyword (below; defaults as their configs', but ``seed``: ``DATASET_SEED``).
+        ``lengths`` (one per sample) saves a pass over the samples; they are checked as packs are
+        built. ``first_plan`` is epoch 0's plan made beforehand (``thdpack prepare``'s); it must be
+        the plan epoch 0 makes."""
+        config, runtime = DATASET_KEYWORDS.build(pack_size=pack_size, **keywords)
+        self.config: PackedDatasetConfig = config
+        self.runtime: PackingRuntime = runtime
         self.samples = samples
         if lengths is None:
             lengths = [len(read_sample(samples[i], i)) for i in range(len(samples))]
@@ -159,7 +158,7 @@ class PackedDataset(torch.utils.data.Dataset):
         if len(self.lengths) != len(samples):
             raise ValueError(f"got {len(self.lengths)} lengths for {len(samples)} samples; give one per sample")
         self.epochs = Epochs(
-            self.lengths, config.plan, cp_size=self.cp_size, shuffle=config.shuffle, first_plan=first_plan
+            self.lengths, config.plan, cp_size=runtime.cp_size, shuffle=config.shuffle, first_plan=first_plan
         )
         """Every epoch's plan and pack order (``thdpack.packing.dealing``)."""
         self.epochs[0]  # planned now: a bad setting or an over-long sequence fails here, not at the first pack
@@ -177,7 +176,9 @@ class PackedDataset(torch.utils.data.Dataset):
         """The current epoch and this rank's map-style share of it (positions in its order)."""
         epoch = self.epochs[self._epoch]
         if self._share is None or self._share[0] != self._epoch:
-            mine, shard = rank_share(epoch, rank=self.rank, world_size=self.world_size, remainder=self.config.remainder)
+            mine, shard = rank_share(
+                epoch, rank=self.runtime.dp_rank, world_size=self.runtime.dp_size, remainder=self.config.remainder
+            )
             self._share = (self._epoch, mine, shard)
         return epoch, self._share[1], self._share[2]
 
@@ -225,16 +226,16 @@ class PackedDataset(torch.utils.data.Dataset):
     def epoch_pack(self, epoch: int, index: int) -> Pack:
         """Pack ``index`` of epoch ``epoch``'s whole order (all ranks' packs; ``step_stream`` deals them)."""
         found = self.epochs[epoch]
-        return build_pack(self.samples, found.plan, int(found.order[index]), pad_id=self.pad_id)
+        return build_pack(self.samples, found.plan, int(found.order[index]), pad_id=self.runtime.pad_id)
 
     def step_stream(self, *, micro_batches: int, packs_per_micro_batch: int) -> StepStream:
         """Optimizer steps over every epoch's packs, dealt to this dataset's data-parallel rank
-        (``rank`` of ``world_size``) by ``balance``: :class:`thdpack.packing.steps.StepStream`."""
+        (``runtime.dp_rank`` of ``dp_size``) by ``balance``: :class:`thdpack.packing.steps.StepStream`."""
         return StepStream(
             self.epochs,
             self.epoch_pack,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=self.runtime.dp_rank,
+            world_size=self.runtime.dp_size,
             balance=self.config.balance,
             micro_batches=micro_batches,
             packs_per_micro_batch=packs_per_micro_batch,
@@ -259,8 +260,8 @@ class PackedDataset(torch.utils.data.Dataset):
         return {
             **self.epochs.fingerprint(),
             "remainder": self.config.remainder,
-            "rank": self.rank,
-            "world_size": self.world_size,
+            "rank": self.runtime.dp_rank,
+            "world_size": self.runtime.dp_size,
         }
 
     def state_dict(self) -> dict[str, Any]:

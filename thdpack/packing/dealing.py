@@ -199,7 +199,7 @@ def rank_share(epoch: Epoch, *, rank: int, world_size: int, remainder: Remainder
         per_rank = n // world_size
         if per_rank == 0:
             raise ValueError(
-                f"epoch {epoch.number} has {n} packs for world_size={world_size}: with remainder='drop' some "
+                f"epoch {epoch.number} has {n} packs for dp_size={world_size} ranks: with remainder='drop' some "
                 "ranks would get none; use remainder='repeat', a smaller pack_size or fewer ranks"
             )
         dealt, dropped = positions[: per_rank * world_size], positions[per_rank * world_size :]

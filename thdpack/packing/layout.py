@@ -13,10 +13,9 @@ the pack ("tail padding") is added to the last sequence's padded length, so
     position_ids    0 1 2 3 0 1 2 3 4 5 6 7 8 9 10 11
 
 Under a per-sequence CP placement (``plan_packs(..., cp_placement="adaptive")``) the layout is
-the placement's (docs/design/cp_placement.md section 2, :func:`placed_seq_lens_padded`): a split
-sequence's slot is its length rounded up to a multiple of ``2g`` (its group's ``g`` ranks), a
-whole one's is its length, and the tail is one padding entry per rank (real length 0, slot =
-that rank's unused budget), never added to the last sequence:
+the placement record's (``thdpack.layout.PackPlacement.layout``, docs/design/cp_placement.md
+section 2): a split sequence's slot is a multiple of ``2g``, a whole one's is its length, and the
+tail is one padding entry per rank, never added to the last sequence:
 
     seq_lens [6, 3, 1], pack_size 16, cp_size 2; 6 split over both ranks, 3 whole on rank 1, 1 on rank 0
     tokens          a a a a a a . . b b b c . . . .
@@ -28,7 +27,7 @@ last sequence, through the tail padding (NeMo does the same and clamps at ``pack
 the clamp never fires here because the last entry is at most ``pack_size`` long). Padding
 carries the pad id and label ``IGNORE_INDEX``; positions of padding are never attended to by a
 real token under causal masking because padding comes after its sequence's real tokens. The CP
-slot rule and ``IGNORE_INDEX`` are the format's (``thdpack.format_rules``); this module lays a
+slot rule and ``IGNORE_INDEX`` are the format's (``thdpack.layout.rules``); this module lays a
 pack out by them.
 
 Everything is numpy on the host (packs are built in data-loader workers).
@@ -39,8 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from thdpack.format_rules import IGNORE_INDEX, check_pack_size, cp_multiple, round_up_to_cp
-from thdpack.plan.placement import CpLayout, PackPlacement
+from thdpack.layout.entries import CpLayout
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.rules import IGNORE_INDEX, check_pack_size, cp_multiple, round_up_to_cp
 
 
 def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> np.ndarray:
@@ -79,7 +79,8 @@ def pack_seq_lens_padded(seq_lens: np.ndarray, pack_size: int, cp_size: int) -> 
 
 
 def placed_seq_lens_padded(seq_lens: np.ndarray, placement: PackPlacement) -> CpLayout:
-    """The entries of one pack laid out by its CP placement: :func:`pack_seq_lens_padded`'s twin.
+    """The entries of one pack laid out by its CP placement (its ``PackPlacement.layout``), after
+    checking that the pack's sequences are the ones it was made for.
 
     Args:
         seq_lens: (S,) int >= 1, the real lengths of the pack's sequences in placement order; they

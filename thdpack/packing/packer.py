@@ -29,7 +29,8 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from thdpack.format_rules import IGNORE_INDEX
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.rules import IGNORE_INDEX
 from thdpack.packing.layout import (
     apply_loss_mask,
     next_token_labels,
@@ -38,7 +39,6 @@ from thdpack.packing.layout import (
     position_ids,
 )
 from thdpack.plan.packplan import PackPlan
-from thdpack.plan.placement import PackPlacement
 
 
 class _PlacedKeys(TypedDict, total=False):

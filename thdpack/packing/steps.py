@@ -10,7 +10,7 @@ continues with exactly the packs the uninterrupted run would have seen.
 
 >>> from thdpack.packing import PackedDataset
 >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4, 7)]
->>> dataset = PackedDataset(samples, 8, rank=1, world_size=2, seed=0)   # DP rank 1 of 2
+>>> dataset = PackedDataset(samples, 8, dp_rank=1, dp_size=2, seed=0)   # DP rank 1 of 2
 >>> step = dataset.step_stream(micro_batches=1, packs_per_micro_batch=1).next_step()
 >>> step.tokens, step.capacity                    # the step's 2 packs (both ranks)
 (15, 16)

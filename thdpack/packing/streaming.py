@@ -19,7 +19,13 @@ samples it consumed and, on resume, skips that many from a fresh ``iter(source)`
 must then replay the same samples in the same order).
 
 DataLoader workers: each worker iterates its own copy. Use ``num_workers <= 1`` or a source
-that shards itself per worker; ``state_dict`` describes the object you iterate.
+that shards itself per worker; ``state_dict`` describes the object you iterate. Likewise under
+data parallelism the packer packs what its source yields: give each rank its own shard of the
+source (the runtime's ``dp_rank`` / ``dp_size`` are not read).
+
+One way to build it: ``StreamingPacker(source, pack_size, **keywords)`` takes every setting of
+``StreamingPackerConfig`` and the run's ``cp_size`` / ``pad_id`` by name, generated from their
+fields; ``config.build(source, runtime)`` is a call of it.
 
 >>> stream = [{"input_ids": list(range(n))} for n in (5, 2, 6, 3, 4)]
 >>> packer = StreamingPacker(stream, 8, buffer_size=4)
@@ -40,11 +46,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack._settings import Settings, check_choice, check_int
-from thdpack.format_rules import check_pack_size, cp_multiple, round_up_to_cp
-from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, check_pad_id, read_sample
+from thdpack._config_forms import FlatKeywords, Part, flat_values
+from thdpack._settings import Settings, integer, one_of, setting
+from thdpack.layout.rules import check_pack_size, cp_multiple, round_up_to_cp
+from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sample
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.state import check_saved_settings
-from thdpack.plan.config import pack_size_setting
+from thdpack.plan.config import check_pack_size_setting
 from thdpack.plan.improve import SizePool
 from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Overflow, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
@@ -56,23 +64,32 @@ _END = object()  # end-of-stream marker (a source may yield anything, even None,
 class StreamingPackerConfig(Settings):
     """Settings of a ``StreamingPacker`` (the CP size and the pad id come from the run: ``build``)."""
 
-    pack_size: int
-    """Tokens per pack (a multiple of 2*cp_size when cp_size > 1)."""
-    buffer_size: int = 1024
-    """Sequences held before a pack is emitted; larger packs tighter and uses more memory."""
-    overflow: Overflow = "error"
-    """Sequences longer than pack_size: "error", "drop", "truncate" or "split" (counted in stats)."""
+    pack_size: int = setting(
+        "Tokens per pack (a multiple of 2*cp_size when cp_size > 1).", check=check_pack_size_setting
+    )
+    buffer_size: int = setting(
+        "Sequences held before a pack is emitted; larger packs tighter and uses more memory.",
+        default=1024,
+        check=integer(1),
+    )
+    overflow: Overflow = setting(
+        "Sequences longer than pack_size: 'error', 'drop', 'truncate' or 'split' (counted in stats).",
+        default="error",
+        check=one_of(OVERFLOWS, "overflow policy"),
+    )
 
-    def __post_init__(self) -> None:
-        self.normalize("pack_size", pack_size_setting(self.pack_size))
-        self.normalize("buffer_size", check_int("buffer_size", self.buffer_size, 1))
-        check_choice("overflow policy", self.overflow, OVERFLOWS)
+    def build(self, source: Iterable[Mapping[str, Any]], runtime: PackingRuntime = PackingRuntime()) -> StreamingPacker:
+        """The packer of ``source`` with these settings and the run's ``runtime`` (its ``cp_size`` and
+        ``pad_id``): ``StreamingPacker`` with both as keywords."""
+        if not isinstance(runtime, PackingRuntime):
+            raise TypeError(f"runtime must be a thdpack.packing.PackingRuntime, got {type(runtime).__name__}")
+        return StreamingPacker(source, **flat_values(self), cp_size=runtime.cp_size, pad_id=runtime.pad_id)
 
-    def build(self, source: Iterable[Mapping[str, Any]], **runtime: Any) -> StreamingPacker:
-        """The packer of ``source`` with these settings and the run's ``cp_size`` and ``pad_id``
-        (defaults 1 and 0); a keyword that names a setting is refused."""
-        self.refuse_settings(runtime)
-        return StreamingPacker._from_config(source, self, **runtime)
+
+PACKER_KEYWORDS = FlatKeywords(
+    "StreamingPacker", [Part(StreamingPackerConfig), Part(PackingRuntime, only=("cp_size", "pad_id"))]
+)
+"""``StreamingPacker``'s keywords: every field of its config, and the runtime's CP size and pad id."""
 
 
 @dataclass
@@ -101,39 +118,21 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     the buffer is drained, the next ``iter()`` starts a new pass over ``source``.
     """
 
-    def __init__(
-        self,
-        source: Iterable[Mapping[str, Any]],
-        pack_size: int,
-        *,
-        cp_size: int = 1,
-        buffer_size: int = 1024,
-        overflow: Overflow = "error",
-        pad_id: int = 0,
-    ) -> None:
-        config = StreamingPackerConfig(pack_size=pack_size, buffer_size=buffer_size, overflow=overflow)
-        self._start(source, config, cp_size=cp_size, pad_id=pad_id)
-
-    @classmethod
-    def _from_config(
-        cls, source: Iterable[Mapping[str, Any]], config: StreamingPackerConfig, **runtime: Any
-    ) -> StreamingPacker:
-        packer = cls.__new__(cls)
-        packer._start(source, config, **runtime)
-        return packer
-
-    def _start(
-        self, source: Iterable[Mapping[str, Any]], config: StreamingPackerConfig, *, cp_size: int = 1, pad_id: int = 0
-    ) -> None:
-        check_pack_size(config.pack_size, cp_size)
-        self.config, self.cp_size, self.pad_id = config, int(cp_size), check_pad_id(pad_id)
+    @PACKER_KEYWORDS.document
+    def __init__(self, source: Iterable[Mapping[str, Any]], pack_size: int, **keywords: Any) -> None:
+        """The packs of ``source`` in ``pack_size`` tokens, with every other setting and the run's
+        ``cp_size`` / ``pad_id`` by keyword (below)."""
+        config, runtime = PACKER_KEYWORDS.build(pack_size=pack_size, **keywords)
+        check_pack_size(config.pack_size, runtime.cp_size)
+        self.config: StreamingPackerConfig = config
+        self.runtime: PackingRuntime = runtime
         self.source = source
         self._reset()
 
     def _reset(self) -> None:
         self._entries: dict[int, _Entry] = {}  # arrival id -> entry; dict order = arrival order
         self._by_slots: list[tuple[int, int]] = []  # sorted (slots, arrival id)
-        multiple = cp_multiple(self.cp_size)
+        multiple = cp_multiple(self.runtime.cp_size)
         self._pool = SizePool({}, self.config.pack_size // multiple)
         """The buffer's slot counts in units of 2*cp_size: what a pack's exact fill chooses from."""
         self._over_half = 0
@@ -151,12 +150,12 @@ class StreamingPacker(torch.utils.data.IterableDataset):
 
     # -- the buffer ----------------------------------------------------------------------
     def _add(self, index: int, start: int, tokens: SampleTokens) -> None:
-        slots = int(round_up_to_cp(len(tokens), self.cp_size))
+        slots = int(round_up_to_cp(len(tokens), self.runtime.cp_size))
         arrival = self._next_arrival
         self._next_arrival += 1
         self._entries[arrival] = _Entry(index, start, tokens, slots)
         bisect.insort(self._by_slots, (slots, arrival))
-        self._pool.add(slots // cp_multiple(self.cp_size))
+        self._pool.add(slots // cp_multiple(self.runtime.cp_size))
         self._over_half += 2 * slots > self.config.pack_size
 
     def _take(self, arrival: int) -> _Entry:
@@ -180,7 +179,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         """Remove one pack's entries from the buffer (the oldest, then an exact fill of the rest:
         the oldest entries of each chosen size, largest first) and build it."""
         cfg = self.config
-        multiple = cp_multiple(self.cp_size)
+        multiple = cp_multiple(self.runtime.cp_size)
         oldest = next(iter(self._entries))
         # A pack holds at most one entry over half a pack, which takes a short entry beside it,
         # and closing the last gap takes another. Where short entries do not arrive at least
@@ -207,7 +206,9 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         for e in chosen:
             self._slot_units[e.slots // multiple] = self._slot_units.get(e.slots // multiple, 0) + 1
         self._pack_loads[load] = self._pack_loads.get(load, 0) + 1
-        return assemble_pack([e.tokens for e in chosen], cfg.pack_size, cp_size=self.cp_size, pad_id=self.pad_id)
+        return assemble_pack(
+            [e.tokens for e in chosen], cfg.pack_size, cp_size=self.runtime.cp_size, pad_id=self.runtime.pad_id
+        )
 
     # -- iteration -----------------------------------------------------------------------
     def _open_source(self) -> Iterator[Mapping[str, Any]]:
@@ -255,7 +256,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
         return build_stats(
             algorithm=f"streaming exact fill (buffer {cfg.buffer_size})",
             pack_size=cfg.pack_size,
-            cp_size=self.cp_size,
+            cp_size=self.runtime.cp_size,
             slot_sizes=sizes,
             slot_counts=np.array([self._slot_units[int(v)] for v in sizes], dtype=np.int64),
             pack_loads=(loads, np.array([self._pack_loads[int(v)] for v in loads], dtype=np.int64)),
@@ -267,7 +268,7 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     def _fingerprint(self) -> dict[str, Any]:
         # the rule that picks a pack's entries decides the packs a resumed stream emits: a state
         # saved under another rule (best fit, before the exact fills) must not resume silently
-        return {**self.config.fingerprint(), "cp_size": self.cp_size, "fill": "oldest + exact fill"}
+        return {**self.config.fingerprint(), "cp_size": self.runtime.cp_size, "fill": "oldest + exact fill"}
 
     def state_dict(self) -> dict[str, Any]:
         """Buffered tokens, counters and the source position (see the module docstring)."""

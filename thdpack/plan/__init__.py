@@ -4,8 +4,8 @@
 ``plan_size_classes`` (or ``plan_histogram``) + ``materialize`` are the length-class engine
 underneath it (bfd / ffd, then the improvement phase of ``thdpack.plan.improve``), usable on their
 own for datasets known only by histogram; the lower bounds are in ``thdpack.plan.bounds``. With
-``cp_placement="adaptive"`` a plan also carries a ``CpPlacement``: which CP ranks each sequence
-runs on (docs/design/cp_placement.md).
+``cp_placement="adaptive"`` a plan also carries a ``thdpack.layout.CpPlacement``: which CP ranks
+each sequence runs on (docs/design/cp_placement.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from thdpack.plan.histogram import FITS, HistogramPlan
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.plan.packing_stats import PackingStats
 from thdpack.plan.packplan import PackPlan
-from thdpack.plan.placement import CpLayout, CpPlacement, PackPlacement, group_sizes
 from thdpack.plan.size_classes import plan_histogram, plan_size_classes
 
 __all__ = [
@@ -31,17 +30,13 @@ __all__ = [
     "OVERFLOWS",
     "Algorithm",
     "CostModel",
-    "CpLayout",
-    "CpPlacement",
     "CpPlacementMode",
     "HistogramPlan",
     "Overflow",
-    "PackPlacement",
     "PackPlan",
     "PackingStats",
     "PlanConfig",
     "as_lengths",
-    "group_sizes",
     "l2_lower_bound",
     "materialize",
     "plan_histogram",

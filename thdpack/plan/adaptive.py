@@ -54,13 +54,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack.layout.placement import CpPlacement
+from thdpack.layout.rules import cp_multiple, group_options, round_up_to_cp
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound_of_sizes
-from thdpack.plan.cp_cost import CostModel, te_slot, whole_cost, whole_limit
+from thdpack.plan.cp_cost import CostModel, rank_costs, whole_cost, whole_limit
 from thdpack.plan.histogram import Fit, distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.place import place_rows
-from thdpack.plan.placement import CpPlacement, group_options
 from thdpack.plan.size_classes import plan_size_classes
 
 ROW_CHUNK = 4096
@@ -120,10 +121,11 @@ def place_packs(
     """
     size_O, start_O = group_options(cp_size, sizes)
     budget = pack_size // cp_size
-    slots_E = te_slot(lengths_E, cp_size)
+    unit = cp_multiple(cp_size)
+    slots_E = round_up_to_cp(lengths_E, cp_size)
     if group_count is not None:
-        units_KM = _templates(slots_E // (2 * cp_size), ids, group_count, offsets)
-        reserve_KM = units_KM * (2 * cp_size)
+        units_KM = _templates(slots_E // unit, ids, group_count, offsets)
+        reserve_KM = units_KM * unit
         option_KM = place_rows(
             reserve_KM, reserve_KM, units_KM > 0, cp_size=cp_size, budget=budget, cost_model=cost_model,
             sizes=sizes, fill_density=fill_density,
@@ -145,7 +147,7 @@ def place_packs(
         order_KM = np.argsort(-lengths_KM, axis=1, kind="stable")
         sorted_KM = np.take_along_axis(lengths_KM, order_KM, axis=1)
         option_KM = place_rows(
-            sorted_KM, te_slot(sorted_KM, cp_size), sorted_KM > 0, cp_size=cp_size, budget=budget,
+            sorted_KM, round_up_to_cp(sorted_KM, cp_size), sorted_KM > 0, cp_size=cp_size, budget=budget,
             cost_model=cost_model, sizes=sizes, fill_density=fill_density,
         )[0]  # fmt: skip
         unsorted_KM = np.empty_like(option_KM)
@@ -230,13 +232,13 @@ def plan_adaptive(
     """The two-level plan of the module docstring for entries of the given lengths (each in
     ``[1, pack_size]``); ``pack_size`` a multiple of ``2*cp_size``, ``cp_size >= 2``."""
     budget = pack_size // cp_size
-    unit = 2 * cp_size
+    unit = cp_multiple(cp_size)
     short = lengths_E <= _short_limit(cp_size, pack_size, cost_model)
     long_ids = np.flatnonzero(~short)
     short_ids = np.flatnonzero(short)
 
     # level 1: long entries in TE's slots, one placement per template
-    long_units = te_slot(lengths_E[long_ids], cp_size) // unit
+    long_units = round_up_to_cp(lengths_E[long_ids], cp_size) // unit
     if len(long_ids):
         hp = plan_size_classes(*distinct_sizes(long_units), pack_size // unit, fit=fit, rng=rng, improve=improve)
         ids1, offsets1 = materialize(hp, long_units, rng=rng)
@@ -291,7 +293,7 @@ def _repair(
     placed = CpPlacement(cp_size=cp_size, pack_size=pack_size, offsets=plan.offsets[: packs + 1], lengths=lengths,
                          group_size=plan.group_size[:end], group_start=plan.group_start[:end])  # fmt: skip
     te = CpPlacement.all_split(placed.offsets, lengths, cp_size=cp_size, pack_size=pack_size)
-    worse_P = placed.rank_costs(cost_model).max(axis=1) > te.rank_costs(cost_model).max(axis=1)
+    worse_P = rank_costs(placed, cost_model).max(axis=1) > rank_costs(te, cost_model).max(axis=1)
     if not worse_P.any():
         return plan
     to_te = np.zeros(len(plan.ids), dtype=bool)
@@ -324,8 +326,8 @@ def _no_more_than_te(
     improve: bool = True,
 ) -> AdaptivePlan:
     """``plan``, or TE's packs placed by ``place_packs`` when those are fewer."""
-    unit = 2 * cp_size
-    units = te_slot(lengths_E, cp_size) // unit
+    unit = cp_multiple(cp_size)
+    units = round_up_to_cp(lengths_E, cp_size) // unit
     num_packs = len(plan.offsets) - 1
     distinct = distinct_sizes(units)
     if num_packs <= l2_lower_bound_of_sizes(*distinct, pack_size // unit):
@@ -365,8 +367,9 @@ def plan_entries(
         )
         ids, offsets, group_size, group_start = plan.ids, plan.offsets, plan.group_size, plan.group_start
     else:
-        units = te_slot(lengths_E, cp_size) // (2 * cp_size)
-        capacity = pack_size // (2 * cp_size)
+        unit = cp_multiple(cp_size)
+        units = round_up_to_cp(lengths_E, cp_size) // unit
+        capacity = pack_size // unit
         if algorithm == "sequential":
             ids, offsets = np.arange(len(units), dtype=np.int64), next_fit(units, capacity)
         else:

@@ -13,17 +13,18 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
-from thdpack.format_rules import check_cp_size, check_pack_size, cp_multiple
+from thdpack._config_forms import FlatKeywords, Part
+from thdpack.layout.rules import check_cp_size, check_pack_size, cp_multiple
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
-from thdpack.plan.config import DEFAULT_WINDOW, MAX_LENGTH, Algorithm, CpPlacementMode, PlanConfig
-from thdpack.plan.cp_cost import CostModel
+from thdpack.plan.config import MAX_LENGTH, PlanConfig
 from thdpack.plan.histogram import distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
-from thdpack.plan.overflow import OVERFLOW_COUNTS, Entries, Overflow, apply_overflow
+from thdpack.plan.overflow import OVERFLOW_COUNTS, Entries, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
 from thdpack.plan.packplan import PackPlan
 from thdpack.plan.size_classes import plan_size_classes
@@ -62,60 +63,22 @@ def as_lengths(lengths: object) -> np.ndarray:
     return array
 
 
-def plan_packs(
-    lengths: object,
-    pack_size: int,
-    *,
-    algorithm: Algorithm = "bfd",
-    cp_size: int = 1,
-    overflow: Overflow = "error",
-    seed: int | None = None,
-    window: int = DEFAULT_WINDOW,
-    cp_placement: CpPlacementMode = "te",
-    cost_model: CostModel = "tiles",
-    improve: bool = True,
-) -> PackPlan:
-    """Plan packs of ``pack_size`` tokens for sequences of the given lengths.
+PLAN_KEYWORDS = FlatKeywords("plan_packs", [Part(PlanConfig)])
+"""``plan_packs``' keywords: every field of ``PlanConfig``."""
 
-    Args:
-        lengths: 1-D integers >= 1, one per sequence (list, numpy or CPU torch).
-        pack_size: tokens per pack; a multiple of ``2*cp_size`` when ``cp_size > 1``.
-        algorithm: ``"bfd"`` (best-fit decreasing, the default: within 0.01% of the optimum on
-            real length mixes), ``"ffd"`` (first-fit decreasing), ``"sequential"`` (order-
-            preserving next fit: NeMo AutoModel's / torchtune's packs exactly), ``"window"``
-            (keeps dataset order up to a bounded window and packs almost as tightly as bfd).
-        cp_size: context-parallel size; each sequence occupies its length rounded up to a
-            multiple of ``2*cp_size`` (Transformer Engine's THD sharding needs that).
-        overflow: sequences longer than ``pack_size``: ``"error"`` (raise, naming the first),
-            ``"drop"``, ``"truncate"`` (keep the first pack_size tokens), ``"split"`` (cut into
-            pack_size pieces). What each removes or cuts is counted in ``plan.stats``.
-        seed: None is deterministic; an integer reshuffles which equal-length sequences pair
-            up (and bfd's ties between equally full packs) reproducibly.
-        window: lookahead of the ``"window"`` algorithm (ignored by the others).
-        cp_placement: ``"te"`` (every sequence split over all ``cp_size`` ranks, Transformer
-            Engine's layout) or ``"adaptive"`` (short sequences whole on one rank, longer ones
-            split over a group of ranks, chosen per pack: ``thdpack.plan.adaptive``; the plan
-            carries the ``CpPlacement`` as ``plan.placement``). Ignored when ``cp_size == 1``.
-        cost_model: what the adaptive placement minimises on each pack's busiest rank:
-            ``"tiles"`` (128 x 128 kernel tiles) or ``"pairs"`` (causal query-key pairs).
-        improve: after ``"bfd"`` / ``"ffd"``, re-pack the packs that are not full with exact
-            fills (``thdpack.plan.improve``) unless the fit already reaches the lower bound;
-            never adds a pack (``plan.stats.fit_packs``: the fit's own count when it saved some).
-            ``"sequential"`` and ``"window"`` keep their order and ignore it.
 
-    Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats``. Packs of ``bfd``/``ffd`` come
-    largest-sequences-first: shuffle them when sampling (``PackedDataset`` does).
+@PLAN_KEYWORDS.document
+def plan_packs(lengths: object, pack_size: int, *, cp_size: int = 1, **settings: Any) -> PackPlan:
+    """Plan packs of ``pack_size`` tokens for sequences of the given lengths: ``plan_with`` with
+    the settings by keyword (every field of ``PlanConfig``, below).
+
+    ``lengths``: 1-D integers >= 1, one per sequence (list, numpy or CPU torch). ``cp_size``: the
+    context-parallel size; each sequence occupies its length rounded up to a multiple of
+    ``2*cp_size`` (Transformer Engine's THD sharding needs that), and ``pack_size`` must be a
+    multiple of it. Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats`` (under
+    ``cp_placement="adaptive"``, ``plan.placement`` is the ``CpPlacement``).
     """
-    config = PlanConfig(
-        pack_size=pack_size,
-        algorithm=algorithm,
-        overflow=overflow,
-        window=window,
-        seed=seed,
-        cp_placement=cp_placement,
-        cost_model=cost_model,
-        improve=improve,
-    )
+    (config,) = PLAN_KEYWORDS.build(pack_size=pack_size, **settings)
     return plan_with(lengths, config, cp_size=cp_size)
 
 

@@ -1,9 +1,17 @@
-"""PlanConfig: the settings of a packing plan, checked once, in one place.
+"""PlanConfig: the settings of a packing plan, each declared once, with its help and its check.
 
-``plan_packs``' keywords, ``PackedDatasetConfig.plan``, the trainer's ``packing`` group, ``thdpack
-prepare``'s arguments and a prepared store's ``manifest.json["plan"]`` are all this one config.
-The context-parallel size is not one of its settings: it comes from the run (the process group),
-so it is passed beside the config (``plan_with(lengths, config, cp_size=...)``).
+``plan_packs``' keywords, ``PackedDatasetConfig.plan``, the trainer's ``packing`` group,
+``PackingArguments``, the options of ``thdpack prepare`` / ``stats`` / ``verify`` and a prepared
+store's ``manifest.json["plan"]`` are all this one config: the other forms are generated from its
+fields (``thdpack._config_forms``), so a new setting appears in each by itself. The
+context-parallel size is not one of its settings: it comes from the run (the process group), so
+it is passed beside the config (``plan_with(lengths, config, cp_size=...)``).
+
+The default ``cp_placement`` follows one rule: what trains with thdpack (the trainer, the
+Trainer integrations, ``thdpack prepare`` / ``stats`` / ``verify``) defaults to
+``TRAINING_CP_PLACEMENT`` ("adaptive"); the library API that plans for other tools (``PlanConfig``,
+``plan_packs``, ``PackedDataset``, whose packs Transformer Engine and NeMo read) defaults to
+``LIBRARY_CP_PLACEMENT`` ("te").
 
 >>> PlanConfig(pack_size=2048, algorithm="window").fingerprint()  # doctest: +NORMALIZE_WHITESPACE
 {'pack_size': 2048, 'algorithm': 'window', 'overflow': 'error', 'window': 1024, 'seed': None,
@@ -19,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from thdpack._settings import Settings, check_choice, check_int
+from thdpack._settings import Settings, check_int, flag, integer, one_of, optional, setting
 from thdpack.plan.cp_cost import COST_MODELS, CostModel
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 
@@ -27,21 +35,25 @@ Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
 CpPlacementMode = Literal["te", "adaptive"]
 CP_PLACEMENTS: tuple[str, ...] = ("te", "adaptive")
+LIBRARY_CP_PLACEMENT: CpPlacementMode = "te"
+"""The default of the library API that plans for other tools (``PlanConfig``, ``plan_packs``,
+``PackedDataset``): Transformer Engine's layout, what TE's ``thd_get_partitioned_indices`` and
+NeMo AutoModel read (``plan_packs``' contract)."""
 TRAINING_CP_PLACEMENT: CpPlacementMode = "adaptive"
-"""The default of the trainer (``packing.cp_placement``) and of ``thdpack prepare --cp-placement``:
-measured never slower than ``te`` end to end, never more busiest-rank tiles (README, "CP placement:
-the default"). ``PlanConfig`` and ``plan_packs`` keep TE's layout, the format other tools expect."""
+"""The default of what trains with thdpack: the trainer (``packing.cp_placement``), the Trainer
+integrations (``PackingArguments``), ``thdpack prepare`` / ``stats`` / ``verify``: measured never
+slower than ``te`` end to end, never more busiest-rank tiles (README, "CP placement: the default")."""
 DEFAULT_WINDOW = 1024
 MAX_LENGTH = 2**40
 """The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""
 
 
-def pack_size_setting(pack_size: object) -> int:
+def check_pack_size_setting(name: str, pack_size: object) -> int:
     """``pack_size`` as an ``int`` in [1, MAX_LENGTH] (``TypeError`` / ``ValueError`` otherwise); the
     check of every config that sets a pack size (``PlanConfig``, ``StreamingPackerConfig``)."""
-    pack_size = check_int("pack_size", pack_size, 1)
+    pack_size = check_int(name, pack_size, 1)
     if pack_size > MAX_LENGTH:
-        raise ValueError(f"pack_size={pack_size:,} is over the largest pack thdpack plans ({MAX_LENGTH:,} tokens)")
+        raise ValueError(f"{name}={pack_size:,} is over the largest pack thdpack plans ({MAX_LENGTH:,} tokens)")
     return pack_size
 
 
@@ -49,37 +61,52 @@ def pack_size_setting(pack_size: object) -> int:
 class PlanConfig(Settings):
     """Which sequences share a pack: the planner and its settings (see ``plan_packs``)."""
 
-    pack_size: int
-    """Tokens per pack; a multiple of 2*cp_size under context parallelism."""
-    algorithm: Algorithm = "bfd"
-    """"bfd" (best-fit decreasing), "ffd", "sequential" (NeMo's order-preserving next fit) or "window"."""
-    overflow: Overflow = "error"
-    """Sequences longer than pack_size: "error", "drop", "truncate" or "split" (counted in the stats)."""
-    window: int = DEFAULT_WINDOW
-    """Lookahead of algorithm="window" (sequences it may reorder across); the others ignore it."""
-    seed: int | None = None
-    """None plans deterministically; an integer reshuffles ties and pairings reproducibly. A dataset
-    plans epoch e with a seed derived from (seed, e) (``thdpack.packing.dealing``)."""
-    cp_placement: CpPlacementMode = "te"
-    """Under context parallelism: "te" (every sequence split over all CP ranks, Transformer Engine's
-    layout) or "adaptive" (short sequences whole on one rank, long ones split over a group of ranks,
-    chosen per pack: ``thdpack.plan.adaptive``). Ignored when cp_size == 1."""
-    cost_model: CostModel = "tiles"
-    """What the adaptive placement minimises on each pack's busiest rank: "tiles" (128 x 128 kernel
-    tiles) or "pairs" (causal query-key pairs)."""
-    improve: bool = True
-    """After "bfd" / "ffd": re-pack the packs that are not full with exact fills
-    (``thdpack.plan.improve``) unless the fit already reaches the lower bound; never adds a pack.
-    "sequential" and "window" keep their order and ignore it."""
-
-    def __post_init__(self) -> None:
-        self.normalize("pack_size", pack_size_setting(self.pack_size))
-        check_choice("algorithm", self.algorithm, ALGORITHMS)
-        check_choice("overflow policy", self.overflow, OVERFLOWS)
-        self.normalize("window", check_int("window", self.window, 1))
-        if self.seed is not None:
-            self.normalize("seed", check_int("seed", self.seed, 0))
-        check_choice("cp_placement", self.cp_placement, CP_PLACEMENTS)
-        check_choice("cost_model", self.cost_model, COST_MODELS)
-        if not isinstance(self.improve, bool):
-            raise TypeError(f"improve must be True or False, got {self.improve!r}")
+    pack_size: int = setting(
+        "Tokens per pack; a multiple of 2*cp_size under context parallelism.", check=check_pack_size_setting
+    )
+    algorithm: Algorithm = setting(
+        "'bfd' (best-fit decreasing: within 0.01% of the optimum on real length mixes), 'ffd' (first-fit "
+        "decreasing), 'sequential' (order-preserving next fit: NeMo AutoModel's and torchtune's packs "
+        "exactly) or 'window' (keeps the dataset's order up to a bounded window, packs almost as tightly as "
+        "bfd). Packs of bfd / ffd come largest sequences first: shuffle them when sampling.",
+        default="bfd",
+        check=one_of(ALGORITHMS),
+    )
+    overflow: Overflow = setting(
+        "Sequences longer than pack_size: 'error' (raise, naming the first), 'drop', 'truncate' (keep the "
+        "first pack_size tokens) or 'split' (cut into pack_size pieces); what each removes or cuts is "
+        "counted in the plan's stats.",
+        default="error",
+        check=one_of(OVERFLOWS, "overflow policy"),
+    )
+    window: int = setting(
+        "Lookahead of algorithm='window' (sequences it may reorder across); the others ignore it.",
+        default=DEFAULT_WINDOW,
+        check=integer(1),
+    )
+    seed: int | None = setting(
+        "None plans deterministically; an integer reshuffles which equal-length sequences pair up (and "
+        "bfd's ties between equally full packs) reproducibly. A dataset plans epoch e with a seed "
+        "derived from (seed, e).",
+        default=None,
+        check=optional(integer(0)),
+    )
+    cp_placement: CpPlacementMode = setting(
+        "Under context parallelism: 'te' (every sequence split over all CP ranks, Transformer Engine's "
+        "layout) or 'adaptive' (short sequences whole on one rank, long ones split over an aligned group "
+        "of ranks, chosen per pack; the plan carries the placement). Ignored when cp_size == 1.",
+        default=LIBRARY_CP_PLACEMENT,
+        check=one_of(CP_PLACEMENTS),
+    )
+    cost_model: CostModel = setting(
+        "What the adaptive placement minimises on each pack's busiest CP rank: 'tiles' (128 x 128 kernel "
+        "tiles) or 'pairs' (causal query-key pairs).",
+        default="tiles",
+        check=one_of(COST_MODELS),
+    )
+    improve: bool = setting(
+        "After 'bfd' / 'ffd': re-pack the packs that are not full with exact fills unless the fit already "
+        "reaches the lower bound; never adds a pack. 'sequential' and 'window' keep their order and ignore it.",
+        default=True,
+        check=flag,
+    )

@@ -20,7 +20,8 @@ Two models, a closed set:
 >>> split_cost(np.array([3]), np.array([4]), 2, "pairs").tolist()   # rank 0: tokens 0 (and pad 3)
 [[1, 5]]
 
-Legend: ``S`` sequences (or entries), ``G`` ranks of a group.
+Legend: ``S`` sequences (or entries), ``G`` ranks of a group, ``E`` entries of a plan, ``P`` packs,
+``R`` ranks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
+
+from thdpack.layout.entries import rank_sums
+from thdpack.layout.placement import CpPlacement
+from thdpack.layout.rules import cp_multiple, round_up_to_cp, slot_multiple
 
 CostModel = Literal["tiles", "pairs"]
 COST_MODELS: tuple[str, ...] = ("tiles", "pairs")
@@ -79,10 +84,11 @@ def split_cost(lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int, cost
     lengths_S = np.asarray(lengths_S, dtype=np.int64)
     if cost_model == "tiles":
         return np.repeat(split_tiles(slots_S, group_size)[:, None], group_size, axis=1)
-    chunk_S = np.asarray(slots_S, dtype=np.int64) // (2 * group_size)
+    chunks = slot_multiple(group_size)
+    chunk_S = np.asarray(slots_S, dtype=np.int64) // chunks
     ranks_G = np.arange(group_size)
     cost_SG = np.zeros((len(lengths_S), group_size), dtype=np.int64)
-    for first_SG in (ranks_G * chunk_S[:, None], (2 * group_size - 1 - ranks_G) * chunk_S[:, None]):
+    for first_SG in (ranks_G * chunk_S[:, None], (chunks - 1 - ranks_G) * chunk_S[:, None]):
         start_SG = np.minimum(first_SG, lengths_S[:, None])
         stop_SG = np.minimum(first_SG + chunk_S[:, None], lengths_S[:, None])
         cost_SG += pairs_below(stop_SG) - pairs_below(start_SG)
@@ -93,14 +99,35 @@ def split_tiles(slots_S: np.ndarray, group_size_S: np.ndarray | int) -> np.ndarr
     """(S,) int64 tiles every rank of a sequence's group runs for it under the ring schedule
     (``split_cost``'s tiles, one value per sequence; group sizes may differ per sequence)."""
     group_size_S = np.asarray(group_size_S, dtype=np.int64)
-    chunk_S = np.asarray(slots_S, dtype=np.int64) // (2 * group_size_S)
+    chunk_S = np.asarray(slots_S, dtype=np.int64) // slot_multiple(group_size_S)
+    # step 0: the causal tile of the rank's two chunks; each later step: 2 chunks x 1 chunk
     return causal_tiles(2 * chunk_S) + (group_size_S - 1) * full_tiles(2 * chunk_S, chunk_S)
 
 
-def te_slot(lengths_S: np.ndarray, cp_size: int) -> np.ndarray:
-    """(S,) slots of Transformer Engine's layout: each length rounded up to a multiple of ``2*cp_size``."""
-    step = 2 * cp_size
-    return -(-np.asarray(lengths_S, dtype=np.int64) // step) * step
+def rank_costs(placement: CpPlacement, cost_model: CostModel = "tiles") -> np.ndarray:
+    """(P, R) int64 attention cost of each rank in each pack of ``placement`` under ``cost_model``.
+
+    >>> te = CpPlacement.all_split(np.array([0, 1]), np.array([1024]), cp_size=2, pack_size=1024)
+    >>> rank_costs(te).tolist()        # split_cost's 10 + 8 tiles on each rank
+    [[18, 18]]
+    """
+    pack_E, slots = placement.pack_of_entry(), placement.slots()
+    num_packs, cp_size = len(placement), placement.cp_size
+    lengths, group_size, group_start = placement.lengths, placement.group_size, placement.group_start
+    whole = group_size == 1
+    if cost_model == "tiles":  # a split sequence costs every rank of its group the same
+        value = np.where(whole, causal_tiles(lengths), split_tiles(slots, group_size))
+        return rank_sums(pack_E, value, group_start, group_size, num_packs, cp_size)
+    one = np.ones(len(lengths), dtype=np.int64)
+    cost_PR = rank_sums(
+        pack_E[whole], whole_cost(lengths[whole], cost_model), group_start[whole], one[whole], num_packs, cp_size
+    )
+    for g in np.unique(group_size[~whole]).tolist():
+        of_g = np.flatnonzero(group_size == g)
+        cost_EG = split_cost(lengths[of_g], slots[of_g], g, cost_model)
+        for j in range(g):
+            cost_PR += rank_sums(pack_E[of_g], cost_EG[:, j], group_start[of_g] + j, one[of_g], num_packs, cp_size)
+    return cost_PR
 
 
 def whole_limit(cp_size: int, cost_model: CostModel) -> int:
@@ -123,7 +150,7 @@ def whole_limit(cp_size: int, cost_model: CostModel) -> int:
     """
     if cp_size < 2:
         return 0
-    m = np.arange(1, 2 * TILE * cp_size + 1, dtype=np.int64)
-    te_min = split_cost(m, te_slot(m, cp_size), cp_size, cost_model).min(axis=1)
+    m = np.arange(1, TILE * cp_multiple(cp_size) + 1, dtype=np.int64)  # chunks of at most one tile
+    te_min = split_cost(m, round_up_to_cp(m, cp_size), cp_size, cost_model).min(axis=1)
     worse = whole_cost(m, cost_model) > te_min
     return int(np.argmax(worse)) if worse.any() else int(m[-1])

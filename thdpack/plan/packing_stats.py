@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from thdpack.format_rules import cp_multiple
+from thdpack.layout.rules import cp_multiple
 from thdpack.plan.overflow import OVERFLOW_COUNTS
 
 FULLNESS_PERCENTILES: tuple[int, ...] = (0, 1, 5, 25, 50, 75, 95, 100)

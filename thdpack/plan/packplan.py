@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from thdpack.layout.placement import CpPlacement
 from thdpack.plan.packing_stats import PackingStats
-from thdpack.plan.placement import CpPlacement
 
 FORMAT = "thdpack.PackPlan/1"
 

@@ -35,8 +35,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from thdpack.plan.cp_cost import CostModel, split_cost, te_slot, whole_cost
-from thdpack.plan.placement import group_options
+from thdpack.layout.rules import group_options, round_up_to_cp, slot_lengths
+from thdpack.plan.cp_cost import CostModel, split_cost, whole_cost
 
 _BIG = np.iinfo(np.int64).max
 
@@ -150,7 +150,7 @@ class _Search:
             if g == 1:
                 cost_KMJ, share_KM = whole_cost(lengths_KM, cost_model)[..., None], lengths_KM
             else:
-                slot_KM = -(-lengths_KM // (2 * g)) * (2 * g)
+                slot_KM = slot_lengths(lengths_KM, g)
                 cost_KMJ = split_cost(lengths_KM.reshape(-1), slot_KM.reshape(-1), g, cost_model)
                 cost_KMJ, share_KM = cost_KMJ.reshape(*lengths_KM.shape, g), slot_KM // g
             costs.append(cost_KMJ)
@@ -267,7 +267,7 @@ class _Search:
         tokens_KR = np.repeat((self.reserve_KM.sum(axis=1) // cp_size)[:, None], cp_size, axis=1)
         rows, items = np.nonzero(valid_KM)
         lengths = self.lengths_KM[rows, items]
-        cost_IR = split_cost(lengths, te_slot(lengths, cp_size), cp_size, self.cost_model)
+        cost_IR = split_cost(lengths, round_up_to_cp(lengths, cp_size), cp_size, self.cost_model)
         cost_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
         np.add.at(cost_KR, rows, cost_IR)
         return option_KM, tokens_KR, cost_KR

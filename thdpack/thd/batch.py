@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from thdpack.thd.carriage import attach_meta, thd_meta
+from thdpack.thd.cu import cu_from_lengths
 from thdpack.thd.format import (
     ENTRY_KEYS,
     INT_TOKEN_KEYS,
@@ -32,7 +34,7 @@ from thdpack.thd.format import (
     bshd_meta,
     check_bshd,
 )
-from thdpack.thd.meta import ThdMeta, attach_meta, cu_from_lengths, thd_meta
+from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import real_rows
 
 __all__ = ["collate", "sequence_lengths", "split_micro_batches", "thd_collate", "thd_to_device", "to_thd"]

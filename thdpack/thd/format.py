@@ -47,7 +47,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from thdpack.thd.meta import CU_KEYS, META_KEY, EntryGroups, ThdMeta, thd_meta
+from thdpack.thd.carriage import META_KEY, thd_meta
+from thdpack.thd.cu import CU_KEYS
+from thdpack.thd.meta import EntryGroups, ThdMeta
 
 SEQ_LENS_SENTINEL = -1000
 """Fills ``seq_lens`` / ``seq_lens_padded`` rows past a pack's last sequence (NeMo's value)."""
@@ -62,7 +64,7 @@ THD_METADATA_KEYS = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen", META_KEY, 
 INT_TOKEN_KEYS = ("input_ids", "labels", "position_ids")
 LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
 PLACEMENT_KEYS = ("cp_group_size", "cp_group_start")
-"""Per-entry keys of the packs of a per-sequence CP placement (``thdpack.plan.placement``): each
+"""Per-entry keys of the packs of a per-sequence CP placement (``thdpack.layout.placement``): each
 entry's group size (1 = whole on one rank) and first rank; the batch's record takes them."""
 ENTRY_KEYS = LENGTH_KEYS + PLACEMENT_KEYS
 """Keys with one value per entry of a pack (a pack's ``(S,)``, a BSHD batch's ``(B, S)``)."""
@@ -189,7 +191,7 @@ def bshd_meta(batch: Mapping[str, Any]) -> ThdMeta:
         return f"pack {pack_S[s]}: sequence {column_S[s]}"
 
     real_S, padded_S = real_BS[present_BS], padded_BS[present_BS]
-    groups, pack_S = _placement_groups(placed, present_BS) if placed else (None, None)
+    groups, pack_S = _placement_groups(placed, real_BS, present_BS) if placed else (None, None)
     meta = ThdMeta.from_lengths(real_S, padded_S, where=where, copy=False, groups=groups, pack_S=pack_S)
     row_sums_B = np.where(present_BS, padded_BS, 0).sum(1)
     wrong = row_sums_B != L
@@ -207,22 +209,28 @@ def _host(matrix: torch.Tensor) -> np.ndarray:
     return matrix.detach().cpu().numpy().astype(np.int64, copy=False)
 
 
-def _placement_groups(placed: Mapping[str, np.ndarray], present_BS: np.ndarray) -> tuple[EntryGroups, np.ndarray]:
+def _placement_groups(
+    placed: Mapping[str, np.ndarray], real_BS: np.ndarray, present_BS: np.ndarray
+) -> tuple[EntryGroups, np.ndarray]:
     """The entries' CP groups of a placed batch (``placed``: its ``PLACEMENT_KEYS`` matrices) and
-    the pack of each entry (``ThdMeta.from_lengths`` checks them per pack); the CP size is the
-    number of ranks the groups of every pack cover."""
+    the pack of each entry (``ThdMeta.from_lengths`` checks them per pack). The CP size is the
+    number of padding entries of every pack (real length 0: one per rank, ``PackPlacement.layout``),
+    so that a group that reaches past the last rank is named as such, not read as more ranks."""
     missing = [key for key in PLACEMENT_KEYS if key not in placed]
     if missing:
         raise ValueError(f"the batch has {sorted(placed)} but lacks {missing}; a CP placement needs both keys")
     size_BS, start_BS = placed["cp_group_size"], placed["cp_group_start"]
-    covered_B = np.where(present_BS, start_BS + size_BS, 0).max(1)
-    if (covered_B != covered_B[0]).any():
-        b = int(np.argmax(covered_B != covered_B[0]))
+    ranks_B = (present_BS & (real_BS == 0)).sum(1)
+    if (ranks_B != ranks_B[0]).any():
+        b = int(np.argmax(ranks_B != ranks_B[0]))
         raise ValueError(
-            f"pack {b} is placed over {covered_B[b]} CP ranks but pack 0 over {covered_B[0]}; the packs of a batch "
-            "share one CP size (every rank has its padding entry in every pack)"
+            f"pack {b} is placed over {ranks_B[b]} CP ranks but pack 0 over {ranks_B[0]} (a placed pack ends with "
+            "one padding entry, of real length 0, per rank); the packs of a batch share one CP size"
         )
-    cp_size = int(covered_B[0])
+    cp_size = int(ranks_B[0])
     if cp_size < 1:
-        raise ValueError(f"pack 0 is placed over {cp_size} CP ranks; a group starts at rank >= 0 and has >= 1 rank")
+        raise ValueError(
+            "pack 0 carries a CP placement (cp_group_size / cp_group_start) but no padding entry (real length 0, "
+            "one per CP rank); lay placed packs out with build_pack / assemble_pack(..., placement=...)"
+        )
     return EntryGroups(size_BS[present_BS], start_BS[present_BS], cp_size), np.nonzero(present_BS)[0]

@@ -16,7 +16,8 @@ import functools
 import numpy as np
 import torch
 
-from thdpack.thd.meta import ThdMeta, cu_from_lengths
+from thdpack.thd.cu import cu_from_lengths
+from thdpack.thd.meta import ThdMeta
 
 
 def real_rows(counts_S: np.ndarray, valid_S: np.ndarray) -> np.ndarray:

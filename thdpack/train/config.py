@@ -18,11 +18,11 @@ from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS
-from thdpack.format_rules import check_pack_size
+from thdpack.layout.rules import check_pack_size
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import ModelConfig
 from thdpack.models.hf_causal_lm import HFModelConfig
-from thdpack.packing.dataset import PackedDatasetConfig
+from thdpack.packing.dataset import DATASET_SEED, PackedDatasetConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT
 from thdpack.train.precision import PRECISIONS
 from thdpack.train.schema import build, hydra_node
@@ -91,14 +91,15 @@ class DataConfig:
 PACKING_FLATTEN = ("plan",)
 PackingNode = hydra_node(
     PackedDatasetConfig,
-    defaults=(("pack_size", 1024), ("seed", 0), ("cp_placement", TRAINING_CP_PLACEMENT)),
+    defaults=(("pack_size", 1024), ("seed", DATASET_SEED), ("cp_placement", TRAINING_CP_PLACEMENT)),
     flatten=PACKING_FLATTEN,
 )
 """The ``packing`` group: ``thdpack.packing.PackedDatasetConfig``'s settings, its plan's
 (``thdpack.plan.PlanConfig``) listed flat (``packing.pack_size``). The run's values (CP size, DP
-rank and world size, pad id) are not settings: the trainer passes them to ``build``. The YAML
-presets set the training default ``overflow: split`` (no token lost) over the component's
-``error``; the trainer places sequences per CP rank (``cp_placement: adaptive``) unless told ``te``."""
+rank and size, pad id) are not settings: the trainer passes them to ``build`` as a
+``PackingRuntime``. The YAML presets set the training default ``overflow: split`` (no token lost)
+over the component's ``error``; the trainer places sequences per CP rank (``cp_placement:
+adaptive``) unless told ``te``."""
 
 
 @dataclass(kw_only=True)

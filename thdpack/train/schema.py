@@ -6,49 +6,23 @@ component config gets a generated twin: same fields, defaults and order, ``Liter
 as ``str``, not frozen. Hydra composes the twins; ``build`` turns a twin back into the component
 config, whose own checks then reject bad values with their usual messages.
 
->>> from dataclasses import dataclass
->>> from typing import Literal
->>> @dataclass(frozen=True, kw_only=True)
-... class Example:
-...     mode: Literal["a", "b"] = "a"
-...     size: int = 2
->>> Node = hydra_node(Example)
->>> build(Example, Node(mode="b"))
-Example(mode='b', size=2)
+>>> from thdpack.attention.config import AttentionConfig
+>>> Node = hydra_node(AttentionConfig)
+>>> Node().backend, Node.__dataclass_fields__["backend"].type   # writable, typed str for OmegaConf
+('auto', <class 'str'>)
+>>> build(AttentionConfig, Node(backend="math"))
+AttentionConfig(backend='math', causal=True, softmax_scale=None, cp_comm_type='p2p')
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import types
-import typing
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
+
+from thdpack._config_forms import Part, flat_fields, from_flat, literal_as_str, twin
 
 C = TypeVar("C")
-
-
-def _hydra_type(annotation: Any) -> Any:
-    """``annotation`` with every ``Literal[...]`` replaced by ``str`` (inside Optional / unions too)."""
-    origin = typing.get_origin(annotation)
-    if origin is Literal:
-        return str
-    if origin in (typing.Union, types.UnionType):
-        args = tuple(_hydra_type(a) for a in typing.get_args(annotation))
-        return functools.reduce(lambda a, b: a | b, args)
-    return annotation
-
-
-def _flat_fields(component: type, flatten: tuple[str, ...]) -> list[tuple[dataclasses.Field, Any]]:
-    """(field, type hint) of ``component``, a ``flatten``-named field replaced by its dataclass's fields."""
-    hints = typing.get_type_hints(component)
-    out = []
-    for f in dataclasses.fields(component):
-        if f.name in flatten:
-            out += _flat_fields(hints[f.name], ())
-        else:
-            out.append((f, hints[f.name]))
-    return out
 
 
 @functools.cache
@@ -69,31 +43,19 @@ def hydra_node(
     holding a config dataclass whose own fields the twin lists in their place (``packing.pack_size``
     for ``PackedDatasetConfig.plan.pack_size``).
     """
-    given = dict(defaults)
-    fields = []
-    for f, hint in _flat_fields(component, flatten):
-        if not f.init or f.name in exclude:
-            continue
-        spec: dict[str, Any] = {}
-        if f.name in given:
-            spec["default"] = given[f.name]
-        elif f.default is not dataclasses.MISSING:
-            spec["default"] = f.default
-        elif f.default_factory is not dataclasses.MISSING:
-            spec["default_factory"] = f.default_factory
-        annotation = _hydra_type(hint)
-        fields.append((f.name, annotation | None if optional else annotation, dataclasses.field(**spec)))
-    fields += [(name, annotation, dataclasses.field(default=default)) for name, annotation, default in extra]
-    return dataclasses.make_dataclass(f"{component.__name__}Node", fields, kw_only=True)
+    return twin(
+        [Part(component, flatten)],
+        name=f"{component.__name__}Node",
+        module=component.__module__,
+        exclude=exclude,
+        defaults=dict(defaults),
+        extra=[(name, annotation, dataclasses.field(default=default)) for name, annotation, default in extra],
+        hint=lambda h: literal_as_str(h) | None if optional else literal_as_str(h),
+    )
 
 
 def build(component: type[C], node: Any, *, flatten: tuple[str, ...] = (), **values: Any) -> C:
     """The component config from its Hydra twin (plus ``values`` for the excluded fields);
     ``flatten`` as given to ``hydra_node``."""
-    hints = typing.get_type_hints(component)
-    for f in dataclasses.fields(component):
-        if f.name in flatten:
-            values[f.name] = build(hints[f.name], node)
-        elif f.init and f.name not in values and hasattr(node, f.name):
-            values[f.name] = getattr(node, f.name)
-    return component(**values)
+    given = {f.name: getattr(node, f.name) for f, _ in flat_fields(component, flatten) if hasattr(node, f.name)}
+    return from_flat(component, {**given, **values}, flatten)

@@ -26,10 +26,11 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from thdpack.cp.partition import shard
+from thdpack.cp.topology import CpTopology
 from thdpack.loss import StepLoss, loss_weights
 from thdpack.thd.batch import thd_collate, thd_to_device
+from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import THDBatch
-from thdpack.thd.meta import thd_meta
 
 
 @dataclass(frozen=True)
@@ -50,13 +51,13 @@ NO_HOOKS = StepHooks()
 def prepare_micro_batches(
     micro_batches: Sequence[THDBatch],
     *,
-    cp_size: int,
-    cp_rank: int,
+    topology: CpTopology,
     device: torch.device,
     reduction: str,
     hooks: StepHooks = NO_HOOKS,
 ) -> list[THDBatch]:
-    """This rank's CP shards of the step's GLOBAL THD micro-batches, on ``device``.
+    """This rank's CP shards (``topology.cp_rank`` of ``cp_size``) of the step's GLOBAL THD
+    micro-batches, on ``device``.
 
     Metadata (cu_seqlens, max_seqlen, per-sequence loss weights) comes from the whole
     micro-batch, before sharding, so every CP rank agrees on it.
@@ -65,7 +66,7 @@ def prepare_micro_batches(
     for thd in micro_batches:
         if reduction == "sequence_mean" and "loss_weights" not in thd:
             thd = {**thd, "loss_weights": loss_weights(thd["labels"], thd_meta(thd), reduction=reduction)}
-        out.append(thd_to_device(hooks.shard(thd, cp_size, cp_rank), device))
+        out.append(thd_to_device(hooks.shard(thd, topology.cp_size, topology.cp_rank), device))
     return out
 
 
@@ -82,17 +83,16 @@ def forward_backward(
     model: torch.nn.Module,
     micro: Sequence[THDBatch],
     *,
-    cp_group: dist.ProcessGroup | None,
-    grad_average_size: int,
-    group: dist.ProcessGroup | None = None,
+    topology: CpTopology,
     hooks: StepHooks = NO_HOOKS,
     autocast: Callable[[torch.device], contextlib.AbstractContextManager] | None = None,
 ) -> StepLoss:
     """Forward and backward of one optimizer step's micro-batches (this rank's shards).
 
-    ``grad_average_size``: the ranks the gradient reduction of ``model`` (DDP / FSDP2) averages
-    over; ``group``: the DP x CP group whose loss tokens make the denominator (None: the default
-    group); ``autocast``: ``device -> context`` the forward pass runs in (``Precision.autocast``;
+    ``topology``: the run's ``CpTopology``: the model's CP groups, the DP x CP group whose loss
+    tokens make the denominator, and ``grad_average_size``, every rank, which the gradient
+    reduction of ``model`` (DDP / FSDP2 over the flattened mesh) averages over; ``autocast``:
+    ``device -> context`` the forward pass runs in (``Precision.autocast``;
     the loss is computed outside it, in fp32 or wider). Gradients end up synchronised. Returns
     the step's ``StepLoss`` (``.value()`` is the global loss, ``.loss_tokens`` the global count
     of loss tokens).
@@ -100,14 +100,13 @@ def forward_backward(
     per_sequence = "loss_weights" in micro[0]
     step_loss = StepLoss.begin(
         [mb["labels"] for mb in micro],
-        grad_average_size=grad_average_size,
-        group=group,
+        topology=topology,
         micro_batch_weights=[mb["loss_weights"] for mb in micro] if per_sequence else None,
     )
     for k, mb in enumerate(micro):
         with micro_step_context(model, sync=k == len(micro) - 1):
             with contextlib.nullcontext() if autocast is None else autocast(mb["input_ids"].device):
-                logits_TV = model(mb, cp_group=cp_group)
+                logits_TV = model(mb, cp_group=topology)
             if hooks.logits is not None:
                 hooks.logits(k, logits_TV, mb)
             if hooks.loss is None:

@@ -32,6 +32,7 @@ from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_mode
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.steps import Step, StepStream
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
@@ -126,8 +127,7 @@ def host_micro_batches(micro_batches: list[list[Pack]], runtime: Runtime, *, red
     (the prefetch thread's half of the work; the training loop copies them, non-blocking)."""
     host = prepare_micro_batches(
         collate_micro_batches(micro_batches),
-        cp_size=runtime.cp_size,
-        cp_rank=runtime.cp_rank,
+        topology=runtime.topology,
         device=torch.device("cpu"),
         reduction=reduction,
     )
@@ -149,9 +149,9 @@ def run(cfg: Config, *, config_text: str | None = None) -> list[dict[str, Any]]:
     except RuntimeError as err:
         if is_collective_timeout(err):
             raise RankTimeoutError(
-                f"rank {runtime.rank}: a collective waited parallel.timeout_s={cfg.parallel.timeout_s:g} s for ranks "
-                f"that did not come ({str(err).strip()}); a rank stopped, hung or died: see the watchdog's report "
-                "and that rank's output, then continue from the last checkpoint with train.resume=true"
+                f"rank {runtime.topology.rank}: a collective waited parallel.timeout_s={cfg.parallel.timeout_s:g} s "
+                f"for ranks that did not come ({str(err).strip()}); a rank stopped, hung or died: see the watchdog's "
+                "report and that rank's output, then continue from the last checkpoint with train.resume=true"
             ) from err
         raise
     finally:
@@ -174,8 +174,8 @@ class RunData:
 
 def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
     """The token store (verified, and tokenized with the model folder's tokenizer when it ships
-    one), the dataset over it with the run's CP size, DP layout and pad id beside the packing
-    settings, and the step stream. With ``data.store``, epoch 0 trains on the
+    one), the dataset over it with the run's ``PackingRuntime`` (CP size, DP rank and size, pad id)
+    beside the packing settings, and the step stream. With ``data.store``, epoch 0 trains on the
     store's prepared plan when it was planned with the run's settings (else the note says which
     setting differs)."""
     store = open_token_store(
@@ -190,20 +190,14 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
     origin = cfg.data.store if cfg.data.store is not None else ", ".join(cfg.data.inputs)
     _say(runtime, f"data: {origin} -> {store}: {real_lengths_summary(store.lengths)}")
     packing = cfg.packing_config
+    topology = runtime.topology
     first_plan = None
     if cfg.data.store is not None:
-        prepared = read_prepared_plan(store.path, store.manifest, packing.plan, cp_size=runtime.cp_size)
+        prepared = read_prepared_plan(store.path, store.manifest, packing.plan, cp_size=topology.cp_size)
         _say(runtime, prepared.note)
         first_plan = prepared.plan
-    dataset = packing.build(
-        store,
-        cp_size=runtime.cp_size,
-        rank=runtime.dp_rank,
-        world_size=runtime.dp_size,
-        pad_id=pad_id_of(store),
-        lengths=store.lengths,
-        first_plan=first_plan,
-    )
+    context = PackingRuntime.from_topology(topology, pad_id=pad_id_of(store))
+    dataset = packing.build(store, context, lengths=store.lengths, first_plan=first_plan)
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
     placement = dataset.plan.placement_summary()
     if placement is not None:
@@ -306,9 +300,10 @@ def _train(cfg: Config, runtime: Runtime, config_text: str | None) -> list[dict[
     train = cfg.train
     out = Path(train.output_dir)
     torch.manual_seed(train.seed)
+    topology = runtime.topology
     _say(
         runtime,
-        f"world {runtime.world_size} = dp {runtime.dp_size} x cp {runtime.cp_size} on {runtime.device} "
+        f"world {topology.world_size} = dp {topology.dp_size} x cp {topology.cp_size} on {runtime.device} "
         f"({dist.get_backend()}), {cfg.parallel.dp_sharding.upper()}",
     )
     data = open_run_data(cfg, runtime)
@@ -353,12 +348,13 @@ def _train(cfg: Config, runtime: Runtime, config_text: str | None) -> list[dict[
 def _watchdog(cfg: Config, runtime: Runtime) -> contextlib.AbstractContextManager[Watchdog | None]:
     """The stall reporter of this rank (``thdpack.train.watchdog``); none for one process or with
     ``parallel.watchdog_s=0``."""
-    if runtime.world_size == 1 or cfg.parallel.watchdog_s == 0:
+    topology = runtime.topology
+    if topology.world_size == 1 or cfg.parallel.watchdog_s == 0:
         return contextlib.nullcontext()
     return Watchdog(
         Path(cfg.train.output_dir) / "heartbeats",
-        rank=runtime.rank,
-        world_size=runtime.world_size,
+        rank=topology.rank,
+        world_size=topology.world_size,
         report_after=cfg.parallel.watchdog_s,
         timeout_s=cfg.parallel.timeout_s,
     )
@@ -394,9 +390,7 @@ def _loop(
         prepared = steps.next()
         step = prepared.step
         micro = [thd_to_device(mb, runtime.device, non_blocking=True) for mb in prepared.micro_batches]
-        step_loss = forward_backward(
-            model, micro, cp_group=runtime.cp_group, grad_average_size=runtime.world_size, autocast=training.autocast
-        )
+        step_loss = forward_backward(model, micro, topology=runtime.topology, autocast=training.autocast)
         grad_norm_t = clip_grad_norm(model, train.grad_clip)
         lr = optimizer.param_groups[0]["lr"]
         optimizer.step()

@@ -29,14 +29,16 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 import torch.distributed as dist
 
+from thdpack._config_forms import add_options
 from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
+from thdpack.cp.topology import CpTopology
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
-from thdpack.plan.config import CP_PLACEMENTS
+from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.testing import run_distributed
 from thdpack.thd.batch import thd_to_device
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 from thdpack.verify.exactness import (
     FAULTS,
     StepSpread,
@@ -44,7 +46,6 @@ from thdpack.verify.exactness import (
     differences,
     global_micro_batches,
     magnitudes,
-    make_groups,
     make_samples,
     pack_size_for,
     packed_step,
@@ -71,13 +72,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="auto", help="attention backend (default auto)")
     parser.add_argument("--dtype", choices=VERIFY_DTYPES, default="float64", help="precision (default float64)")
     parser.add_argument("--cp-comm-type", choices=CP_COMM_TYPES, default="p2p", help="CP K/V exchange")
-    parser.add_argument(
-        "--cp-placement",
-        choices=CP_PLACEMENTS,
-        default="te",
-        help="te: every sequence split over all CP ranks; adaptive: short ones whole on one rank, long ones split "
-        "over a group (default te)",
-    )
+    add_options(parser, PlanConfig, only=("cp_placement",), defaults={"cp_placement": TRAINING_CP_PLACEMENT})
     parser.add_argument("--reduction", choices=LOSS_REDUCTIONS, default="token_mean", help="loss normalisation")
     parser.add_argument("--micro-steps", type=int, default=2, help="gradient-accumulation micro-steps (default 2)")
     parser.add_argument("--model", choices=MODEL_PRESETS, default="tiny", help="model preset (default tiny)")
@@ -171,12 +166,14 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     spread, config = job.spread, job.config
     device = torch.device(job.device_type, rank if job.device_type == "cuda" else 0)
     backend_log = _capture_backend_choice()
-    groups = make_groups(spread, rank)
+    topology = CpTopology.create(
+        spread.cp_size, device_type=job.device_type, placement_groups=spread.cp_placement == "adaptive"
+    )
     lengths = sample_lengths(spread)
     samples = make_samples(lengths, config.vocab_size, job.seed)
     pack_size = pack_size_for(lengths, spread.cp_size, spread.cp_placement)
     batches = global_micro_batches(samples, spread, pack_size)
-    micro_batches = [thd_to_device(thd, device) for thd in batches[groups.dp_rank]]
+    micro_batches = [thd_to_device(thd, device) for thd in batches[topology.dp_rank]]
     half = job.dtype == "bfloat16"
     param_dtype = torch.float32 if half else getattr(torch, job.dtype)
     autocast = torch.bfloat16 if half else None
@@ -184,7 +181,7 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     def model() -> Transformer:
         return Transformer(config, seed=job.seed, device=device, dtype=param_dtype)
 
-    packed = packed_step(model(), micro_batches, spread, groups, autocast_dtype=autocast)
+    packed = packed_step(model(), micro_batches, spread, topology, autocast_dtype=autocast)
     reference = unpacked_step(model(), samples, spread.reduction)
     diffs = differences(packed, reference)
     names = list(diffs)

@@ -5,7 +5,7 @@ The packed step is the whole thdpack pipeline, as a trainer runs it:
 
     plan_packs (TE's layout or a per-sequence CP placement) -> build_pack
     -> deal packs to (micro-step, DP rank) -> thd_collate -> cp.shard
-    -> Transformer(shard, cp_group=...) -> thdpack.loss.StepLoss (global denominator) -> backward
+    -> Transformer(shard, cp_group=topology) -> thdpack.loss.StepLoss (global denominator) -> backward
     -> gradients all-reduced (average) over the flattened DP x CP group, G = dp_size * cp_size
 
 The unpacked step runs each sequence alone (its own THD batch, no CP, no padding) and takes the
@@ -33,18 +33,18 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from thdpack._settings import check_int
-from thdpack.cp.comm import create_placement_groups
 from thdpack.cp.partition import local_placement, shard
-from thdpack.format_rules import cp_multiple
+from thdpack.cp.topology import CpTopology
+from thdpack.layout.rules import cp_multiple
 from thdpack.loss import LOSS_REDUCTIONS, LossReduction, StepLoss, cross_entropy_sum, loss_weights
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dealing import round_robin
 from thdpack.packing.packer import build_pack, pack_from_segments
 from thdpack.plan.api import plan_packs
-from thdpack.plan.config import CP_PLACEMENTS, CpPlacementMode
+from thdpack.plan.config import CP_PLACEMENTS, LIBRARY_CP_PLACEMENT, CpPlacementMode
 from thdpack.thd.batch import thd_collate
+from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import THDBatch
-from thdpack.thd.meta import thd_meta
 from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
@@ -79,7 +79,7 @@ class StepSpread:
     """``"token_mean"`` or ``"sequence_mean"`` (``thdpack.loss``)."""
     fault: Fault = "none"
     """A layout bug to plant (``FAULTS``), or ``"none"``."""
-    cp_placement: CpPlacementMode = "te"
+    cp_placement: CpPlacementMode = LIBRARY_CP_PLACEMENT
     """How the packs place their sequences on the CP ranks: ``"te"`` (every sequence split over all)
     or ``"adaptive"`` (whole on one rank or split over a group: ``thdpack.plan.adaptive``)."""
 
@@ -98,35 +98,6 @@ class StepSpread:
     @property
     def world_size(self) -> int:
         return self.dp_size * self.cp_size
-
-
-@dataclass(frozen=True)
-class RankGroups:
-    """This rank's place in the spread: ``rank = dp_rank * cp_size + cp_rank``. Groups are None
-    for a single process without torch.distributed."""
-
-    dp_rank: int
-    cp_rank: int
-    dp_cp: dist.ProcessGroup | None
-    """All dp_size * cp_size ranks of the spread (loss denominator, gradient average)."""
-    cp: dist.ProcessGroup | None
-    """The CP ranks that share this rank's micro-batches."""
-
-
-def make_groups(spread: StepSpread, rank: int) -> RankGroups:
-    """Create the split's groups on ranks ``0 .. world_size - 1`` of the default group.
-
-    Collective over the WHOLE default group (every process must call it, in the same order, even
-    ranks outside the spread); returns the groups of ``rank`` (meaningless beyond the spread).
-    """
-    dp_size, cp_size = spread.dp_size, spread.cp_size
-    dp_cp = dist.new_group(list(range(dp_size * cp_size)))
-    cp_ranks = [list(range(d * cp_size, (d + 1) * cp_size)) for d in range(dp_size)]
-    cps = [dist.new_group(ranks) for ranks in cp_ranks]
-    if spread.cp_placement == "adaptive":
-        create_placement_groups(cp_ranks)  # the groups of ranks a sequence may be split over
-    dp_rank, cp_rank = divmod(rank, cp_size)
-    return RankGroups(dp_rank, cp_rank, dp_cp, cps[dp_rank] if dp_rank < dp_size else None)
 
 
 def sample_lengths(spread: StepSpread) -> list[int]:
@@ -151,7 +122,7 @@ def make_samples(lengths: Sequence[int], vocab_size: int, seed: int) -> list[dic
     return samples
 
 
-def pack_size_for(lengths: Sequence[int], cp_size: int, cp_placement: CpPlacementMode = "te") -> int:
+def pack_size_for(lengths: Sequence[int], cp_size: int, cp_placement: CpPlacementMode = LIBRARY_CP_PLACEMENT) -> int:
     """The smallest multiple of ``2*cp_size`` that is >= 24 and >= the longest sequence; under
     ``cp_placement="adaptive"`` also >= ``10 * cp_size`` (a rank's budget of 10 tokens), so that
     the test lengths mix sequences whole on one rank, split over a pair of ranks (cp >= 4) and
@@ -217,7 +188,7 @@ def packed_step(
     model: Transformer,
     micro_batches: Sequence[Mapping[str, Any]],
     spread: StepSpread,
-    groups: RankGroups,
+    topology: CpTopology,
     *,
     autocast_dtype: torch.dtype | None = None,
 ) -> PackedResult:
@@ -226,9 +197,16 @@ def packed_step(
     planted through their hooks.
 
     ``micro_batches``: this DP rank's global THD micro-batches (``global_micro_batches()[dp_rank]``),
-    on the model's device. ``autocast_dtype``: run the forward under ``torch.autocast`` (bf16).
-    Gradients are reduced as the trainer's DDP reduces them: an average over the DP x CP group.
+    on the model's device. ``topology``: this process's place in the spread's dp x cp mesh
+    (``CpTopology.create``; ``CpTopology.single()`` for one process without torch.distributed).
+    ``autocast_dtype``: run the forward under ``torch.autocast`` (bf16). Gradients are reduced as
+    the trainer's DDP reduces them: an average over the DP x CP group.
     """
+    if (topology.dp_size, topology.cp_size) != (spread.dp_size, spread.cp_size):
+        raise ValueError(
+            f"the topology is dp {topology.dp_size} x cp {topology.cp_size} but the spread dp {spread.dp_size} x cp "
+            f"{spread.cp_size}; run the spread on dp_size * cp_size = {spread.world_size} processes"
+        )
     device = next(model.parameters()).device
     tokens: list[dict[str, torch.Tensor]] = []
     naive_share = torch.zeros((), dtype=torch.float64, device=device)
@@ -252,23 +230,16 @@ def packed_step(
         logits=record,
     )
     micro = prepare_micro_batches(
-        micro_batches, cp_size=spread.cp_size, cp_rank=groups.cp_rank, device=device, reduction=spread.reduction,
-        hooks=hooks,
-    )  # fmt: skip
+        micro_batches, topology=topology, device=device, reduction=spread.reduction, hooks=hooks
+    )
     model.zero_grad(set_to_none=True)
-    replica = model if groups.dp_cp is None else DistributedDataParallel(model, process_group=groups.dp_cp)
+    distributed = topology.world_size > 1
+    replica = DistributedDataParallel(model, process_group=topology.dp_cp_group) if distributed else model
     with _autocast(device, autocast_dtype):
-        step_loss = forward_backward(
-            replica,
-            micro,
-            cp_group=groups.cp if spread.cp_size > 1 else None,
-            grad_average_size=spread.world_size,
-            group=groups.dp_cp,
-            hooks=hooks,
-        )
+        step_loss = forward_backward(replica, micro, topology=topology, hooks=hooks)
     if spread.fault == "mean_of_means":
-        if groups.dp_cp is not None:
-            dist.all_reduce(naive_share, group=groups.dp_cp)
+        if distributed:
+            dist.all_reduce(naive_share, group=topology.dp_cp_group)
         global_loss = float(naive_share)
     else:
         global_loss = float(step_loss.value())

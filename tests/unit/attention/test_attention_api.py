@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 from _attention_cases import make_thd, random_case, reference_results
+from placement_cases import MIXED_PACKS, placed_metadata
 from thd_cases import P5
 
 from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
@@ -17,8 +18,9 @@ from thdpack.attention.backends import flash
 from thdpack.attention.backends.base import AttentionCall
 from thdpack.attention.select import ENV_VAR
 from thdpack.cp import shard as cp_shard
+from thdpack.cp.topology import CpTopology
 from thdpack.thd import thd_collate
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 
 @pytest.fixture(autouse=True)
@@ -141,6 +143,33 @@ def test_a_cp_shard_needs_the_group_it_was_sharded_for(monkeypatch, group_size, 
     for shard in ({**make_thd([4, 8], 2), "cp_size": 2, "cp_rank": 0}, cp_shard(thd_collate([P5]), 2, 0)):
         with pytest.raises(ValueError, match=message):
             thd_attention(*_qkv(tokens=thd_meta(shard).local_tokens), shard, cp_group=group)
+
+
+@pytest.mark.parametrize(
+    ("make_group", "message"),
+    [
+        (
+            lambda group: group,
+            r"splits sequences over groups of \[2\] ranks, smaller than its CP group of 4, and a plain process group "
+            r"has no sub-groups; pass the run's CpTopology as cp_group",
+        ),
+        (
+            lambda group: CpTopology(dp_size=1, cp_size=4, rank=1, gpus_per_node=4, cp_group=group),
+            r"made without placement groups, and CP ranks 0..1 need one; make it with placement_groups=True",
+        ),
+    ],
+)
+def test_a_placed_shard_split_over_pairs_needs_their_groups(monkeypatch, make_group, message):
+    """Refused before any collective, on every rank alike (the placement is every rank's)."""
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group: 4)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group: 1)
+    shard = cp_shard(placed_metadata(MIXED_PACKS[4]), 4, 1)
+    for comm_type in ("p2p", "all_gather"):
+        with pytest.raises(ValueError, match=message):
+            thd_attention(
+                *_qkv(tokens=thd_meta(shard).local_tokens), shard, cp_group=make_group(object()), backend="math",
+                cp_comm_type=comm_type,
+            )  # fmt: skip
 
 
 def test_lengths_not_divisible_by_2cp_are_rejected():

@@ -17,7 +17,7 @@ from thdpack.attention.merge import output_grads
 from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
 from thdpack.cp import local_placement
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 pytestmark = [
     pytest.mark.gpu,

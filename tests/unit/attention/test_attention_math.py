@@ -13,7 +13,7 @@ from thdpack.attention.backends.math import attend as attend_math
 from thdpack.attention.backends.math import tiled_attention
 from thdpack.attention.merge import merge_partials, output_grads
 from thdpack.cp import local_placement
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 from thdpack.thd.tokens import TokenPlacement
 
 CPU = torch.device("cpu")

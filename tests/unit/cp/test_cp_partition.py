@@ -3,6 +3,10 @@ vectors S1-S4 (1.6), invariants on random packs, and input validation."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import sys
+import types
 from itertools import pairwise
 
 import numpy as np
@@ -14,10 +18,12 @@ from thd_cases import C1_SECOND, P5, P6, S3, pack_batches
 
 from thdpack._optional import has_transformer_engine
 from thdpack.attention.masks import token_layout
+from thdpack.cp import partition as partition_module
 from thdpack.cp import partition_indices, rank_token_indices, shard, unshard
-from thdpack.cp.partition import gather_order, gather_order_of
+from thdpack.cp.partition import TE_MAX_SEQUENCES, gather_order, gather_order_of
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
-from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.meta import ThdMeta
 
 # (cu_seqlens_padded, total, cp_size, per-rank indices): rows 1-8 and 10-14 of the spec's table
 GOLDEN = [
@@ -66,7 +72,7 @@ GOLDEN = [
 
 
 @pytest.mark.parametrize(("cu", "total", "cp_size", "expected"), GOLDEN)
-@pytest.mark.parametrize("impl", ["auto", "torch"])
+@pytest.mark.parametrize("impl", ["auto", "numpy"])
 def test_matches_transformer_engine(cu, total, cp_size, expected, impl):
     cu_t = torch.tensor(cu, dtype=torch.int32)
     for rank, want in enumerate(expected):
@@ -127,13 +133,11 @@ def _cu_seqlens_padded(draw):
 @given(_cu_seqlens_padded())
 def test_matches_the_closed_form_and_partitions_every_token(case):
     cu, cp_size = case
-    total = cu[-1]
-    if total == 0:
-        return
+    total = cu[-1]  # 0 too: no token, no index
     seen = []
     for rank in range(cp_size):
         want = _reference_partition(cu, cp_size, rank)
-        for impl in ("auto", "numpy", "torch"):  # auto = numpy on CPU
+        for impl in ("auto", "numpy"):  # auto = numpy on CPU
             got = partition_indices(torch.tensor(cu, dtype=torch.int32), total, cp_size, rank, impl=impl)
             assert got.dtype == torch.int32 and got.tolist() == want, impl
         seen += want
@@ -141,7 +145,7 @@ def test_matches_the_closed_form_and_partitions_every_token(case):
 
 
 def test_rejects_unknown_impl():
-    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'te', 'torch', 'numpy'\), got 'cuda'"):
+    with pytest.raises(ValueError, match=r"impl must be one of \('auto', 'te', 'numpy'\), got 'cuda'"):
         partition_indices(torch.tensor([0, 8]), 8, 2, 0, impl="cuda")
 
 
@@ -152,10 +156,10 @@ def test_te_impl_needs_a_cuda_tensor():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_torch_twin_on_cuda_matches_cpu():
+def test_host_path_on_cuda_matches_cpu():
     cu = torch.tensor([0, 4, 16, 20, 24, 32], dtype=torch.int32)
     for rank in range(2):
-        got = partition_indices(cu.cuda(), 32, 2, rank, impl="torch")
+        got = partition_indices(cu.cuda(), 32, 2, rank, impl="numpy")
         assert got.is_cuda and got.cpu().tolist() == partition_indices(cu, 32, 2, rank).tolist()
 
 
@@ -163,12 +167,109 @@ def test_torch_twin_on_cuda_matches_cpu():
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and has_transformer_engine()), reason="needs CUDA and Transformer Engine"
 )
-def test_transformer_engine_kernel_matches_the_twin():
+def test_transformer_engine_kernel_matches_the_host_indices():
     for cu, total, cp_size, expected in GOLDEN:
         cu_cuda = torch.tensor(cu, dtype=torch.int32, device="cuda")
         for rank, want in enumerate(expected):
             assert partition_indices(cu_cuda, total, cp_size, rank, impl="te").cpu().tolist() == want
             assert partition_indices(cu_cuda, total, cp_size, rank).cpu().tolist() == want  # auto picks TE
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_transformer_engine()), reason="needs CUDA and Transformer Engine"
+)
+def test_transformer_engine_guards_on_cuda():
+    """TE's kernel refuses T == 0 and cannot launch for more than 12,287 sequences; on another
+    GPU than the current one its output lands on cu_seqlens' GPU."""
+    empty = partition_indices(torch.zeros(2, dtype=torch.int32, device="cuda"), 0, 2, 0, impl="te")
+    assert empty.is_cuda and empty.dtype == torch.int32 and empty.numel() == 0
+    many = torch.arange(0, 4 * (TE_MAX_SEQUENCES + 2), 4, dtype=torch.int32)
+    got = partition_indices(many.cuda(), int(many[-1]), 2, 1, impl="te")
+    assert got.is_cuda and got.cpu().tolist() == _reference_partition(many.tolist(), 2, 1)
+    if torch.cuda.device_count() > 1:
+        with torch.cuda.device(0):
+            other = partition_indices(torch.tensor([0, 8, 16], dtype=torch.int32, device="cuda:1"), 16, 2, 0)
+        assert other.device == torch.device("cuda:1") and other.cpu().tolist() == GOLDEN[0][3][0]
+
+
+# ---- partition_indices' guards around TE's kernel, on the CPU with a recording stand-in for TE ----
+
+
+class _CudaLooking(torch.Tensor):
+    """A CPU tensor that says it is on CUDA, so that partition_indices takes TE's path here."""
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def fake_te(monkeypatch):
+    """``transformer_engine_torch`` replaced by a module whose ``thd_get_partitioned_indices``
+    records each call with the CUDA device current during it (``torch.cuda.device`` recorded too)."""
+    calls, current = [], [None]
+
+    def thd_get_partitioned_indices(cu, total_tokens, world_size, rank):
+        calls.append({"cu": cu.tolist(), "current_device": current[-1]})
+        return torch.tensor(_reference_partition(cu.tolist(), world_size, rank), dtype=torch.int32)
+
+    @contextlib.contextmanager
+    def device(where):
+        current.append(where)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    tex = types.ModuleType("transformer_engine_torch")
+    tex.thd_get_partitioned_indices = thd_get_partitioned_indices
+    monkeypatch.setitem(sys.modules, "transformer_engine_torch", tex)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(partition_module, "has_transformer_engine", lambda: True)
+    return calls
+
+
+def _cuda_looking(cu: list[int]) -> torch.Tensor:
+    return torch.tensor(cu, dtype=torch.int32).as_subclass(_CudaLooking)
+
+
+def test_te_runs_on_the_device_of_cu_seqlens(fake_te):
+    """TE allocates its output on the current CUDA device and launches there: the call runs with
+    cu_seqlens' device current, so the indices land beside the batch."""
+    cu = _cuda_looking([0, 8, 16])
+    for impl in ("te", "auto"):
+        got = partition_indices(cu, 16, 2, 1, impl=impl)
+        assert got.tolist() == GOLDEN[0][3][1] and got.device == cu.device
+    assert [call["current_device"] for call in fake_te] == [cu.device, cu.device]
+
+
+def test_te_is_not_called_without_tokens(fake_te):
+    """TE raises for T == 0 (NVTE_CHECK(total_tokens > 0)); no token has no index."""
+    got = partition_indices(_cuda_looking([0, 0, 0]), 0, 2, 1, impl="te")
+    assert got.dtype == torch.int32 and got.shape == (0,) and fake_te == []
+
+
+def test_more_sequences_than_te_s_shared_memory_go_to_the_host(fake_te, caplog):
+    """TE's kernel keeps cu_seqlens (S+1 int32) in 48 KiB of dynamic shared memory: at most 12,287
+    sequences; beyond, the host computes the same indices, logged once."""
+    assert TE_MAX_SEQUENCES == 48 * 1024 // 4 - 1 == 12287
+    partition_module._log_too_many_sequences_for_te.cache_clear()
+    fits = list(range(0, 4 * (TE_MAX_SEQUENCES + 1), 4))
+    assert partition_indices(_cuda_looking(fits), fits[-1], 2, 0, impl="te").tolist() == _reference_partition(
+        fits, 2, 0
+    )
+    assert len(fake_te) == 1  # the most TE takes
+    over = [*fits, fits[-1] + 4]
+    with caplog.at_level(logging.WARNING, logger="thdpack.cp.partition"):
+        for rank in (0, 1):
+            got = partition_indices(_cuda_looking(over), over[-1], 2, rank, impl="te")
+            assert got.dtype == torch.int32 and got.tolist() == _reference_partition(over, 2, rank)
+    assert len(fake_te) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "partition_indices: more than 12287 sequences in one call overflow the shared memory of Transformer "
+        "Engine's thd_get_partitioned_indices kernel; computing the indices on the host instead (logged once)"
+    ]
 
 
 # ---- shard: NeMo's end-to-end sharding vectors (nemo_te_spec.md 1.6) ----
@@ -326,9 +427,9 @@ def test_unshard_rejects_bad_shard_lists():
 
 
 def test_one_rank_keeps_every_token_whatever_the_slot_widths():
-    """TE's formula gives the identity for one rank; the twins used to fail on odd slots there."""
+    """TE's formula gives the identity for one rank, also on odd slots (which TE's kernel refuses)."""
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    for impl in ("auto", "numpy", "torch"):
+    for impl in ("auto", "numpy"):
         assert partition_indices(cu, 8, 1, 0, impl=impl).tolist() == list(range(8))
 
 

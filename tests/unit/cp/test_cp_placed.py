@@ -13,12 +13,14 @@ from placement_cases import MIXED_PACKS, batch_placements, placed_batch, placed_
 
 from thdpack.attention import simulated_ring_attention
 from thdpack.cp import local_placement, partition_indices, rank_token_indices, shard, unshard
-from thdpack.cp.partition import partition_from_lengths
+from thdpack.layout.entries import CpLayout
+from thdpack.layout.placement import PackPlacement
+from thdpack.layout.ranks import rank_indices
 from thdpack.packing import SampleTokens, assemble_pack, build_pack
 from thdpack.plan import plan_packs
-from thdpack.plan.placement import CpLayout, PackPlacement
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.parts import shard_parts
 
 
 def _global_positions(thd: dict) -> torch.Tensor:
@@ -65,7 +67,7 @@ def test_parts_are_te_shards_of_each_group_then_the_whole_entries(packs):
         local = shard(thd, cp, rank)["thd_meta"]
         index = rank_token_indices(local)
         stop = 0
-        for part in local.parts:
+        for part in shard_parts(local):
             assert part.rows.start == stop
             stop = part.rows.stop
             got = index[part.rows]
@@ -73,7 +75,7 @@ def test_parts_are_te_shards_of_each_group_then_the_whole_entries(packs):
             to_global = np.concatenate([starts[e] + np.arange(n) for e, n in zip(part.entries_S, slots, strict=True)])
             if part.group_size > 1:
                 assert (part.meta.cp_size, part.meta.cp_rank) == (part.group_size, rank - part.group_start)
-                want = to_global[partition_from_lengths(slots, part.group_size, rank - part.group_start)]
+                want = to_global[rank_indices(slots, part.group_size, rank - part.group_start)]
                 assert (layout.group_size_S[part.entries_S] == part.group_size).all()
             else:
                 want = to_global
@@ -81,7 +83,7 @@ def test_parts_are_te_shards_of_each_group_then_the_whole_entries(packs):
             assert got.tolist() == want.tolist()
             assert part.meta.lengths == tuple(layout.lengths_S[part.entries_S].tolist())
         assert stop == len(index)
-        sizes = [p.group_size for p in local.parts]
+        sizes = [p.group_size for p in shard_parts(local)]
         assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)
 
 
@@ -108,7 +110,7 @@ def test_the_design_note_example_through_the_packer_and_shard():
         [6, 7, 8, 9, 18, 19, 20, 21, 44, 45, 46, 47],
     ]
     rank2 = shard(thd, 4, 2)
-    assert [(p.group_start, p.group_size, p.rows) for p in rank2["thd_meta"].parts] == [
+    assert [(p.group_start, p.group_size, p.rows) for p in shard_parts(rank2["thd_meta"])] == [
         (0, 4, slice(0, 4)), (2, 2, slice(4, 8)), (2, 1, slice(8, 12))
     ]  # fmt: skip
     assert rank2["input_ids"].tolist() == [100, 100, 0, 0, 101, 101, 101, 0, 104, 104, 0, 0]  # A[10, 11]: CP padding
@@ -224,6 +226,23 @@ def _edited(key: str, pack: int, entry: int, value: int) -> dict:
 def test_a_bad_placement_in_a_batch_is_named(edit, message):
     with pytest.raises(ValueError, match=message):
         to_thd(_edited(*edit))
+
+
+def test_a_tampered_group_size_is_named_with_the_pack_s_cp_size():
+    """A whole entry on rank 2 of a cp 4 pack edited to a group of 4 reaches past the last rank: it
+    is named with its value and the valid sizes, at cp_size=4 (the pack's padding entries), not
+    read as a pack over 6 ranks."""
+    batch = _mixed_batch()
+    assert batch["cp_group_size"][0, 4] == 1 and batch["cp_group_start"][0, 4] == 2
+    message = (
+        r"pack 0: sequence 4 is placed on ranks 2..5 \(a group of 4 starting at rank 2\); a group of 4 must start "
+        r"at a multiple of 4 in \[0, 0\] \(groups are aligned; valid group sizes for cp_size=4: 1, 2, 4\)"
+    )
+    with pytest.raises(ValueError, match=message):
+        shard(to_thd(_edited("cp_group_size", 0, 4, 4)), 4, 0)
+    with pytest.raises(ValueError, match=r"pack 0: sequence 4 is placed on a group of 3 ranks, which does not divide "
+                                         r"cp_size=4; valid group sizes: 1, 2, 4"):  # fmt: skip
+        to_thd(_edited("cp_group_size", 0, 4, 3))
 
 
 def test_packs_of_two_cp_sizes_do_not_share_a_batch():

@@ -12,6 +12,7 @@ from thdpack.data.prepared_plan import PLAN_FILE, read_prepared_plan, write_prep
 from thdpack.data.store import TokenStore, TokenStoreWriter
 from thdpack.data.tokenizer import load_tokenizer
 from thdpack.packing.dataset import PackedDatasetConfig
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.plan import PlanConfig
 
 LENGTHS = [5, 17, 3, 30, 9, 12, 2, 25, 8, 14]
@@ -31,8 +32,9 @@ def test_matching_settings_give_the_trainers_epoch_0(store):
     prepared = read_prepared_plan(store.path, read_manifest(store.path), config, cp_size=2)
     assert prepared.plan is not None and "epoch 0 trains on" in prepared.note
     assert [p.tolist() for p in prepared.plan] == [p.tolist() for p in written]
-    dataset = PackedDatasetConfig(plan=config).build(store, cp_size=2, lengths=store.lengths, first_plan=prepared.plan)
-    replanned = PackedDatasetConfig(plan=config).build(store, cp_size=2, lengths=store.lengths)
+    cp2 = PackingRuntime(cp_size=2)
+    dataset = PackedDatasetConfig(plan=config).build(store, cp2, lengths=store.lengths, first_plan=prepared.plan)
+    replanned = PackedDatasetConfig(plan=config).build(store, cp2, lengths=store.lengths)
     assert dataset.plans_made == 0 and replanned.plans_made == 1
     assert [p.tolist() for p in dataset.plan] == [p.tolist() for p in replanned.plan]
 

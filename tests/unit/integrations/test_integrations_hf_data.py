@@ -16,7 +16,7 @@ from thdpack.integrations.hf_data import (
     thdpack_sample,
 )
 from thdpack.packing import PackedDataset
-from thdpack.thd.meta import thd_meta
+from thdpack.thd.carriage import thd_meta
 
 
 def test_labels_are_shifted_and_the_last_token_predicts_nothing():

@@ -5,7 +5,9 @@ CP shards. The CP runs (2 and 4 processes) are in tests/distributed/test_integra
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -27,12 +29,16 @@ from _trainer_cases import (
 )
 from transformers import TrainingArguments
 
+from thdpack.attention.config import AttentionConfig
+from thdpack.cp.topology import CpTopology
 from thdpack.integrations.hf_data import HFSamples, StepSource
-from thdpack.integrations.parallel import ParallelLayout, parallel_layout
+from thdpack.integrations.parallel import accelerator_topology
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer, packed_dataset
-from thdpack.plan.config import TRAINING_CP_PLACEMENT
-from thdpack.thd.meta import thd_meta
+from thdpack.packing.dataset import PackedDatasetConfig
+from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.parts import shard_parts
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
@@ -62,9 +68,9 @@ def _trainer(tmp_path, model=None, packing=None, args=None, **kwargs) -> Thdpack
 def test_packing_arguments():
     assert PackingArguments().shuffle_packs and not PackingArguments(algorithm="sequential").shuffle_packs
     assert PackingArguments(algorithm="window", shuffle=True).shuffle_packs
-    with pytest.raises(ValueError, match="pack_size must be an integer >= 1"):
+    with pytest.raises(ValueError, match="pack_size must be >= 1, got 0"):
         PackingArguments(pack_size=0)
-    with pytest.raises(ValueError, match="unknown overflow 'wrap'; valid: error, drop, truncate, split"):
+    with pytest.raises(ValueError, match="unknown overflow policy 'wrap'; valid: error, drop, truncate, split"):
         PackingArguments(overflow="wrap")
     assert PackingArguments().cp_placement == TRAINING_CP_PLACEMENT == "adaptive"
     assert PackingArguments().cost_model == "tiles"
@@ -72,6 +78,54 @@ def test_packing_arguments():
         PackingArguments(cp_placement="ring")
     with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs"):
         PackingArguments(cost_model="flops")
+    with pytest.raises(TypeError, match=r"cp_size must be an integer, got 2\.0"):
+        PackingArguments(cp_size=2.0)
+
+
+@pytest.mark.parametrize("value", [8.5, 8.0, "8", True, 0, 2**41])
+def test_a_bad_pack_size_raises_what_the_plan_config_raises(value):
+    """The fields are PlanConfig's, with its checks: the same class and message (ValueError before)."""
+    with pytest.raises((TypeError, ValueError)) as expected:
+        PlanConfig(pack_size=value)
+    with pytest.raises(expected.type, match=re.escape(str(expected.value))):
+        PackingArguments(pack_size=value)
+
+
+def test_every_plan_and_dataset_setting_is_a_packing_argument_with_its_help():
+    names = {f.name: f for f in dataclasses.fields(PackingArguments)}
+    wanted = {f.name for f in dataclasses.fields(PlanConfig)} | {
+        f.name for f in dataclasses.fields(PackedDatasetConfig)
+    }
+    # the seed is the Trainer's data_seed, remainder plays no part in a step stream, plan is listed flat
+    assert set(names) == wanted - {"seed", "remainder", "plan"} | {"cp_size", "attention"}
+    for f in dataclasses.fields(PlanConfig):
+        if f.name != "seed":
+            assert names[f.name].metadata["help"].startswith(f.metadata["help"])
+    assert PackingArguments(improve=False).dataset_config(pack_size=64, overflow="error", seed=0).plan.improve is False
+
+
+def test_the_attention_settings_may_be_a_mapping_as_yaml_gives_them():
+    """PackingArguments(attention={...}) (YAML, a command line) builds the AttentionConfig, whose
+    own checks apply; it failed in the trainer with "replace() should be called on dataclass instances"."""
+    assert PackingArguments(attention={"backend": "math", "cp_comm_type": "a2a"}).attention == AttentionConfig(
+        backend="math", cp_comm_type="a2a"
+    )
+    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
+        PackingArguments(attention={"backend": "fast"})
+    with pytest.raises(TypeError, match="attention: AttentionConfig has no setting 'kernel'; its settings: backend"):
+        PackingArguments(attention={"kernel": "math"})
+    with pytest.raises(TypeError, match="attention must be an instance of AttentionConfig or a mapping"):
+        PackingArguments(attention="math")
+
+
+def test_hf_argument_parser_reads_packing_arguments():
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(PackingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--pack_size", "64", "--cp_placement", "te", "--improve", "false"])
+    assert (args.pack_size, args.cp_placement, args.improve) == (64, "te", False)
+    (args,) = parser.parse_dict({"pack_size": 64, "attention": {"backend": "math"}})  # a YAML file's dict
+    assert args.attention.backend == "math"
 
 
 @pytest.mark.parametrize("cp_placement", ["te", "adaptive"])
@@ -96,8 +150,8 @@ def test_the_plan_config_carries_every_packing_argument(cp_placement):
 def _cp2_dataset(cp_placement: str):
     samples = HFSamples(token_examples(MIXED_LENGTHS))
     config = PackingArguments(cp_placement=cp_placement).dataset_config(pack_size=32, overflow="error", seed=0)
-    layout = ParallelLayout(dp_size=1, dp_rank=0, cp_size=2, cp_rank=0, cp_group=None, grad_average_size=2)
-    return packed_dataset(config, samples, layout, pad_id=0, lengths=samples.lengths())
+    topology = CpTopology(dp_size=1, cp_size=2, rank=0, gpus_per_node=2)
+    return packed_dataset(config, samples, topology, pad_id=0, lengths=samples.lengths())
 
 
 def test_an_adaptive_plan_reaches_the_packs_and_the_cp_shards():
@@ -121,7 +175,7 @@ def test_an_adaptive_plan_reaches_the_packs_and_the_cp_shards():
         source = StepSource(stream, cp_size=2, cp_rank=cp_rank, device=torch.device("cpu"), num_examples=0)
         micro = source[(0, 0)]
         assert len(micro["input_ids"]) == 32 * len(dataset) // 2
-        part_sizes |= {part.group_size for part in thd_meta(micro).parts}
+        part_sizes |= {part.group_size for part in shard_parts(thd_meta(micro))}
     assert part_sizes == {1, 2}
 
     te = _cp2_dataset("te")
@@ -167,7 +221,7 @@ def custom_attention(*args, **kwargs):
         ("collator", "data_collator would never be called: thdpack builds the packed batches"),
         ("eval", "cannot train with evaluation .eval_dataset / eval_strategy."),
         ("label smoothing", "cannot train with label_smoothing_factor > 0: the loss is thdpack's"),
-        ("cp in one process", "cp_size=2 does not divide the 1 processes"),
+        ("cp in one process", "cp_size=2 does not divide the world size 1; launch a multiple of 2 processes"),
         ("pack too small", "sequence 0 has 13 tokens, over pack_size=8 .6 sequences in total.; use overflow="),
         ("custom attention", "the model's attention 'my_attention' is not known to be exact on a packed row"),
     ],
@@ -194,7 +248,7 @@ def test_tensor_parallelism_is_refused():
         num_processes=2, process_index=0, parallelism_config=SimpleNamespace(tp_size=2, sp_size=1, cp_size=1)
     )
     with pytest.raises(ValueError, match="ParallelismConfig has tp_size=2, sp_size=1: thdpack's packed batches"):
-        parallel_layout(accelerator, None)
+        accelerator_topology(accelerator, None, placement_groups=False)
 
 
 def test_evaluate_is_refused(tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import logging
 
 import numpy as np
@@ -11,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
-from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
+from thdpack.packing.dataset import DATASET_SEED, PackedDataset, PackedDatasetConfig
 from thdpack.packing.dealing import epoch_seeds, plan_epoch
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.plan import PlanConfig
 from thdpack.testing import assert_resumable
 
@@ -63,7 +66,7 @@ def test_sequential_without_shuffle_is_nemo_order():
 
 @pytest.mark.parametrize("world_size", [2, 3, 5])
 def test_data_parallel_ranks_share_the_epoch(world_size):
-    ranks = [make(rank=r, world_size=world_size) for r in range(world_size)]
+    ranks = [make(dp_rank=r, dp_size=world_size) for r in range(world_size)]
     total = ranks[0].epoch_shard.num_packs
     assert len({len(ds) for ds in ranks}) == 1 and len(ranks[0]) == -(-total // world_size)
     seen = [k for ds in ranks for k in keys(ds)]
@@ -75,14 +78,14 @@ def test_data_parallel_ranks_share_the_epoch(world_size):
 
 def test_remainder_drop_reports_what_it_leaves_out(caplog):
     with caplog.at_level(logging.WARNING, logger="thdpack"):
-        ranks = [make(rank=r, world_size=4, remainder="drop") for r in range(4)]
+        ranks = [make(dp_rank=r, dp_size=4, remainder="drop") for r in range(4)]
     shard = ranks[0].epoch_shard
     assert shard.dropped_packs == shard.num_packs % 4 > 0 and shard.repeated_packs == 0
     seen = [k for ds in ranks for k in keys(ds)]
     assert len(seen) == len(set(seen)) == shard.num_packs - shard.dropped_packs
     assert shard.dropped_tokens > 0 and f"({shard.dropped_tokens} tokens) dropped" in caplog.text
-    few = make(rank=999, world_size=1000, remainder="drop")  # made: the step stream needs no remainder
-    with pytest.raises(ValueError, match=r"epoch 0 has \d+ packs for world_size=1000: with remainder='drop'"):
+    few = make(dp_rank=999, dp_size=1000, remainder="drop")  # made: the step stream needs no remainder
+    with pytest.raises(ValueError, match=r"epoch 0 has \d+ packs for dp_size=1000 ranks: with remainder='drop'"):
         len(few)  # map-style access is where the policy applies
 
 
@@ -90,7 +93,7 @@ def test_remainder_drop_reports_what_it_leaves_out(caplog):
 @given(st.integers(0, 10), st.sampled_from([(1, 0), (2, 0), (2, 1)]))
 def test_resume_anywhere_in_an_epoch(stop_after, world):
     world_size, rank = world
-    assert_resumable(lambda: make(pack_size=128, world_size=world_size, rank=rank), stop_after)
+    assert_resumable(lambda: make(pack_size=128, dp_size=world_size, dp_rank=rank), stop_after)
 
 
 def test_iteration_moves_on_to_the_next_epoch_and_resumes_there():
@@ -136,11 +139,14 @@ def test_lengths_are_computed_and_checked():
         ({"algorithm": "nf"}, "unknown algorithm 'nf'; valid: bfd, ffd, sequential, window"),
         ({"overflow": "wrap"}, "unknown overflow policy 'wrap'; valid: error, drop, truncate, split"),
         ({"remainder": "pad"}, "unknown remainder policy 'pad'; valid: repeat, drop"),
-        ({"rank": 2, "world_size": 2}, "rank=2 must be < world_size=2"),
+        (
+            {"dp_rank": 2, "dp_size": 2},
+            r"dp_rank=2 is not a rank of dp_size=2 data-parallel ranks; it must be in \[0, 2\)",
+        ),
         ({"cp_size": 3}, r"pack_size=64 is not a multiple of 2\*cp_size=6"),
         ({"seed": -1}, "seed must be >= 0, got -1"),
         ({"pack_size": 0}, "pack_size must be >= 1, got 0"),
-        ({"world_size": 0}, "world_size must be >= 1, got 0"),
+        ({"dp_size": 0}, "dp_size must be >= 1, got 0"),
     ],
 )
 def test_bad_settings(kwargs, message):
@@ -153,7 +159,7 @@ def test_bad_settings(kwargs, message):
     [
         ({"pack_size": 64.0}, "pack_size must be an integer, got 64.0"),
         ({"cp_size": 2.0}, "cp_size must be an integer, got 2.0"),
-        ({"rank": True}, "rank must be an integer, got True"),
+        ({"dp_rank": True}, "dp_rank must be an integer, got True"),
         ({"pad_id": "0"}, "pad_id must be an integer token id, got '0'"),
         ({"shuffle": 1}, "shuffle must be True or False, got 1"),
     ],
@@ -163,29 +169,50 @@ def test_values_of_the_wrong_type(kwargs, message):
         make(**kwargs)
 
 
-def test_the_config_takes_the_runs_values_beside_it_and_refuses_settings_there():
+def test_the_config_takes_the_runs_typed_runtime_beside_it():
     config = PackedDatasetConfig(plan=PlanConfig(pack_size=64, seed=0))
-    built = config.build(SAMPLES, lengths=LENGTHS, cp_size=2, rank=1, world_size=2, pad_id=7)
-    flat = make(cp_size=2, rank=1, world_size=2, pad_id=7)
+    runtime = PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=7)
+    built = config.build(SAMPLES, runtime, lengths=LENGTHS)
+    flat = make(cp_size=2, dp_rank=1, dp_size=2, pad_id=7)
     assert built.config == flat.config and keys(built) == keys(flat) and built.state_dict() == flat.state_dict()
-    assert (built.cp_size, built.rank, built.world_size, built.pad_id) == (2, 1, 2, 7)
-    with pytest.raises(TypeError, match="pack_size is a setting of PackedDatasetConfig: set it in the"):
+    assert built.runtime == flat.runtime == runtime
+    with pytest.raises(TypeError, match=r"runtime must be a thdpack\.packing\.PackingRuntime, got dict"):
+        config.build(SAMPLES, {"cp_size": 2})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'pack_size'"):
         config.build(SAMPLES, pack_size=32)
-    with pytest.raises(TypeError, match="remainder, shuffle are settings of PackedDatasetConfig"):
-        config.build(SAMPLES, shuffle=False, remainder="drop")
+
+
+def test_the_keywords_are_every_field_of_the_config_and_the_runtime():
+    """The flat door takes every setting (the plan's listed flat) and runtime value, generated from
+    the fields: the adaptive placement too, which the hand-written door could not reach."""
+    fields = {f.name for f in dataclasses.fields(PlanConfig)} | {f.name for f in dataclasses.fields(PackingRuntime)}
+    fields |= {f.name for f in dataclasses.fields(PackedDatasetConfig)} - {"plan"}
+    assert set(inspect.signature(PackedDataset).parameters) == {"samples", "lengths", "first_plan"} | fields
+    adaptive = PackedDataset(SAMPLES, 64, lengths=LENGTHS, cp_size=4, cp_placement="adaptive", cost_model="pairs")
+    assert adaptive.config.plan.cp_placement == "adaptive" and adaptive.plan.placement is not None
+    assert adaptive.config == PackedDatasetConfig(
+        plan=PlanConfig(pack_size=64, seed=DATASET_SEED, cp_placement="adaptive", cost_model="pairs")
+    )
+    for f in dataclasses.fields(PlanConfig)[1:]:  # its help, in the door's docstring (pack_size is positional)
+        assert f.name in PackedDataset.__init__.__doc__ and f.metadata["help"][:40] in " ".join(
+            PackedDataset.__init__.__doc__.split()
+        )
+    with pytest.raises(TypeError, match=r"PackedDataset\(\) got an unexpected keyword argument 'rank'; it takes"):
+        make(rank=1)
 
 
 def test_a_given_first_plan_is_used_for_epoch_0_and_must_be_that_plan():
     config = PackedDatasetConfig(plan=PlanConfig(pack_size=64, seed=3))
     lengths = np.array(LENGTHS)
     plan = plan_epoch(lengths, config.plan, cp_size=2, epoch=0)
-    given = config.build(SAMPLES, lengths=LENGTHS, cp_size=2, first_plan=plan)
-    assert given.plan is plan and given.plans_made == 0 and keys(given) == keys(config.build(SAMPLES, cp_size=2))
+    cp2 = PackingRuntime(cp_size=2)
+    given = config.build(SAMPLES, cp2, lengths=LENGTHS, first_plan=plan)
+    assert given.plan is plan and given.plans_made == 0 and keys(given) == keys(config.build(SAMPLES, cp2))
     given.set_epoch(1)
     assert given.plan is not plan and given.plans_made == 1  # later epochs are the run's own
     other = plan_epoch(lengths, PlanConfig(pack_size=64, seed=4), cp_size=2, epoch=0)
     with pytest.raises(ValueError, match=r"the given plan is not what epoch 0 plans \(seed: plan \d+, epoch 0 \d+\)"):
-        config.build(SAMPLES, lengths=LENGTHS, cp_size=2, first_plan=other)
+        config.build(SAMPLES, cp2, lengths=LENGTHS, first_plan=other)
     with pytest.raises(ValueError, match=r"cp_size: plan 2, epoch 0 1"):
         config.build(SAMPLES, lengths=LENGTHS, first_plan=plan)
 

@@ -1,4 +1,4 @@
-"""thdpack.packing.layout: seq_lens_padded, positions, labels, padding mask (the rules: test_format_rules)."""
+"""thdpack.packing.layout: seq_lens_padded, positions, labels, padding mask (the rules: tests/unit/layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thdpack.format_rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
+from thdpack.layout.rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
 from thdpack.packing import layout
 
 N = IGNORE_INDEX

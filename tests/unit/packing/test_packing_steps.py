@@ -10,7 +10,7 @@ import torch
 from pack_checks import unique_samples
 
 from thdpack.cp import shard, unshard
-from thdpack.packing import PackedDataset, PackedDatasetConfig
+from thdpack.packing import PackedDataset, PackedDatasetConfig, PackingRuntime
 from thdpack.packing.steps import StepStream
 from thdpack.plan import PlanConfig
 from thdpack.thd import thd_collate
@@ -33,7 +33,7 @@ def take(stream: StepStream, steps: int) -> list[list[tuple[int, ...]]]:
 
 
 def test_each_epoch_is_planned_once_while_steps_straddle_its_boundary():
-    data = dataset(world_size=2, rank=0)
+    data = dataset(dp_size=2, dp_rank=0)
     stream = data.step_stream(micro_batches=3, packs_per_micro_batch=1)  # 6 packs a step
     packs_per_epoch = len(data.epochs[0])
     assert packs_per_epoch % 6  # some step takes the end of one epoch and the start of the next
@@ -45,7 +45,7 @@ def test_each_epoch_is_planned_once_while_steps_straddle_its_boundary():
 def test_ranks_get_disjoint_complete_and_balanced_shares():
     world = 3
     streams = [
-        dataset(world_size=world, rank=r).step_stream(micro_batches=2, packs_per_micro_batch=2) for r in range(3)
+        dataset(dp_size=world, dp_rank=r).step_stream(micro_batches=2, packs_per_micro_batch=2) for r in range(3)
     ]
     everything = dataset(balance="none").step_stream(micro_batches=2 * world, packs_per_micro_batch=2)
     for _ in range(4):
@@ -58,20 +58,20 @@ def test_ranks_get_disjoint_complete_and_balanced_shares():
 
 
 def test_resume_mid_epoch_and_across_a_boundary_equals_the_uninterrupted_stream():
-    uninterrupted = take(dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1), 30)
+    uninterrupted = take(dataset(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1), 30)
     for stop in (1, 7, 13):
-        first = dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+        first = dataset(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
         head = take(first, stop)
-        resumed = dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+        resumed = dataset(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
         resumed.load_state_dict(first.state_dict())
         assert head + take(resumed, 30 - stop) == uninterrupted
 
 
 def test_the_state_is_the_same_on_every_rank_and_checks_the_settings():
-    rank0 = dataset(world_size=2, rank=0).step_stream(micro_batches=2, packs_per_micro_batch=1)
-    rank1 = dataset(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    rank0 = dataset(dp_size=2, dp_rank=0).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    rank1 = dataset(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
     rank1.load_state_dict(rank0.state_dict())  # rank 0 saves, every rank loads
-    other = PackedDataset(SAMPLES, 64, lengths=LENGTHS, seed=6, world_size=2).step_stream(
+    other = PackedDataset(SAMPLES, 64, lengths=LENGTHS, seed=6, dp_size=2).step_stream(
         micro_batches=2, packs_per_micro_batch=1
     )
     with pytest.raises(
@@ -85,14 +85,14 @@ def test_the_state_is_the_same_on_every_rank_and_checks_the_settings():
 def test_remainder_is_not_a_setting_of_the_step_stream(caplog):
     """remainder shapes map-style access only: the stream neither saves it nor logs repeats, and
     runs with fewer packs in an epoch than ranks, where remainder='drop' would refuse."""
-    repeat = dataset(world_size=2, rank=0).step_stream(micro_batches=1, packs_per_micro_batch=1)
-    drop = dataset(world_size=2, rank=0, remainder="drop").step_stream(micro_batches=1, packs_per_micro_batch=1)
+    repeat = dataset(dp_size=2, dp_rank=0).step_stream(micro_batches=1, packs_per_micro_batch=1)
+    drop = dataset(dp_size=2, dp_rank=0, remainder="drop").step_stream(micro_batches=1, packs_per_micro_batch=1)
     assert "remainder" not in repeat.state_dict()
     drop.load_state_dict(repeat.state_dict())
     with caplog.at_level(logging.INFO, logger="thdpack"):
         assert take(drop, 5) == take(repeat, 5)
     assert "repeated" not in caplog.text and "dropped" not in caplog.text
-    few = PackedDataset(SAMPLES[:3], 64, world_size=8, rank=7, remainder="drop")  # fewer packs than ranks
+    few = PackedDataset(SAMPLES[:3], 64, dp_size=8, dp_rank=7, remainder="drop")  # fewer packs than ranks
     assert len(take(few.step_stream(micro_batches=1, packs_per_micro_batch=1), 2)[0]) == 1
     with pytest.raises(ValueError, match="with remainder='drop' some ranks would get none"):
         few[0]
@@ -118,15 +118,15 @@ def test_the_trainer_packing_group_is_the_dataset_config():
         assert yaml.safe_load(preset.read_text())["overflow"] == "split", preset.name  # training: no token lost
 
 
-def _adaptive(**kwargs) -> PackedDataset:
+def _adaptive(**runtime) -> PackedDataset:
     plan = PlanConfig(pack_size=64, seed=5, cp_placement="adaptive")
-    return PackedDatasetConfig(plan=plan).build(SAMPLES, lengths=LENGTHS, cp_size=4, **kwargs)
+    return PackedDatasetConfig(plan=plan).build(SAMPLES, PackingRuntime(cp_size=4, **runtime), lengths=LENGTHS)
 
 
 def test_an_adaptive_plan_streams_placed_packs_that_shard_and_resume():
     """packing.cp_placement=adaptive: the steps' packs carry their placement, collate and shard by
     it on every CP rank, and a resumed stream repeats the uninterrupted one."""
-    stream = _adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=2)
+    stream = _adaptive(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=2)
     step = stream.next_step()
     for micro in step.micro_batches:
         thd = thd_collate(list(micro))
@@ -134,9 +134,9 @@ def test_an_adaptive_plan_streams_placed_packs_that_shard_and_resume():
         assert (thd["thd_meta"].groups.size_S == 1).any()  # short sequences whole on one rank
         shards = [shard(thd, 4, r) for r in range(4)]
         assert torch.equal(unshard(shards, 4)["input_ids"], thd["input_ids"])
-    uninterrupted = take(_adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1), 12)
-    first = _adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    uninterrupted = take(_adaptive(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1), 12)
+    first = _adaptive(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
     head = take(first, 5)
-    resumed = _adaptive(world_size=2, rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
+    resumed = _adaptive(dp_size=2, dp_rank=1).step_stream(micro_batches=2, packs_per_micro_batch=1)
     resumed.load_state_dict(first.state_dict())
     assert head + take(resumed, 7) == uninterrupted

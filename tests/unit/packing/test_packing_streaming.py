@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import io
 
 import numpy as np
@@ -11,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pack_checks import check_packs, unique_samples
 
+from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.streaming import StreamingPacker, StreamingPackerConfig
 from thdpack.testing import assert_resumable
 
@@ -168,13 +171,20 @@ def test_errors():
         StreamingPacker([], 8.0)
 
 
-def test_the_config_takes_the_runs_values_beside_it():
+def test_the_config_takes_the_runs_typed_runtime_beside_it():
     samples = [{"input_ids": [1] * n} for n in (3, 4, 5, 6)]
     config = StreamingPackerConfig(pack_size=8, buffer_size=2)
-    built = [p["input_ids"].tolist() for p in config.build(samples, cp_size=2, pad_id=9)]
+    built = [p["input_ids"].tolist() for p in config.build(samples, PackingRuntime(cp_size=2, pad_id=9))]
     assert built == [p["input_ids"].tolist() for p in StreamingPacker(samples, 8, buffer_size=2, cp_size=2, pad_id=9)]
-    with pytest.raises(TypeError, match="overflow is a setting of StreamingPackerConfig"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'overflow'"):
         config.build(samples, overflow="split")
+
+
+def test_the_keywords_are_every_setting_and_the_runtime_values_it_reads():
+    names = {f.name for f in dataclasses.fields(StreamingPackerConfig)}
+    assert set(inspect.signature(StreamingPacker).parameters) == {"source", "cp_size", "pad_id"} | names
+    with pytest.raises(TypeError, match=r"StreamingPacker\(\) got an unexpected keyword argument 'dp_size'"):
+        StreamingPacker([], 8, dp_size=2)  # the source is sharded per DP rank, not the packer
 
 
 def test_resume_errors():

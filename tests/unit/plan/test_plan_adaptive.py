@@ -8,18 +8,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from thdpack.layout.placement import CpPlacement
+from thdpack.layout.rules import group_options, round_up_to_cp
 from thdpack.plan import PackPlan, plan_packs
 from thdpack.plan.adaptive import plan_adaptive
-from thdpack.plan.cp_cost import split_cost, te_slot
+from thdpack.plan.cp_cost import rank_costs, split_cost
 from thdpack.plan.place import place_rows
-from thdpack.plan.placement import CpPlacement, group_options
 
 
 def _te_busiest(placement: CpPlacement, cost_model: str) -> np.ndarray:
     """(P,) the busiest rank of TE's layout of each pack's sequences."""
     te = CpPlacement.all_split(placement.offsets, placement.lengths, cp_size=placement.cp_size,
                                pack_size=placement.pack_size)  # fmt: skip
-    return te.rank_costs(cost_model).max(axis=1)
+    return rank_costs(te, cost_model).max(axis=1)
 
 
 def _check(plan: PackPlan, lengths: np.ndarray, cost_model: str, window: int = 1024) -> None:
@@ -28,7 +29,7 @@ def _check(plan: PackPlan, lengths: np.ndarray, cost_model: str, window: int = 1
     assert sorted(plan.indices.tolist()) == list(range(len(lengths)))  # every sequence placed exactly once
     assert np.array_equal(placement.lengths, lengths[plan.indices])
     placement.validate(sequence_ids=plan.indices)  # groups allowed and aligned, no rank over budget
-    busiest = placement.rank_costs(cost_model).max(axis=1)
+    busiest = rank_costs(placement, cost_model).max(axis=1)
     assert (busiest <= _te_busiest(placement, cost_model)).all()  # never worse than TE, per pack
     te = plan_packs(lengths, plan.pack_size, cp_size=plan.cp_size, algorithm=plan.algorithm, seed=plan.seed,
                     window=window)  # fmt: skip
@@ -69,7 +70,7 @@ def test_overflow_split_entries_are_placed(lengths, cp):
     entries = plan.entry_lengths_flat()
     assert int(entries.sum()) == int(lengths.sum())
     plan.placement.validate()
-    assert (plan.placement.rank_costs().max(axis=1) <= _te_busiest(plan.placement, "tiles")).all()
+    assert (rank_costs(plan.placement).max(axis=1) <= _te_busiest(plan.placement, "tiles")).all()
 
 
 def test_short_sequences_go_whole_and_need_no_cp_padding():
@@ -79,7 +80,7 @@ def test_short_sequences_go_whole_and_need_no_cp_padding():
     te = plan_packs(lengths, 4096, cp_size=4)
     assert (plan.placement.group_size == 1).all() and plan.stats.cp_padding_tokens == 0
     assert len(plan) < len(te)  # TE's CP padding cost packs
-    assert plan.placement.rank_costs().max(axis=1).sum() < 0.3 * _te_busiest(plan.placement, "tiles").sum()
+    assert rank_costs(plan.placement).max(axis=1).sum() < 0.3 * _te_busiest(plan.placement, "tiles").sum()
 
 
 def test_long_sequences_keep_te_layout_when_nothing_better_exists():
@@ -154,7 +155,7 @@ def test_place_rows_fits_and_is_never_worse_than_all_split(rows, cp, cost_model)
     lengths = np.zeros((len(rows), width), dtype=np.int64)
     for k, row in enumerate(rows):
         lengths[k, : len(row)] = sorted(row, reverse=True)
-    reserve = np.where(lengths > 0, te_slot(lengths, cp), 0)
+    reserve = np.where(lengths > 0, round_up_to_cp(lengths, cp), 0)
     budget = int(reserve.sum(axis=1).max()) // cp + 2
     budget += budget % 2
     option, tokens, cost, te_cost = place_rows(lengths, reserve, lengths > 0, cp_size=cp, budget=budget,
@@ -165,5 +166,5 @@ def test_place_rows_fits_and_is_never_worse_than_all_split(rows, cp, cost_model)
     assert ((option >= 0) == (lengths > 0)).all()
     for k in range(len(rows)):  # the reported TE cost is TE's layout of the row
         n = lengths[k][lengths[k] > 0]
-        assert te_cost[k].tolist() == split_cost(n, te_slot(n, cp), cp, cost_model).sum(axis=0).tolist()
+        assert te_cost[k].tolist() == split_cost(n, round_up_to_cp(n, cp), cp, cost_model).sum(axis=0).tolist()
         assert size_O[option[k][lengths[k] > 0]].min() >= 1

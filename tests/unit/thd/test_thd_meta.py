@@ -11,7 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from thdpack.cp import local_placement
-from thdpack.thd.meta import ThdMeta, thd_meta
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import global_placement
 
 CPU = torch.device("cpu")
@@ -318,7 +319,7 @@ def test_token_count_check_names_the_tensor_and_the_layout():
 
 
 def test_the_cp_multiple_is_the_plan_rule():
-    from thdpack.format_rules import cp_multiple
+    from thdpack.layout.rules import cp_multiple
 
     for cp_size in (2, 3, 4):
         ThdMeta.from_lengths([1], [cp_multiple(cp_size)], cp_size=cp_size)

@@ -104,7 +104,7 @@ def test_a_bad_depth_is_refused(depth, error, message):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
 def test_pinned_batches_keep_their_record_and_copy_without_blocking():
     from thdpack.thd import thd_to_device
-    from thdpack.thd.meta import thd_meta
+    from thdpack.thd.carriage import thd_meta
 
     with StepPrefetcher(_stream(), _collate, depth=0) as steps:
         host = steps.next().micro_batches[0]

@@ -8,10 +8,10 @@ import pytest
 import torch
 from _model_oracle import compare, oracle_step
 
+from thdpack.cp.topology import CpTopology
 from thdpack.models import ModelConfig, Transformer
 from thdpack.verify.exactness import (
     BASE_LENGTHS,
-    RankGroups,
     StepSpread,
     baseline_errors,
     differences,
@@ -24,7 +24,7 @@ from thdpack.verify.exactness import (
 )
 
 CONFIG = ModelConfig.preset("tiny")
-ALONE = RankGroups(0, 0, None, None)
+ALONE = CpTopology.single()
 
 
 def _setup(spread: StepSpread):
@@ -150,6 +150,6 @@ def test_the_step_counts_its_loss_tokens_in_the_denominators_collective(monkeypa
     monkeypatch.setattr(loss_module, "_all_reduce_sum", lambda t, g: reductions.append(t.shape) or real(t, g))
     labels = [torch.tensor([1, 2, -100]), torch.tensor([0, -100, -100, 4])]
     weights = [torch.tensor([0.5, 0.5, 0.0]), torch.tensor([1.0, 0.0, 0.0, 1.0])]
-    step = loss_module.StepLoss.begin(labels, grad_average_size=1, micro_batch_weights=weights)
+    step = loss_module.StepLoss.begin(labels, topology=ALONE, micro_batch_weights=weights)
     assert reductions == [torch.Size([2])]
     assert (float(step.denominator), int(step.loss_tokens)) == (3.0, 4)

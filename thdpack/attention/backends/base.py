@@ -25,7 +25,7 @@ any layout, so every backend (``te`` too) runs its kernel inside it.
 
 :class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
 validated :class:`~thdpack.thd.meta.ThdMeta`, the :class:`AttentionConfig`, the
-resolved softmax scale and the CP group.
+resolved softmax scale, the CP group and, when the caller passed it, the run's ``CpTopology``.
 
 Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.
 """
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from thdpack.attention.config import AttentionConfig, Backend, CpCommType
 from thdpack.attention.flash_kernel import HALF_DTYPES, unavailable_reason
 from thdpack.cp.partition import local_placement
+from thdpack.cp.topology import CpTopology
 from thdpack.thd.meta import ThdMeta
 
 CpAlgorithm = Literal["own", "ring_math", "ring_flash", "all_gather", "a2a"]
@@ -129,6 +130,9 @@ class AttentionCall:
     cp_group: dist.ProcessGroup | None
     """The context-parallel group, or None when the call is not sharded (CP size 1)."""
     return_lse: bool
+    topology: CpTopology | None = None
+    """The run's topology when the caller passed one: the placement groups a placed shard's split
+    sequences run over (:mod:`thdpack.attention.placed`)."""
 
     @property
     def causal(self) -> bool:

@@ -1,0 +1,58 @@
+"""The context-parallel layout, torch-free (numpy only): which token goes to which CP rank.
+
+- ``rules``: the slot rule (a sequence split over ``g`` ranks takes a multiple of ``2g``, a whole
+  one its length; Transformer Engine's ``2*cp_size`` is the rule with ``g = cp_size``), the CP
+  size and group checks, the allowed groups, and ``IGNORE_INDEX``;
+- ``entries``: ``CpLayout``, a batch's entries with their slots and groups, and its checks;
+- ``placement``: ``CpPlacement`` / ``PackPlacement``, the plan's record of every sequence's group;
+- ``ranks``: ``rank_indices``, the one map from a rank's local tokens to the global batch (TE's
+  ``thd_get_partitioned_indices`` when every sequence is split over all ranks), and ``rank_parts``.
+
+``thdpack.plan`` searches placements and ``thdpack.packing`` lays packs out by them;
+``thdpack.thd`` and ``thdpack.cp`` read a batch's layout through this package.
+"""
+
+from __future__ import annotations
+
+from thdpack.layout.entries import CpLayout, rank_sums
+from thdpack.layout.placement import CpPlacement, PackPlacement, check_budgets
+from thdpack.layout.ranks import RankPart, rank_indices, rank_parts
+from thdpack.layout.rules import (
+    IGNORE_INDEX,
+    check_cp,
+    check_cp_multiple,
+    check_cp_size,
+    check_groups,
+    check_pack_size,
+    cp_multiple,
+    group_options,
+    group_sizes,
+    round_up_to_cp,
+    sequence_name,
+    slot_lengths,
+    slot_multiple,
+)
+
+__all__ = [
+    "IGNORE_INDEX",
+    "CpLayout",
+    "CpPlacement",
+    "PackPlacement",
+    "RankPart",
+    "check_budgets",
+    "check_cp",
+    "check_cp_multiple",
+    "check_cp_size",
+    "check_groups",
+    "check_pack_size",
+    "cp_multiple",
+    "group_options",
+    "group_sizes",
+    "rank_indices",
+    "rank_parts",
+    "rank_sums",
+    "round_up_to_cp",
+    "sequence_name",
+    "slot_lengths",
+    "slot_multiple",
+]

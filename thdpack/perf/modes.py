@@ -1,0 +1,161 @@
+"""thdpack's ways to run a lengths file on a mesh, as mesh runs the step model times.
+
+A mode is how sequences reach the ranks of a ``world = dp x cp`` mesh:
+
+- ``te``: packs of ``cp x rank_tokens`` tokens, every sequence split over the pack's ``cp`` ranks
+  (Transformer Engine's layout, the ring);
+- ``adaptive``: the same packs planned with ``cp_placement="adaptive"`` (short sequences whole on
+  one rank, longer ones over a group; ``thdpack.plan.adaptive``);
+- ``a2a``: packs of raw lengths, Ulysses all-to-all over the ``cp`` ranks;
+- ``mesh``: ``cp = world``, one adaptive placement over every rank of the mesh (Megatron's dynamic
+  CP, ByteScale's hybrid DP): packs of ``world x rank_tokens`` tokens.
+
+``MODES`` is the closed set; ``auto`` (per pack the fastest of te / adaptive / a2a by modelled
+time) joins it with the ``time`` cost model: it plugs in as one more ``_plan`` branch.
+
+Steps are cut as thdpack's trainer cuts them (``thdpack.packing.steps``): the epoch's packs in a
+seeded shuffled order, ``dp x micro_batches`` per step, dealt to the data-parallel ranks by
+``thdpack.packing.dealing.deal`` (largest attention cost first to the least-loaded rank). With
+``batch_size``, each global batch of that many sequences is planned on its own instead (how
+Megatron-LM schedules), its packs dealt over as many rounds as they need.
+
+Legend: ``P`` packs, ``E`` entries.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from thdpack.layout.placement import CpPlacement
+from thdpack.perf.mesh import Comm, MeshRun, placed_run
+from thdpack.plan import plan_packs
+
+Mode = Literal["te", "adaptive", "a2a", "mesh"]
+MODES: tuple[Mode, ...] = ("te", "adaptive", "a2a", "mesh")
+
+
+class Packs(NamedTuple):
+    """Packs and every entry's group (a ``CpPlacement``'s arrays) on ``cp_size`` ranks."""
+
+    offsets: np.ndarray
+    lengths: np.ndarray
+    group_size: np.ndarray
+    group_start: np.ndarray
+    cp_size: int
+    pack_size: int
+
+
+def mesh_shape(mode: Mode, world: int, cp: int) -> tuple[int, int]:
+    """``(dp, cp)`` of ``mode`` on ``world`` ranks (``mesh``: one CP group of every rank)."""
+    check_mode(mode)
+    if mode == "mesh":
+        return 1, world
+    if world % cp:
+        raise ValueError(f"world={world} is not a multiple of cp={cp}; dp x cp must be the mesh")
+    return world // cp, cp
+
+
+def check_mode(mode: str) -> None:
+    """``ValueError`` listing the valid modes unless ``mode`` is one."""
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+
+
+def plan_mode(lengths: np.ndarray, mode: Mode, *, cp: int, pack_size: int) -> Packs:
+    """The packs of ``mode`` for ``lengths`` (sequences longer than ``pack_size`` split)."""
+    check_mode(mode)
+    if mode == "a2a" or cp == 1:
+        plan = plan_packs(lengths, pack_size, overflow="split")
+        entries = plan.entry_lengths_flat()
+        size = np.full(len(entries), cp, dtype=np.int64)
+        return Packs(plan.offsets, entries, size, np.zeros(len(entries), dtype=np.int64), cp, pack_size)
+    placement_mode = "te" if mode == "te" else "adaptive"
+    plan = plan_packs(lengths, pack_size, cp_size=cp, cp_placement=placement_mode, overflow="split")
+    placement = plan.placement
+    if placement is None:
+        entries = plan.entry_lengths_flat()
+        placement = CpPlacement.all_split(plan.offsets, entries, cp_size=cp, pack_size=pack_size)
+    return Packs(placement.offsets, placement.lengths, placement.group_size, placement.group_start, cp, pack_size)
+
+
+def mode_run(
+    lengths: np.ndarray,
+    mode: Mode,
+    *,
+    world: int,
+    cp: int,
+    rank_tokens: int,
+    micro_batches: int = 1,
+    batch_size: int | None = None,
+    split_comm: Comm = "ring",
+    seed: int = 0,
+) -> MeshRun:
+    """The mesh run of ``mode`` on ``world`` ranks (``cp`` per group; ``mesh`` uses all), packs of
+    ``cp x rank_tokens`` tokens; steps as the module docstring says. ``split_comm``: how split
+    sequences exchange K/V (``"ring"`` or ``"allgather"``)."""
+    dp, cp = mesh_shape(mode, world, cp)
+    pack_size = cp * rank_tokens
+    comm: Comm = "a2a" if mode == "a2a" else split_comm
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if batch_size is None:
+        packs = plan_mode(lengths, mode, cp=cp, pack_size=pack_size)
+        order = np.random.default_rng(seed).permutation(len(packs.offsets) - 1)
+        per_step = dp * micro_batches
+        steps = len(order) // per_step
+        if steps == 0:
+            raise ValueError(
+                f"{len(order)} packs do not fill one step of dp x micro_batches = {per_step}; use fewer ranks, "
+                "fewer micro-batches or more sequences"
+            )
+        chosen = [order[s * per_step : (s + 1) * per_step] for s in range(steps)]
+        parts = [(packs, chosen)]
+    else:
+        steps = len(lengths) // batch_size
+        if steps == 0:
+            raise ValueError(f"{len(lengths)} sequences do not fill one global batch of {batch_size}")
+        parts = []
+        for s in range(steps):
+            packs = plan_mode(lengths[s * batch_size : (s + 1) * batch_size], mode, cp=cp, pack_size=pack_size)
+            parts.append((packs, [np.arange(len(packs.offsets) - 1)]))
+    return _dealt_run(parts, dp=dp, cp=cp, pack_size=pack_size, comm=comm)
+
+
+def _dealt_run(parts: list[tuple[Packs, list[np.ndarray]]], *, dp: int, cp: int, pack_size: int, comm: Comm) -> MeshRun:
+    """One run of every step's packs (``parts``: packs and, per step, the packs it takes), each
+    step's packs dealt to the ``dp`` ranks as the trainer deals them."""
+    # the dealer lives with the packing code (it imports torch through its package): load it here
+    from thdpack.packing.dealing import deal, pack_costs
+
+    offsets, lengths, size, start, steps, rounds, ranks = [np.zeros(1, np.int64)], [], [], [], [], [], []
+    step = 0
+    for packs, step_packs in parts:
+        for chosen in step_packs:
+            pieces = [packs.lengths[packs.offsets[p] : packs.offsets[p + 1]] for p in chosen.tolist()]
+            costs = np.concatenate((pack_costs(pieces, "attention"), np.zeros(-len(pieces) % dp)))
+            for d, hand in enumerate(deal(costs, dp)):
+                for m, i in enumerate(j for j in hand if j < len(pieces)):
+                    p = int(chosen[i])
+                    a, b = packs.offsets[p], packs.offsets[p + 1]
+                    lengths.append(packs.lengths[a:b])
+                    size.append(packs.group_size[a:b])
+                    start.append(packs.group_start[a:b])
+                    offsets.append(offsets[-1][-1:] + (b - a))
+                    steps.append(step)
+                    rounds.append(m)
+                    ranks.append(d)
+            step += 1
+    return placed_run(
+        offsets=np.concatenate(offsets),
+        lengths=np.concatenate(lengths),
+        group_size=np.concatenate(size),
+        group_start=np.concatenate(start),
+        pack_step=np.array(steps),
+        pack_round=np.array(rounds),
+        pack_dp=np.array(ranks),
+        cp_size=cp,
+        dp_size=dp,
+        pack_size=pack_size,
+        split_comm=comm,
+    )

@@ -1,0 +1,260 @@
+"""The whole-step model: every rank's time in every round of every step, and the step time.
+
+Per rank, per round, forward + backward over every layer (``StepModel.run``):
+
+- **linear**: the tokens the rank holds (``MeshRun.tokens``) through every linear layer and the logits;
+- **attention**: the sum of its sequences' kernel work (``thdpack.perf.costs``) and one fixed cost
+  per kernel call (per layer: one per ring step, one per whole / all-gather / all-to-all call);
+- **communication**, exposed part only:
+  - ring (TE's overlap): each step but the last overlaps its tile with sending the next K/V block,
+    taking the longer of the two; the backward also sends the dK/dV block each step (the last hop
+    is exposed);
+  - all-gather: the K/V all-gather before the forward, the dK/dV reduce-scatter after the
+    backward, both exposed;
+  - a2a: two all-to-alls per layer forward (Q, K, V in; the output back) and two backward, exposed;
+  - a group inside one NVLink domain runs at NVLink speed, one spanning domains at the network's.
+
+The ranks of a group wait for each other every layer, so a round ends for a group when its slowest
+rank ends; a rank in several groups of a round (nested aligned groups) waits for the largest.
+Across rounds the groups change (Megatron's dynamic CP) and the waits chain: a group starts when its
+last rank is ready. After the last round every rank waits for the slowest (**barrier**), then the
+gradients are all-reduced over the mesh (**dp**; overlapped with the last round's backward when the
+``TrainingSpec`` says so) and the optimizer updates (memory-bound: ``optimizer_bytes_per_param``
+over HBM bandwidth).
+
+The breakdown is the mean rank's: linear + attention + comm + wait + dp + optimizer = the step;
+``wait`` is the slowest rank's time minus the rank's own (the barrier and the waits in groups).
+
+Legend: ``S`` steps, ``M`` rounds, ``R`` ranks, ``G`` groups, ``E`` entries, ``Q`` (group, rank) pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from thdpack.perf.comm import Comm, Topology
+from thdpack.perf.costs import SequenceCosts, split_slot
+from thdpack.perf.machine import MachineProfile
+from thdpack.perf.mesh import COMMS, MeshRun
+from thdpack.perf.shape import ModelShape
+
+PARTS: tuple[str, ...] = ("linear", "attention", "comm", "wait", "dp", "optimizer")
+"""The breakdown of a step, in seconds, summing to it."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    """How the run trains, beside the model and the machine."""
+
+    grad_itemsize: int = 4
+    """Bytes per gradient element the data-parallel all-reduce sends (fp32: thdpack's trainer reduces
+    in fp32; Megatron-LM's default is bf16, 2)."""
+    optimizer_bytes_per_param: float = 40.0
+    """HBM bytes the optimizer step moves per parameter: Adam with fp32 master weights reads and
+    writes the fp32 parameter, gradient and both moments (28), copies the bf16 gradient to fp32 (6),
+    reads it once more for the gradient norm (4) and writes the bf16 parameter (2)."""
+    optimizer_shards: int = 1
+    """Ranks one parameter's update is spread over (a distributed optimizer: the DP size)."""
+    overlap_dp: bool = True
+    """The gradient all-reduce overlaps the last round's backward (DDP's buckets, FSDP2; Megatron-LM
+    only with ``--overlap-grad-reduce``)."""
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Seconds of every step and its breakdown (``PARTS``, the mean rank's)."""
+
+    step: np.ndarray
+    """(S,) seconds of each step."""
+    parts: dict[str, np.ndarray]
+    """``PARTS`` -> (S,) seconds; they add up to ``step``."""
+    busy: np.ndarray = field(repr=False)
+    """(S, R) seconds each rank works in each step (linear + attention + exposed comm)."""
+    slowest: np.ndarray = field(repr=False)
+    """(S,) seconds until the last rank finishes its last round (before dp and the optimizer)."""
+
+    def summary(self) -> dict[str, float]:
+        """Mean milliseconds per step: ``step`` and every part."""
+        out = {"step_ms": 1e3 * float(self.step.mean()) if len(self.step) else 0.0}
+        out.update({f"{k}_ms": 1e3 * float(v.mean()) if len(v) else 0.0 for k, v in self.parts.items()})
+        return out
+
+
+class StepModel:
+    """The step-time model of one model on one machine (see the module docstring)."""
+
+    def __init__(
+        self, profile: MachineProfile, shape: ModelShape, topology: Topology, spec: TrainingSpec | None = None
+    ) -> None:
+        self.profile, self.shape, self.topology = profile, shape, topology
+        self.spec = spec or TrainingSpec()
+        self.costs = SequenceCosts(profile, shape)
+        self.comm = Comm(profile, topology)
+
+    # -- per group ------------------------------------------------------------------------
+
+    def group_times(self, run: MeshRun) -> dict[str, np.ndarray]:
+        """Per (group, rank) pair ``Q`` (groups in order, ranks ``first ..``): ``attention``
+        (compute + call costs), ``exposed`` (communication not hidden), ``backward`` (seconds of the
+        backward half, for the dp overlap); all layers, forward + backward."""
+        layers = self.shape.layers
+        k = self.costs.kernels
+        n_groups = len(run.group_size)
+        size_G = run.group_size
+        pair_start = np.concatenate(([0], np.cumsum(size_G)))
+        n_pairs = int(pair_start[-1])
+        att_f, att_b = np.zeros(n_pairs), np.zeros(n_pairs)
+        exp_f, exp_b = np.zeros(n_pairs), np.zeros(n_pairs)
+        comm_E = run.group_comm[run.entry_group]
+        size_E = size_G[run.entry_group]
+        domains_G = self.topology.domains(run.group_first, run.group_first + size_G - 1)
+        calls_G = np.where(run.group_comm == COMMS.index("ring"), size_G, 1).astype(np.float64)
+        has_work = np.bincount(run.entry_group, minlength=n_groups) > 0
+
+        def per_group(values_E: np.ndarray, mask: np.ndarray) -> np.ndarray:
+            return np.bincount(run.entry_group[mask], weights=values_E, minlength=n_groups)
+
+        def spread(values_G: np.ndarray) -> np.ndarray:
+            return np.repeat(values_G, size_G)
+
+        # whole and a2a: one causal block per sequence (a2a: 1/g of the heads on every rank)
+        for name in ("whole", "a2a"):
+            mask = comm_E == COMMS.index(name)
+            if not mask.any():
+                continue
+            f, b = k.causal(run.entry_length[mask].astype(np.float64))
+            share = 1.0 / size_E[mask]
+            att_f += spread(per_group(f * share, mask))
+            att_b += spread(per_group(b * share, mask))
+        # ring: step 0's causal tile and the later steps' full tiles, K/V sends overlapped
+        ring = run.group_comm == COMMS.index("ring")
+        if ring.any():
+            t0f, t0b, t1f, t1b, sent = (np.zeros(n_groups) for _ in range(5))
+            for g in np.unique(size_G[ring]).tolist():
+                mask = (comm_E == COMMS.index("ring")) & (size_E == g)
+                lengths = run.entry_length[mask]
+                parts = (*self.costs.ring_tiles(lengths, g), self.costs.ring_bytes(lengths, g))
+                for total, part in zip((t0f, t0b, t1f, t1b, sent), parts, strict=True):
+                    total += per_group(part, mask)
+            g = size_G.astype(np.float64)
+            send = self.comm.send(sent, domains_G)
+            grad_send = self.comm.send(sent * self.spec.grad_itemsize / self.shape.itemsize, domains_G)
+            compute_f = t0f + (g - 1) * t1f
+            compute_b = t0b + (g - 1) * t1b
+            ring_f = np.maximum(t0f, send) + (g - 2) * np.maximum(t1f, send) + t1f
+            ring_b = np.maximum(t0b, send + grad_send) + (g - 2) * np.maximum(t1b, send + grad_send) + t1b + grad_send
+            ring_f, ring_b = np.where(ring & has_work, ring_f, 0.0), np.where(ring & has_work, ring_b, 0.0)
+            att_f += spread(np.where(ring, compute_f, 0.0))
+            att_b += spread(np.where(ring, compute_b, 0.0))
+            exp_f += spread(np.where(ring, ring_f - compute_f, 0.0))
+            exp_b += spread(np.where(ring, ring_b - compute_b, 0.0))
+        # all-gather: per group rank j, its two chunks against every earlier key; K/V gathered
+        gather = run.group_comm == COMMS.index("allgather")
+        if gather.any():
+            sent = np.zeros(n_groups)
+            for g in np.unique(size_G[gather]).tolist():
+                mask = (comm_E == COMMS.index("allgather")) & (size_E == g)
+                lengths = run.entry_length[mask]
+                f, b = self.costs.allgather_blocks(lengths, g)
+                pair = pair_start[run.entry_group[mask]][:, None] + np.arange(g)
+                np.add.at(att_f, pair, f)
+                np.add.at(att_b, pair, b)
+                sent += per_group(split_slot(lengths, g) / g * self.shape.kv_bytes_per_token, mask)
+            kv = self.comm.collective("all_gather", sent, size_G, domains_G)
+            dkv = self.comm.collective("reduce_scatter", sent * self.spec.grad_itemsize / self.shape.itemsize,
+                                       size_G, domains_G)  # fmt: skip
+            exp_f += spread(np.where(gather & has_work, kv, 0.0))
+            exp_b += spread(np.where(gather & has_work, dkv, 0.0))
+        # a2a: Q, K, V in and the output back, forward; dO in and dQ, dK, dV back, backward
+        a2a = run.group_comm == COMMS.index("a2a")
+        if a2a.any():
+            held_G = run.tokens.reshape(-1)[run.cells()]
+            copies = np.array([self.shape.kv_copies(int(g)) for g in size_G])
+            qkv = held_G * self.shape.qkv_bytes_per_token(copies)
+            out = held_G * self.shape.out_bytes_per_token()
+            both = (self.comm.collective("all_to_all", qkv, size_G, domains_G)
+                    + self.comm.collective("all_to_all", out, size_G, domains_G))  # fmt: skip
+            exp_f += spread(np.where(a2a & has_work, both, 0.0))
+            exp_b += spread(np.where(a2a & has_work, both, 0.0))
+        call_f, call_b = k.calls(spread(np.where(has_work, calls_G, 0.0)))
+        return {
+            "attention": layers * (att_f + att_b + call_f + call_b),
+            "exposed": layers * (exp_f + exp_b),
+            "backward": layers * (att_b + exp_b + call_b),
+            "pair_start": pair_start,
+        }
+
+    # -- the step -------------------------------------------------------------------------
+
+    def run(self, run: MeshRun) -> StepTimes:
+        """Step times and breakdown of ``run`` (see the module docstring)."""
+        S, M, R = run.steps, run.rounds, run.world
+        n_cells = S * M * R
+        times = self.group_times(run)
+        pair_start = times["pair_start"]
+        size_G = run.group_size
+        pair_group = np.repeat(np.arange(len(size_G)), size_G)
+        pair_cell = np.repeat(run.cells(), size_G) + (np.arange(int(pair_start[-1])) - pair_start[pair_group])
+        linear = self.costs.kernels.linear(run.tokens.reshape(-1))
+        attention = np.bincount(pair_cell, weights=times["attention"], minlength=n_cells)
+        exposed = np.bincount(pair_cell, weights=times["exposed"], minlength=n_cells)
+        backward = np.bincount(pair_cell, weights=times["backward"], minlength=n_cells) + linear * 2 / 3
+        own = (linear + attention + exposed).reshape(S, M, R)
+        sync = self._sync_sets(run, pair_group, pair_cell, n_cells).reshape(S, M, R)
+        ready = np.zeros((S, R))
+        for m in range(M):
+            ids = sync[:, m, :].reshape(-1)
+            start = _group_max(ids, ready.reshape(-1))
+            length = _group_max(ids, own[:, m, :].reshape(-1))
+            ready = (start + length).reshape(S, R)
+        slowest = ready.max(axis=1) if R else np.zeros(S)
+        busy = own.sum(axis=1)
+        dp = self._dp_seconds(run, backward.reshape(S, M, R))
+        optimizer = np.full(S, self._optimizer_seconds())
+        parts = {
+            "linear": linear.reshape(S, M, R).sum(axis=1).mean(axis=1),
+            "attention": attention.reshape(S, M, R).sum(axis=1).mean(axis=1),
+            "comm": exposed.reshape(S, M, R).sum(axis=1).mean(axis=1),
+            "wait": (slowest[:, None] - busy).mean(axis=1),
+            "dp": dp,
+            "optimizer": optimizer,
+        }
+        return StepTimes(step=slowest + dp + optimizer, parts=parts, busy=busy, slowest=slowest)
+
+    def _sync_sets(self, run: MeshRun, pair_group: np.ndarray, pair_cell: np.ndarray, n_cells: int) -> np.ndarray:
+        """(S*M*R,) int64 id of the rank set each cell waits with in its round: its largest
+        communicating group, or the cell alone (ids ``>= G``)."""
+        order = np.argsort(run.group_size, kind="stable")
+        rank_by_size = np.empty_like(order)
+        rank_by_size[order] = np.arange(len(order))
+        talking = run.group_comm[pair_group] != COMMS.index("whole")
+        key = np.full(n_cells, -1, dtype=np.int64)
+        np.maximum.at(key, pair_cell[talking], rank_by_size[pair_group[talking]])
+        return np.where(key >= 0, order[np.maximum(key, 0)], len(order) + np.arange(n_cells))
+
+    def dp_reduce_seconds(self, world: int) -> float:
+        """Seconds of the gradient all-reduce over ``world`` ranks (no overlap)."""
+        nbytes = self.shape.parameters() * self.spec.grad_itemsize
+        domains = self.topology.domains(np.array([0]), np.array([world - 1]))
+        return float(self.comm.collective("all_reduce", nbytes, world, domains)[0])
+
+    def _dp_seconds(self, run: MeshRun, backward_SMR: np.ndarray) -> np.ndarray:
+        reduce = np.full(run.steps, self.dp_reduce_seconds(run.world))
+        if not self.spec.overlap_dp or run.rounds == 0:
+            return reduce
+        return np.maximum(reduce - backward_SMR[:, -1, :].mean(axis=1), 0.0)
+
+    def _optimizer_seconds(self) -> float:
+        spec = self.spec
+        nbytes = self.shape.parameters() * spec.optimizer_bytes_per_param / spec.optimizer_shards
+        return nbytes / self.profile.memory_bandwidth
+
+
+def _group_max(ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """``values`` replaced by the largest value among the entries sharing their id."""
+    unique, inverse = np.unique(ids, return_inverse=True)
+    best = np.full(len(unique), -np.inf)
+    np.maximum.at(best, inverse, values)
+    return best[inverse]
