@@ -89,6 +89,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 
 from throughput_inputs import CPU_MODEL, DATASETS, SEED, TINY_MODEL, load_lengths, split_documents  # noqa: E402
 
+from thdpack.cp.topology import CpTopology  # noqa: E402
 from thdpack.layout.rules import IGNORE_INDEX  # noqa: E402
 from thdpack.loss import StepLoss  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
@@ -364,7 +365,7 @@ def train_step(
     """One optimizer step over the micro-batches: copy, forward (autocast), fp32 loss, backward,
     AdamW. Returns the step's loss as a device tensor (reading it would sync the device)."""
     batches = [thd_to_device(b, device) for b in host_batches]
-    step_loss = StepLoss.begin([b["labels"] for b in batches], grad_average_size=1)
+    step_loss = StepLoss.begin([b["labels"] for b in batches], topology=CpTopology.single())
     for batch in batches:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             logits_TV = model(batch)
