@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from thdpack._optional import has_module
+from thdpack._safe_load import load_array
 from thdpack.data.store_verify import verify_store
 from thdpack.plan.api import plan_packs
 from thdpack.plan.config import ALGORITHMS
@@ -49,7 +50,7 @@ def load_lengths(path: str | Path) -> np.ndarray:
             raise ValueError(f"{path} is a folder but not a thdpack token store (no manifest.json)")
         lengths = TokenStore(path).lengths
     elif path.suffix == ".npy":
-        lengths = np.load(path, allow_pickle=False)
+        lengths = load_array(path)
     elif path.suffix in (".txt", ".csv", ""):
         try:
             with warnings.catch_warnings():
