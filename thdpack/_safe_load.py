@@ -27,7 +27,7 @@ import numpy as np
 class UnsafeFileError(ValueError):
     """A file thdpack refused to load because it asks to run code or build objects it does not allow."""
 
-    def __init__(self, path: Path, asked: str) -> None:
+    def __init__(self, path: Path | str, asked: str) -> None:
         self.path = path
         super().__init__(
             f"{path} is refused: it asks for {asked}, and thdpack loads only tensors and plain values, never "
