@@ -145,3 +145,12 @@ def test_bad_inputs_raise_with_the_values():
         global_loss_denominator([])
     with pytest.raises(ValueError, match=r"a process group was given but torch\.distributed is not initialised"):
         count_loss_tokens([labels], group=object())
+
+
+def test_loss_weights_put_no_weight_on_padding_rows_whatever_their_labels():
+    """Issue 26: live labels past a sequence's real length (a pack edited to seq_lens [3]) got weight."""
+    labels_T = torch.tensor([5, 6, 7, 8, 9, 10, -100, -100])
+    meta = ThdMeta.from_lengths([3], [8])
+    assert loss_weights(labels_T, meta).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    third = 1 / 3
+    assert loss_weights(labels_T, meta, reduction="sequence_mean").tolist() == [third] * 3 + [0.0] * 5
