@@ -27,6 +27,7 @@ One run writes a folder at a time: a run holds the folder's lock from its first 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ import numpy as np
 
 from thdpack._optional import has_module
 from thdpack._publish import disk_full_note
-from thdpack.data._lock import FolderLock
+from thdpack.data._lock import FolderLock, lock_file_of
 from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES, SAMPLE_FORMATS, TokenizeConfig
 from thdpack.data.prepared_plan import PLAN_FILE, write_prepared_plan
@@ -160,10 +161,17 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 def _write_failure(out: Path, err: OSError) -> str:
     """``err`` with the folder named when the error names no file (a write to a full disk says only
-    "[Errno 28] No space left on device")."""
+    "[Errno 28] No space left on device"), and what to do when ``out`` cannot be written at all (a
+    read-only mount said only "[Errno 30] Read-only file system: '.../.store.lock'")."""
     full = disk_full_note(out, err, by_free_space=False)
     if full is not None:
         return f"{full} ({err}); free space there or choose another --out, then run again"
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            f"--out {out} cannot be written ({err.strerror}: {err.filename or out}): prepare writes the store into "
+            f"that folder and its lock file, {lock_file_of(out).name}, beside it; choose an --out on a file system "
+            "this process can write"
+        )
     return str(err) if err.filename is not None else f"{err} (writing {out})"
 
 
