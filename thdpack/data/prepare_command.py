@@ -43,7 +43,7 @@ from thdpack.data.prepared_plan import PLAN_FILE, write_prepared_plan
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
-from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.data.write_store import SKIPPED_FILE, NoSamplesError, write_token_store
 from thdpack.format_rules import check_pack_size
 from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.cp_cost import COST_MODELS
@@ -190,7 +190,29 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_locked(args: argparse.Namespace, config: PlanConfig, out: Path, lock: FolderLock) -> int:
-    store = write_token_store(
+    try:
+        store = _write_store(args, out, lock)
+    except NoSamplesError as err:
+        raise ValueError(f"{err.summary}; check the inputs and --kind / --text-key") from None
+    lengths = store.lengths
+    print(
+        f"sample lengths ({store.sample_format}): min {lengths.min():,}, median {int(np.median(lengths)):,}, "
+        f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
+    )
+    try:
+        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size)
+    except ValueError as err:
+        raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
+    print(f"\n{plan.stats}\n")
+    _write_plots(store, plan, args.no_plots, out)
+    files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]
+    files += [SKIPPED_FILE] if (out / SKIPPED_FILE).exists() else []
+    print(f"wrote {out}/: {', '.join(files)}, {PLAN_FILE}, manifest.json")
+    return 0
+
+
+def _write_store(args: argparse.Namespace, out: Path, lock: FolderLock) -> TokenStore:
+    return write_token_store(
         args.inputs,
         out,
         tokenizer=args.tokenizer,
@@ -211,21 +233,6 @@ def _prepare_locked(args: argparse.Namespace, config: PlanConfig, out: Path, loc
         progress=args.progress,
         lock=lock,
     )
-    lengths = store.lengths
-    print(
-        f"sample lengths ({store.sample_format}): min {lengths.min():,}, median {int(np.median(lengths)):,}, "
-        f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
-    )
-    try:
-        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size)
-    except ValueError as err:
-        raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
-    print(f"\n{plan.stats}\n")
-    _write_plots(store, plan, args.no_plots, out)
-    files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]
-    files += [SKIPPED_FILE] if (out / SKIPPED_FILE).exists() else []
-    print(f"wrote {out}/: {', '.join(files)}, {PLAN_FILE}, manifest.json")
-    return 0
 
 
 def _write_plots(store: TokenStore, plan: Any, skip: bool, out: Path) -> None:
