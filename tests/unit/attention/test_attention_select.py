@@ -21,6 +21,8 @@ from thdpack.attention.select import (
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+TE_KERNELS = _optional.TransformerEngineKernels(cudnn=(9, 10, 0), flash_attn_2=True, flash_attn_3=False)
+"""What a fake Transformer Engine finds: cuDNN 9.10 and flash-attn 2 (the usual pip install)."""
 
 
 def _situation(
@@ -54,12 +56,13 @@ def _situation(
 @pytest.fixture
 def installed(monkeypatch):
     """Pretend which optional packages import: installed(te=..., flash=..., varlen=..., flex=...,
-    te_version=...)."""
+    te_version=..., te_kernels=...)."""
 
-    def set_installed(*, te=False, flash=False, varlen=False, flex=True, te_version=(2, 20, 0)):
+    def set_installed(*, te=False, flash=False, varlen=False, flex=True, te_version=(2, 20, 0), te_kernels=TE_KERNELS):
         for name, value in (
             ("has_transformer_engine", te),
             ("transformer_engine_version", te_version if te else None),
+            ("transformer_engine_kernels", te_kernels if te else None),
             ("has_flash_attn", flash),
             ("has_varlen_attn", varlen),
             ("has_flex_attention", flex),
