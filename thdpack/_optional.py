@@ -130,6 +130,19 @@ def has_flash_attn() -> bool:
         return False
 
 
+FLASH_ATTN_SINCE = (2, 6)
+"""The first flash-attn whose ``flash_attn_varlen_func`` returns the LSE unpadded, (Nq, T): up to 2.5.9
+it is padded per sequence, (S, Nq, max_seqlen) (``csrc/flash_attn/flash_api.cpp``, ``mha_varlen_fwd``)."""
+
+
+@functools.cache
+def flash_attn_version() -> tuple[int, ...] | None:
+    """The installed flash-attn's version, e.g. (2, 8, 3); None when it does not import."""
+    if not has_flash_attn():
+        return None
+    return parse_version(importlib.import_module("flash_attn").__version__)
+
+
 @functools.cache
 def has_varlen_attn() -> bool:
     """``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10)."""
