@@ -123,7 +123,11 @@ class ParallelConfig:
     of the run). torch's own default is 30 minutes (gloo): a stopped or hung rank would hold the
     whole allocation that long. Raise it when a legitimate wait inside training is longer (saving
     a very large checkpoint to a slow file system); the long waits before training (building the
-    token cache, verifying a large store) use their own group and are not limited by it."""
+    token cache, verifying a large store) use their own group and are not limited by it. Under
+    torchrun a stopped rank (``kill -STOP``) ends about 30 s later still, after timeout_s + 30 s in
+    all: torchrun stops a failed job's other workers with SIGTERM, which a stopped process never
+    handles, and sends SIGKILL 30 s later (torch.distributed.elastic's fixed grace for a failed
+    worker group; ``--shutdown-timeout`` does not shorten it as of torch 2.13)."""
     watchdog_s: float = 60.0
     """Report a step that has run longer than max(10 x the median step, watchdog_s), naming the
     ranks that have not arrived (``output_dir/heartbeats``); 0 turns the watchdog off."""
