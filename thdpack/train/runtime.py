@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from thdpack.cp.comm import create_placement_groups
+from thdpack.cp.comm import create_placement_groups, release_collectives
 from thdpack.plan.config import CpPlacementMode
 from thdpack.train.config import ParallelConfig
 
@@ -174,3 +174,4 @@ def is_collective_timeout(error: BaseException) -> bool:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    release_collectives()
