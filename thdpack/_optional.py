@@ -16,6 +16,7 @@ import functools
 import importlib
 import importlib.util
 import re
+from dataclasses import dataclass
 from types import ModuleType
 
 # extra name in pyproject.toml for each optional import root
@@ -91,6 +92,33 @@ def transformer_engine_version() -> tuple[int, ...] | None:
     return parse_version(importlib.import_module("transformer_engine").__version__)
 
 
+@dataclass(frozen=True)
+class TransformerEngineKernels:
+    """The attention kernels Transformer Engine found here, as its backend selection reads them."""
+
+    cudnn: tuple[int, ...]
+    """cuDNN's version (TE's ``get_cudnn_version``)."""
+    flash_attn_2: bool
+    """TE found flash-attn 2 it supports (``FlashAttentionUtils.is_installed``)."""
+    flash_attn_3: bool
+    """TE found flash-attn 3 (``FlashAttentionUtils.v3_is_installed``)."""
+
+
+@functools.cache
+def transformer_engine_kernels() -> TransformerEngineKernels | None:
+    """What Transformer Engine's attention can call here; None when TE does not import."""
+    if not has_transformer_engine():
+        return None
+    utils = importlib.import_module("transformer_engine.pytorch.utils")
+    flash = importlib.import_module("transformer_engine.pytorch.attention.dot_product_attention.utils")
+    found = flash.FlashAttentionUtils
+    return TransformerEngineKernels(
+        cudnn=tuple(utils.get_cudnn_version()),
+        flash_attn_2=bool(found.is_installed),
+        flash_attn_3=bool(found.v3_is_installed),
+    )
+
+
 @functools.cache
 def has_flash_attn() -> bool:
     """flash-attn 2.x with ``flash_attn_varlen_func``."""
@@ -100,6 +128,19 @@ def has_flash_attn() -> bool:
         return hasattr(importlib.import_module("flash_attn"), "flash_attn_varlen_func")
     except Exception:
         return False
+
+
+FLASH_ATTN_SINCE = (2, 6)
+"""The first flash-attn whose ``flash_attn_varlen_func`` returns the LSE unpadded, (Nq, T): up to 2.5.9
+it is padded per sequence, (S, Nq, max_seqlen) (``csrc/flash_attn/flash_api.cpp``, ``mha_varlen_fwd``)."""
+
+
+@functools.cache
+def flash_attn_version() -> tuple[int, ...] | None:
+    """The installed flash-attn's version, e.g. (2, 8, 3); None when it does not import."""
+    if not has_flash_attn():
+        return None
+    return parse_version(importlib.import_module("flash_attn").__version__)
 
 
 @functools.cache

@@ -95,7 +95,8 @@ def loss_weights(
         reduction: ``"token_mean"``: 1 for every loss token. ``"sequence_mean"``: ``1 / n_s`` for
             each loss token of sequence ``s`` with ``n_s`` loss tokens.
 
-    Returns (T,) float64 on ``labels_T``'s device; 0 where the label is ``ignore_index``.
+    Returns (T,) float64 on ``labels_T``'s device; 0 where the label is ``ignore_index`` and on
+    padding rows (past a sequence's real length in ``meta``, whatever their label says).
     The sum is the number of loss tokens (token mean) or of sequences with loss tokens.
 
     >>> from thdpack.thd.meta import ThdMeta
@@ -115,10 +116,11 @@ def loss_weights(
             "sequences: pass the GLOBAL batch's labels and record (before cp.shard), then shard the weights"
         )
     meta.check_token_count(len(labels_T), "labels")
-    valid_T = (labels_T != ignore_index).to(torch.float64)
+    placement = global_placement(meta, labels_T.device)
+    valid_T = ((labels_T != ignore_index) & placement.valid_T).to(torch.float64)
     if reduction == "token_mean":
         return valid_T
-    seg_T = global_placement(meta, labels_T.device).seg_T
+    seg_T = placement.seg_T
     loss_tokens_S = torch.zeros(meta.num_sequences, dtype=torch.float64, device=labels_T.device)
     loss_tokens_S.index_add_(0, seg_T, valid_T)
     return valid_T / loss_tokens_S.clamp_min(1.0)[seg_T]

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from thdpack.cp.comm import release_collectives
+
 
 def _worker(
     rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple, backend: str, threads: int
@@ -36,6 +38,7 @@ def _worker(
         result = ("error", f"rank {rank}: {type(err).__name__}: {err}\n{traceback.format_exc()}")
     finally:
         dist.destroy_process_group()
+        release_collectives()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 

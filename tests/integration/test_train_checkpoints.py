@@ -265,3 +265,47 @@ def test_a_refused_fresh_run_leaves_the_earlier_config(stopped_copy, cache):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "holds the checkpoints of an earlier run" in result.stderr
     assert (stopped_copy / "config.yaml").read_text() == "the earlier run's config\n"
+
+
+class RunsCode:
+    """Unpickles by calling ``os.system``: touches ``marker`` (the attack a crafted checkpoint file carries)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _craft(folder: Path, name: str, payload: RunsCode) -> None:
+    """Put ``payload`` into the checkpoint file ``name`` and recompute its checksum, as an attacker would."""
+    import json
+    import pickle
+
+    import torch
+
+    from thdpack.files.publish import file_digest
+
+    file = folder / name
+    if name == "dcp/.metadata":
+        file.write_bytes(pickle.dumps(payload))
+    else:
+        torch.save({**torch.load(file, weights_only=True), "payload": payload}, file)
+    manifest = json.loads((folder / "checksums.json").read_text())
+    manifest["files"][name] = file_digest(file)
+    (folder / "checksums.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("name", ["trainer.pt", "rng/rank_0.pt", "dcp/.metadata"])
+def test_a_crafted_checkpoint_file_is_refused_without_running_it(stopped_copy, cache, tmp_path, name):
+    folder = stopped_copy / "checkpoints" / "step_000003"
+    marker = tmp_path / "payload_ran"
+    _craft(folder, name, RunsCode(marker))
+    assert verify_checkpoint(folder) == []  # the checksums cannot tell
+    refusal = (
+        f"{folder / name} is refused: it asks for the global posix.system, and thdpack loads only tensors and plain "
+        "values, never code, from a file"
+    )
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        train(stopped_copy, cache, "train.resume=true")
+    assert not marker.exists()

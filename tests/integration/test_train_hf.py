@@ -125,6 +125,7 @@ def test_activation_checkpointing_changes_no_loss(tmp_path, cache, model):
         (["model=hf", "model.arch=gpt2"], "model.arch='gpt2' is not one of llama, qwen2, mistral, gemma"),
         (["model=hf", "model.path=/models/x", "model.arch=llama"], "its config.json decides the architecture"),
         (["model.path=/models/x"], "model.path=/models/x applies to Hugging Face models only: add model=hf"),
+        (["model.trust_remote_code=true"], "model.trust_remote_code=true applies to Hugging Face models only"),
         # issue 17: named before a model is built or a step is run
         (["model=hf", "model.dim=30"], "head dim model.dim // model.n_heads = 15 is odd; RoPE rotates pairs"),
         (["train.save_hf=true"], "train.save_hf=true writes a Hugging Face folder, which only model=hf runs have"),
@@ -141,6 +142,38 @@ def test_bad_hf_settings_are_named(tmp_path, cache, overrides, message):
     extra = base if any("path" in o for o in overrides) and "model=hf" in overrides else []
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         run(config(tmp_path, cache, *overrides, *extra, "parallel.cp_size=1", "train.steps=1"))
+
+
+def test_a_model_folder_that_ships_code_is_refused_by_the_real_entry(tmp_path, cache):
+    """Issue 26: ``echo y | python -m thdpack.train model=hf model.path=DIR`` answered transformers'
+    "[y/N]" prompt and ran the folder's code (config.json's auto_map)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_train import REPO, TINY
+
+    folder, marker = tmp_path / "model", tmp_path / "code_ran"
+    llama = transformers.LlamaConfig(
+        vocab_size=50_257, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2
+    )
+    transformers.LlamaForCausalLM(llama).save_pretrained(folder)
+    config_json = json.loads((folder / "config.json").read_text())
+    auto_map = {"AutoConfig": "shipped.ShippedConfig", "AutoModelForCausalLM": "shipped.ShippedForCausalLM"}
+    (folder / "config.json").write_text(json.dumps({**config_json, "model_type": "shipped", "auto_map": auto_map}))
+    (folder / "shipped.py").write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    model = ["model=hf", f"model.path={folder}", *(f"model.{k}=null" for k in ("dim", "n_layers", "n_heads"))]
+    model += ["model.n_kv_heads=null", "model.ffn_dim=null"]
+    cmd = [sys.executable, "-m", "thdpack.train", *TINY, *model, f"data.cache_dir={cache}"]
+    cmd += [f"train.output_dir={tmp_path / 'out'}", "parallel.cp_size=1", "train.steps=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=REPO, env=env, input="y\n", capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "which thdpack does not run unless told: read that code, then set model.trust_remote_code=true" in (
+        result.stderr
+    )
+    assert not marker.exists()
 
 
 def test_a_model_folder_with_its_own_tokenizer_refuses_a_store_of_another(tmp_path, cache):

@@ -153,3 +153,12 @@ def test_a_described_topology_cannot_reduce_the_loss():
     described = CpTopology(dp_size=2, cp_size=2, rank=0, gpus_per_node=4)
     with pytest.raises(ValueError, match=r"topology dp 2 x cp 2 has no process groups \(a described mesh\); the loss"):
         StepLoss.begin([torch.tensor([1, 2])], topology=described)
+
+
+def test_loss_weights_put_no_weight_on_padding_rows_whatever_their_labels():
+    """Issue 26: live labels past a sequence's real length (a pack edited to seq_lens [3]) got weight."""
+    labels_T = torch.tensor([5, 6, 7, 8, 9, 10, -100, -100])
+    meta = ThdMeta.from_lengths([3], [8])
+    assert loss_weights(labels_T, meta).tolist() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    third = 1 / 3
+    assert loss_weights(labels_T, meta, reduction="sequence_mean").tolist() == [third] * 3 + [0.0] * 5

@@ -105,8 +105,9 @@ def thd_attention(
     meta.check_token_count(q.shape[0], "q")
     cp = meta.cp_size > 1
     situation = CallFacts.of(
-        q, k, v, cp=cp, cp_comm_type=config.cp_comm_type, need_lse=return_lse, placed=cp and meta.groups is not None
-    )
+        q, k, v, cp=cp, cp_comm_type=config.cp_comm_type, need_lse=return_lse, placed=cp and meta.groups is not None,
+        cp_size=meta.cp_size, padded=meta.has_padding,
+    )  # fmt: skip
     backend, reason = choose_backend(config.backend, situation)
     log_choice(backend, reason, situation)
     call = AttentionCall(

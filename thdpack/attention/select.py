@@ -36,7 +36,10 @@ Every candidate states its own problem (``AttentionBackend.problem``), so ``auto
 would crash on the GPU at hand: FlashAttention-2 kernels (``flash``, ``varlen``, the ring's FA2
 tiles) below compute capability 8.0, for head dims that are not a multiple of 8 or exceed 256, or
 when V's head dim differs from Q's (``flash_kernel.unavailable_reason``); ``te`` with
-``cp_comm_type="all_gather"`` before Transformer Engine 2.18 (no THD in its all-gather CP).
+``cp_comm_type="all_gather"`` before Transformer Engine 2.18 (no THD in its all-gather CP), and
+wherever TE's own rules leave it no backend (``backends/te_rules.py``: padding between sequences
+drops FlashAttention 2 and the unfused kernel, so under CP only cuDNN or FlashAttention 3 remain);
+``flash`` with flash-attn before 2.6 (another LSE shape).
 
 On CPU the math kernel's per-sequence tiles beat SDPA's dense masked kernel as packs grow
 (``benchmarks/attention_bench.py``, 2 cores, fp32, 8/2 heads x 64, SFT-like packs, forward +

@@ -40,7 +40,8 @@ def _read_for_nemo(sample: Mapping[str, Any], index: int) -> SampleTokens:
     loss_mask = sample.get("loss_mask") if isinstance(sample, Mapping) else None
     if loss_mask is not None and len(loss_mask) == 0:
         sample = {k: v for k, v in sample.items() if k != "loss_mask"}  # NeMo ignores an empty loss_mask
-    return read_sample(sample, index)
+    # NeMo's pack_dataset packs labels as they come (its datasets and tests pass labels == input_ids)
+    return read_sample(sample, index, labels_as_given=True)
 
 
 def pack_dataset(

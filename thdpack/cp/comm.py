@@ -11,7 +11,9 @@ first, so no backend can deadlock on the pairing order.
 The row collectives: :func:`all_gather_rows` / :func:`reduce_scatter_rows` (the all-gather CP
 path) and :func:`all_to_all_blocks` (the all-to-all path): ``all_to_all_single`` with equal
 blocks, which gloo implements as well as NCCL (torch 2.13 checked: ``tests/distributed``), so
-the CPU path runs the same collective as the GPU one.
+the CPU path runs the same collective as the GPU one. Each ends in :func:`finish`, which keeps
+gloo's worker threads from freeing Python objects while the interpreter exits (the process then
+aborts); :func:`release_collectives` is the last step of a process's teardown.
 
 The process groups these run over come from the caller (``thdpack.cp.topology.CpTopology`` holds
 a run's CP group and its placement groups).
@@ -19,6 +21,8 @@ a run's CP group and its placement groups).
 
 from __future__ import annotations
 
+import collections
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -80,7 +84,7 @@ def all_gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     """(size * T, ...) every rank's (T, ...) tensor, stacked in rank order."""
     x = x.contiguous()
     out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-    _all_gather(out, x, group=group)
+    finish(_all_gather(out, x, group=group, async_op=True), x)
     return out
 
 
@@ -88,7 +92,7 @@ def reduce_scatter_rows(x: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     """(T, ...) this rank's block of the rank-stacked (size * T, ...) ``x``, summed over ranks."""
     x = x.contiguous()
     out = x.new_empty((x.shape[0] // dist.get_world_size(group), *x.shape[1:]))
-    _reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group)
+    finish(_reduce_scatter(out, x, op=dist.ReduceOp.SUM, group=group, async_op=True), x)
     return out
 
 
@@ -98,5 +102,38 @@ def all_to_all_blocks(x_W: torch.Tensor, group: dist.ProcessGroup | None) -> tor
     x_W = x_W.contiguous()
     assert x_W.shape[0] == dist.get_world_size(group), "one block per rank of the group"
     out = torch.empty_like(x_W)
-    dist.all_to_all_single(out, x_W, group=group)
+    finish(dist.all_to_all_single(out, x_W, group=group, async_op=True), x_W)
     return out
+
+
+RECENT_WORK: collections.deque[dist.Work] = collections.deque(maxlen=8)
+"""The last CPU (gloo) collectives, kept by :func:`finish`."""
+
+
+def finish(work: dist.Work, x: torch.Tensor) -> None:
+    """Wait for the collective ``work`` on ``x``; on the CPU keep it among :data:`RECENT_WORK`.
+
+    gloo runs a collective on a worker thread of its own, which drops its reference to the work
+    (and so to the tensors) just after ``wait()`` returns here. If it drops the last reference to a
+    tensor this thread has already let go of, it takes the GIL to free the tensor's Python object;
+    when that happens after the interpreter began to exit (a collective shortly before the end of a
+    script), CPython ends the thread and the C++ runtime aborts the process ("terminate called
+    without an active exception", SIGABRT after the results printed). Kept here, the works are
+    released by this thread: the next collectives push them out, or the interpreter at exit.
+    """
+    work.wait()
+    if x.device.type == "cpu":
+        RECENT_WORK.append(work)
+
+
+GIL_HANDOVER_S = 0.05
+"""How long :func:`release_collectives` lets other threads hold the GIL."""
+
+
+def release_collectives() -> None:
+    """Before the process exits (after ``destroy_process_group``): release the works :func:`finish`
+    kept, then give the GIL away for a moment, so that a gloo worker thread still freeing the
+    tensors of a collective that is not thdpack's (torch's object collectives, accelerate's
+    gathers) does it while the interpreter runs, not while it exits (see :func:`finish`)."""
+    RECENT_WORK.clear()
+    time.sleep(GIL_HANDOVER_S)

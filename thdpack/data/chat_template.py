@@ -80,7 +80,10 @@ class ChatTemplate:
 
         def load() -> Any:
             transformers = require("transformers", f"rendering the chat template of {folder}")
-            return transformers.PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+            # a concrete class follows no auto_map; said explicitly all the same, so nothing ever prompts
+            return transformers.PreTrainedTokenizerFast.from_pretrained(
+                str(folder), local_files_only=True, trust_remote_code=False
+            )
 
         return cls(template, source=str(folder), load=load)
 

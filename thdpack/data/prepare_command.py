@@ -27,6 +27,7 @@ One run writes a folder at a time: a run holds the folder's lock from its first 
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,8 @@ from thdpack.data.prepared_plan import PLAN_FILE, write_prepared_plan
 from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
-from thdpack.data.write_store import SKIPPED_FILE, write_token_store
-from thdpack.files.lock import FolderLock
+from thdpack.data.write_store import SKIPPED_FILE, NoSamplesError, write_token_store
+from thdpack.files.lock import FolderLock, lock_file_of
 from thdpack.files.publish import disk_full_note
 from thdpack.layout.rules import check_pack_size
 from thdpack.packing.dataset import DATASET_SEED
@@ -133,10 +134,17 @@ def run_prepare(args: argparse.Namespace) -> int:
 
 def _write_failure(out: Path, err: OSError) -> str:
     """``err`` with the folder named when the error names no file (a write to a full disk says only
-    "[Errno 28] No space left on device")."""
+    "[Errno 28] No space left on device"), and what to do when ``out`` cannot be written at all (a
+    read-only mount said only "[Errno 30] Read-only file system: '.../.store.lock'")."""
     full = disk_full_note(out, err, by_free_space=False)
     if full is not None:
         return f"{full} ({err}); free space there or choose another --out, then run again"
+    if err.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return (
+            f"--out {out} cannot be written ({err.strerror}: {err.filename or out}): prepare writes the store into "
+            f"that folder and its lock file, {lock_file_of(out).name}, beside it; choose an --out on a file system "
+            "this process can write"
+        )
     return str(err) if err.filename is not None else f"{err} (writing {out})"
 
 
@@ -155,7 +163,29 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _prepare_locked(args: argparse.Namespace, config: PlanConfig, out: Path, lock: FolderLock) -> int:
-    store = write_token_store(
+    try:
+        store = _write_store(args, out, lock)
+    except NoSamplesError as err:
+        raise ValueError(f"{err.summary}; check the inputs and --kind / --text-key") from None
+    lengths = store.lengths
+    print(
+        f"sample lengths ({store.sample_format}): min {lengths.min():,}, median {int(np.median(lengths)):,}, "
+        f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
+    )
+    try:
+        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size)
+    except ValueError as err:
+        raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
+    print(f"\n{plan.stats}\n")
+    _write_plots(store, plan, args.no_plots, out)
+    files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]
+    files += [SKIPPED_FILE] if (out / SKIPPED_FILE).exists() else []
+    print(f"wrote {out}/: {', '.join(files)}, {PLAN_FILE}, manifest.json")
+    return 0
+
+
+def _write_store(args: argparse.Namespace, out: Path, lock: FolderLock) -> TokenStore:
+    return write_token_store(
         args.inputs,
         out,
         tokenizer=args.tokenizer,
@@ -176,21 +206,6 @@ def _prepare_locked(args: argparse.Namespace, config: PlanConfig, out: Path, loc
         progress=args.progress,
         lock=lock,
     )
-    lengths = store.lengths
-    print(
-        f"sample lengths ({store.sample_format}): min {lengths.min():,}, median {int(np.median(lengths)):,}, "
-        f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
-    )
-    try:
-        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size)
-    except ValueError as err:
-        raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
-    print(f"\n{plan.stats}\n")
-    _write_plots(store, plan, args.no_plots, out)
-    files = ["tokens.bin", "offsets.npy", *(["loss_mask.bin"] if store.manifest["has_loss_mask"] else [])]
-    files += [SKIPPED_FILE] if (out / SKIPPED_FILE).exists() else []
-    print(f"wrote {out}/: {', '.join(files)}, {PLAN_FILE}, manifest.json")
-    return 0
 
 
 def _write_plots(store: TokenStore, plan: Any, skip: bool, out: Path) -> None:

@@ -25,6 +25,7 @@ import numpy as np
 from thdpack._config_forms import add_options, from_flat
 from thdpack._optional import has_module
 from thdpack.data.store_verify import verify_store
+from thdpack.files.safe_load import load_array
 from thdpack.plan.api import plan_with
 from thdpack.plan.config import ALGORITHMS, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.packing_stats import PackingStats
@@ -54,7 +55,7 @@ def load_lengths(path: str | Path) -> np.ndarray:
             raise ValueError(f"{path} is a folder but not a thdpack token store (no manifest.json)")
         lengths = TokenStore(path).lengths
     elif path.suffix == ".npy":
-        lengths = np.load(path, allow_pickle=False)
+        lengths = load_array(path)
     elif path.suffix in (".txt", ".csv", ""):
         try:
             with warnings.catch_warnings():

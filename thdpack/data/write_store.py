@@ -33,6 +33,15 @@ from thdpack.files.lock import FolderLock
 SKIPPED_FILE = "skipped_records.jsonl"
 
 
+class NoSamplesError(ValueError):
+    """The inputs gave no sample to store. ``str()`` adds the fix in the library's terms; a front end
+    (``thdpack prepare``, the trainer) puts ``summary`` into its own words, naming its own settings."""
+
+    def __init__(self, summary: str) -> None:
+        self.summary = summary
+        super().__init__(f"{summary}; check the inputs, and TokenizeConfig.kind / text_key")
+
+
 def write_token_store(
     inputs: list[str],
     out: Path,
@@ -91,9 +100,7 @@ def write_token_store(
         finally:
             bar.close()
         if writer.num_samples == 0:
-            raise ValueError(
-                f"no samples to store: {encoder.report}; {bad_records}; check the inputs and --kind / --text-key"
-            )
+            raise NoSamplesError(f"no samples to store: {encoder.report}; {bad_records}")
         seconds = time.perf_counter() - start
         template = encoder.chat_template
         writer.close(

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from thdpack.cp.partition import shard
 from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.packing.packer import check_token_ids
 from thdpack.packing.steps import StepStream
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
@@ -44,7 +45,7 @@ STEP_LABELS_KEY = "thdpack_step_labels"
 """Micro-batch key: this rank's (T,) labels of every micro-batch of the step, for ``StepLoss.begin``."""
 
 
-def thdpack_sample(example: Mapping[str, Any], index: int) -> dict[str, np.ndarray]:
+def thdpack_sample(example: Mapping[str, Any], index: int, vocab_size: int | None = None) -> dict[str, np.ndarray]:
     """A Hugging Face example (``input_ids``, optional unshifted ``labels``) as a thdpack sample.
 
     Args:
@@ -52,6 +53,9 @@ def thdpack_sample(example: Mapping[str, Any], index: int) -> dict[str, np.ndarr
             tokens that are no target (prompt, user turns); without ``labels`` every next token is
             a target. An ``attention_mask`` must be all ones (one unpadded example per row).
         index: the example's index, named in errors.
+        vocab_size: the model's vocabulary: an id (or label) outside it is a ``ValueError`` naming
+            the example and the position, here rather than as an ``IndexError`` in the embedding
+            (a device-side assert on CUDA, and a gloo "Connection closed" from the other ranks).
 
     Returns:
         ``{"input_ids": (L,) int64, "labels": (L,) int64}`` with ``labels[t]`` the target of
@@ -68,6 +72,7 @@ def thdpack_sample(example: Mapping[str, Any], index: int) -> dict[str, np.ndarr
             f"example {index} has {zeros} padding tokens (attention_mask == 0); thdpack packs unpadded examples: "
             "tokenize without padding"
         )
+    check_token_ids(input_ids, f"example {index}", "input_ids", vocab_size=vocab_size)
     labels = example.get("labels")
     if labels is None:
         return {"input_ids": input_ids}
@@ -77,6 +82,7 @@ def thdpack_sample(example: Mapping[str, Any], index: int) -> dict[str, np.ndarr
             f"example {index}: labels has {labels.size} tokens but input_ids has {input_ids.size}; Hugging Face "
             "labels are aligned with input_ids (the loss shifts them)"
         )
+    check_token_ids(labels, f"example {index}", "labels", vocab_size=vocab_size, ignored=IGNORE_INDEX)
     shifted = np.full_like(labels, IGNORE_INDEX)
     shifted[:-1] = labels[1:]
     return {"input_ids": input_ids, "labels": shifted}
@@ -89,7 +95,7 @@ class HFSamples(Sequence[dict[str, np.ndarray]]):
     not read. Nothing is copied up front: ``samples[i]`` converts example ``i`` when a pack needs it.
     """
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: Any, *, vocab_size: int | None = None) -> None:
         if dataset is None or not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
             raise ValueError(
                 f"the training dataset is a {type(dataset).__name__}; thdpack plans packs over every example's "
@@ -103,12 +109,14 @@ class HFSamples(Sequence[dict[str, np.ndarray]]):
                 )
             dataset = dataset.select_columns([c for c in ("input_ids", "labels", "attention_mask") if c in columns])
         self.dataset = dataset
+        self.vocab_size = vocab_size
+        """The model's vocabulary, which every id must stay below (None: not checked)."""
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> dict[str, np.ndarray]:  # type: ignore[override]
-        return thdpack_sample(self.dataset[int(index)], int(index))
+        return thdpack_sample(self.dataset[int(index)], int(index), self.vocab_size)
 
     def lengths(self) -> np.ndarray:
         """(N,) int64 token counts of every example: from the Arrow column's list lengths for a
@@ -120,6 +128,35 @@ class HFSamples(Sequence[dict[str, np.ndarray]]):
             column = self.dataset.with_format("arrow")["input_ids"]
             return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
         return np.fromiter((len(ex["input_ids"]) for ex in self.dataset), dtype=np.int64, count=len(self.dataset))
+
+    def check_token_ids(self) -> None:
+        """``ValueError`` naming the first example and position whose id or label is outside
+        ``vocab_size``. Up front, on every rank alike: so all ranks stop together with the reason,
+        instead of one in the embedding mid-step and the others on a closed connection. A
+        ``datasets.Dataset`` is scanned in Arrow (its columns' minimum and maximum, nothing decoded);
+        only on a failure, or for other datasets, are examples converted one by one."""
+        if self.vocab_size is None:
+            return
+        if hasattr(self.dataset, "with_format") and self._arrow_ids_fit():
+            return
+        for index in range(len(self)):
+            self[index]  # thdpack_sample raises naming the example and the position
+
+    def _arrow_ids_fit(self) -> bool:
+        import pyarrow.compute as pc
+
+        table = self.dataset.with_format("arrow")
+        for key in ("input_ids", "labels"):
+            if key not in self.dataset.column_names:
+                continue
+            values = pc.list_flatten(table[key])
+            if key == "labels":
+                values = pc.filter(values, pc.not_equal(values, IGNORE_INDEX))
+            low_high = pc.min_max(values)
+            low, high = low_high["min"].as_py(), low_high["max"].as_py()
+            if low is not None and (low < 0 or high >= self.vocab_size):
+                return False
+        return True
 
 
 class StepSource(Dataset):

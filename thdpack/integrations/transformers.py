@@ -242,8 +242,9 @@ class ThdpackTrainerMixin:
         )
         # the loss is StepLoss's: counting num_items_in_batch would cost a collective for nothing
         self.model_accepts_loss_kwargs = False
-        samples = HFSamples(self.train_dataset)
+        samples = HFSamples(self.train_dataset, vocab_size=_vocab_size(self.accelerator.unwrap_model(self.model)))
         lengths = samples.lengths()
+        samples.check_token_ids()
         self._num_examples = len(samples)
         args = self.args
         config = packing.dataset_config(
@@ -432,6 +433,13 @@ def packed_dataset(
     follow, over the topology's placement groups.
     """
     return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id), lengths=lengths)
+
+
+def _vocab_size(model: torch.nn.Module) -> int | None:
+    """Rows of the model's input embedding (what an id must stay below), None when it has none."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    return getattr(embedding, "num_embeddings", None)
 
 
 def _pad_id(model: torch.nn.Module) -> int:

@@ -76,6 +76,9 @@ class HFModelConfig:
 
     path: str | None = None
     """A local folder with ``config.json`` and safetensors weights (nothing is downloaded)."""
+    trust_remote_code: bool = False
+    """Run the code a ``path`` folder ships (its ``config.json``'s ``auto_map``); off, such a folder
+    is refused. Read that code first: it runs with the trainer's rights."""
     arch: str | None = None
     """Without ``path``: the architecture to initialise randomly (llama if None): llama, qwen2, mistral, gemma."""
     vocab_size: int | None = None
@@ -98,6 +101,11 @@ class HFModelConfig:
             raise ValueError(
                 f"model.path={self.path!r}: its config.json decides the architecture and sizes, so {shown} would "
                 "be ignored; drop it (and model.arch), or drop model.path for a random initialisation"
+            )
+        if self.trust_remote_code and self.path is None:
+            raise ValueError(
+                "model.trust_remote_code=true lets a model folder's own code run, and there is no model.path; "
+                "drop it, or give the folder as model.path"
             )
         if self.path is None and (self.arch or "llama") not in ARCHITECTURES:
             raise ValueError(
@@ -187,7 +195,12 @@ def build_hf_model(
     transformers = require("transformers", "model=hf")
     register_hf_attention(ATTENTION_NAME)
     if config.path is not None:
-        hf = load_hf_folder(config.path, attn_implementation=ATTENTION_NAME, dtype=dtype or torch.float32)
+        hf = load_hf_folder(
+            config.path,
+            attn_implementation=ATTENTION_NAME,
+            dtype=dtype or torch.float32,
+            trust_remote_code=config.trust_remote_code,
+        )
     else:
         prefix = ARCHITECTURES[config.arch or "llama"]
         hf_config = getattr(transformers, f"{prefix}Config")(**config.transformers_kwargs())

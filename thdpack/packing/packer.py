@@ -1,9 +1,17 @@
 """Packs from tokenized samples: NeMo AutoModel's pack format, built one pack at a time.
 
-A sample is a mapping with ``input_ids`` (1-D integers) and optionally ``labels`` (already
-shifted, as NeMo expects: ``labels[t]`` is the target of ``input_ids[t]``) and ``loss_mask``
-(0 -> label ``-100``, e.g. SFT prompt tokens). Without ``labels``, next-token labels are
-derived inside the sequence and its last token predicts nothing. Samples are never modified.
+A sample is a mapping with ``input_ids`` (1-D integers) and optionally ``labels`` and
+``loss_mask`` (0 -> label ``-100``, e.g. SFT prompt tokens). Without ``labels``, next-token labels
+are derived inside the sequence and its last token predicts nothing. Samples are never modified.
+
+Labels are already shifted, as NeMo expects: ``labels[t]`` is the target of ``input_ids[t]``, the
+token that FOLLOWS it (Hugging Face's labels are ``input_ids`` themselves, shifted by the model's
+loss). Labels equal to ``input_ids`` at every labelled position, which no shifted labels are unless
+the text repeats one token, are refused: packed as they are they would train a copy task.
+Refused too, each naming the sample and the position: a negative token id (or one at or above a
+known vocabulary), a label that is neither -100 nor a token id, a ``loss_mask`` value other than
+0 / 1, and an ``attention_mask`` with a 0 (padding, which would be trained as text: pack unpadded
+samples). The checks are vectorised: a few numpy reductions per sample.
 
 ``build_pack(samples, plan, i)`` builds pack ``i`` of a plan; ``pack_from_segments`` takes the
 segments by hand. A pack is a dict of int64 tensors (``Pack``): ``input_ids``, ``labels``,
@@ -100,15 +108,24 @@ def _int_array(value: Any, index: int, key: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
-def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
+def read_sample(
+    sample: Mapping[str, Any], index: int, *, vocab_size: int | None = None, labels_as_given: bool = False
+) -> SampleTokens:
     """Validate ``sample`` and return its ids and labels (new arrays; ``sample`` is untouched).
 
     Raises ``TypeError`` / ``ValueError`` naming ``index`` and the offending values: missing or
-    empty ``input_ids``, non-integer ids or labels, ``labels`` / ``loss_mask`` of another length.
+    empty ``input_ids``, non-integer ids or labels, ``labels`` / ``loss_mask`` of another length, and
+    what the module docstring lists (a negative id, or one ``>= vocab_size`` when given; unshifted
+    labels, unless ``labels_as_given``; a ``loss_mask`` value other than 0 / 1; padding in
+    ``attention_mask``).
 
     >>> s = read_sample({"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, 0)
     >>> s.labels.tolist()         # derived next-token labels, prompt token masked
     [-100, 7, -100]
+    >>> read_sample({"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: sample 3: labels equal input_ids at every labelled position (3 of them, e.g. position 0: 5); ...
     """
     if not isinstance(sample, Mapping):
         raise TypeError(f"sample {index} must be a mapping with 'input_ids', got {type(sample).__name__}")
@@ -117,6 +134,8 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
     input_ids = _int_array(sample["input_ids"], index, "input_ids")
     if len(input_ids) == 0:
         raise ValueError(f"sample {index} has empty input_ids; filter empty samples out before packing")
+    check_token_ids(input_ids, f"sample {index}", "input_ids", vocab_size=vocab_size)
+    _check_attention_mask(sample.get("attention_mask"), index, len(input_ids))
     labels = sample.get("labels")
     if labels is None:
         labels = next_token_labels(input_ids)
@@ -127,6 +146,9 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
                 f"sample {index}: labels has {len(labels)} tokens but input_ids has {len(input_ids)}; "
                 "labels[t] must be the (already shifted) target of input_ids[t]"
             )
+        check_token_ids(labels, f"sample {index}", "labels", vocab_size=vocab_size, ignored=IGNORE_INDEX)
+        if not labels_as_given:
+            _check_shifted(input_ids, labels, index)
     loss_mask = sample.get("loss_mask")
     if loss_mask is not None:
         if isinstance(loss_mask, torch.Tensor):
@@ -139,8 +161,97 @@ def read_sample(sample: Mapping[str, Any], index: int) -> SampleTokens:
                 f"sample {index}: loss_mask has {loss_mask.size} entries but input_ids has "
                 f"{len(input_ids)}; give one 0/1 per token"
             )
+        if loss_mask.dtype.kind != "b" and (loss_mask.min() < 0 or loss_mask.max() > 1):
+            t = int(np.argmax((loss_mask < 0) | (loss_mask > 1)))
+            raise ValueError(
+                f"sample {index}: loss_mask is {int(loss_mask[t])} at position {t}; give 1 (train on the token's "
+                "label) or 0 (no loss) per token (per-token weights are not a loss mask: see "
+                "thdpack.loss.loss_weights)"
+            )
         labels = apply_loss_mask(labels, loss_mask)
     return SampleTokens(input_ids, labels)
+
+
+def check_token_ids(
+    values: np.ndarray, owner: str, key: str, *, vocab_size: int | None = None, ignored: int | None = None
+) -> None:
+    """``ValueError`` naming ``owner`` ("sample 3"), ``key`` and the first position of a value that is
+    no token id: negative, or ``>= vocab_size`` when given; ``ignored`` (labels' -100) is allowed.
+
+    The position is looked for only on failure.
+
+    >>> check_token_ids(np.array([4, -100, 7]), "sample 3", "labels", vocab_size=8, ignored=-100)
+    >>> check_token_ids(np.array([4, 9, 7]), "example 0", "input_ids", vocab_size=8)
+    Traceback (most recent call last):
+    ...
+    ValueError: example 0: input_ids holds 9 at position 1, not a token id of the vocabulary of 8 (ids 0..7); ...
+    """
+    # one or two reductions when every value is valid (the vocabulary's bound only when known)
+    if ignored is None:
+        too_low = values.min() < 0
+    else:  # below 0 only ``ignored``: counted, not masked, so no temporary index arrays
+        too_low = np.count_nonzero(values < 0) != np.count_nonzero(values == ignored)
+    too_high = vocab_size is not None and values.max() >= vocab_size
+    if not (too_low or too_high):
+        return
+    bad = values < 0 if ignored is None else (values < 0) & (values != ignored)
+    if too_high:
+        bad |= values >= vocab_size
+    t = int(np.argmax(bad))
+    allowed = f" or {ignored} (no loss)" if ignored is not None else ""
+    if vocab_size is None:
+        raise ValueError(
+            f"{owner}: {key} holds {int(values[t])} at position {t}; token ids are >= 0{allowed}: check the "
+            "tokenization"
+        )
+    raise ValueError(
+        f"{owner}: {key} holds {int(values[t])} at position {t}, not a token id of the vocabulary of {vocab_size} "
+        f"(ids 0..{vocab_size - 1}{allowed}); tokenize with the model's tokenizer, or give the model a larger "
+        "vocabulary"
+    )
+
+
+def _check_shifted(input_ids: np.ndarray, labels: np.ndarray, index: int) -> None:
+    """``ValueError`` when ``labels`` equal ``input_ids`` at every labelled position while shifted labels
+    (``labels[t] == input_ids[t+1]``) they are not: Hugging Face's aligned labels."""
+    # two counting passes decide the usual case (shifted labels differ from input_ids somewhere)
+    labelled = len(labels) - np.count_nonzero(labels == IGNORE_INDEX)
+    if labelled == 0 or np.count_nonzero(labels == input_ids) != labelled:  # ids >= 0: never equal to -100
+        return
+    live = labels != IGNORE_INDEX
+    inside = live[:-1]  # a shifted last label points past the sample: no evidence either way
+    if np.array_equal(labels[:-1][inside], input_ids[1:][inside]):
+        return  # one token repeated: shifted and aligned alike
+    t = int(np.argmax(live))
+    raise ValueError(
+        f"sample {index}: labels equal input_ids at every labelled position ({labelled} of them, e.g. "
+        f"position {t}: {int(labels[t])}); thdpack's labels are already shifted (labels[t] is the token after "
+        "input_ids[t]), as packed here they would train a copy task. Hugging Face labels: pass "
+        "np.append(labels[1:], -100), or drop labels (next-token labels are derived; loss_mask masks a prompt)"
+    )
+
+
+def _check_attention_mask(mask: Any, index: int, length: int) -> None:
+    """``ValueError`` unless ``mask`` is None or all ones (``length`` of them): packs hold unpadded samples."""
+    if mask is None:
+        return
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().cpu().numpy()
+    mask = np.asarray(mask)
+    if mask.shape != (length,):
+        raise ValueError(
+            f"sample {index}: attention_mask has shape {mask.shape} but input_ids has {length} tokens; give one 1 "
+            "per token, or no attention_mask"
+        )
+    padding = mask != 1
+    if padding.any():
+        where = np.flatnonzero(padding)
+        shown = ", ".join(str(t) for t in where[:5]) + (" ..." if len(where) > 5 else "")
+        raise ValueError(
+            f"sample {index}: attention_mask is not 1 at {len(where)} of {length} positions ({shown}): padding, "
+            "which packing would train as text (packs need no padding); pass input_ids[attention_mask == 1] "
+            "(and its labels), or tokenize without padding"
+        )
 
 
 def check_pad_id(pad_id: object) -> int:

@@ -7,7 +7,7 @@ never calls ``.item()``.
 
 Every builder validates the batch's lengths once (``thdpack.thd.meta``) and the batch it returns
 carries that record (``thd["thd_meta"]``), so attention, masks, sharding and the loss take it
-from the batch instead of validating again.
+from the batch instead of validating again. ``thd_collate`` also refuses a label on a padding row.
 
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``T = B*L`` packed tokens, ``S``
 sequences (of the whole batch; the (B, S) length matrices have as many columns as the fullest row).
@@ -23,11 +23,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from thdpack.layout.rules import IGNORE_INDEX
 from thdpack.thd.carriage import attach_meta, thd_meta
 from thdpack.thd.cu import cu_from_lengths
 from thdpack.thd.format import (
     ENTRY_KEYS,
     INT_TOKEN_KEYS,
+    LENGTH_KEYS,
     PACK_KEYS,
     SEQ_LENS_SENTINEL,
     THDBatch,
@@ -120,9 +122,16 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
     Use it as ``DataLoader(dataset, batch_size=B, collate_fn=thd_collate, pin_memory=True)``;
     the worker then computes ``cu_seqlens`` and ``max_seqlen`` on the host, and
     ``thd_to_device`` moves the batch without a host sync.
+
+    A label other than -100 on a padding row (past a sequence's real length, as ``seq_lens``
+    says) raises ``ValueError`` naming the pack and the position: the loss would train on a row
+    that attention treats as padding. (``to_thd`` takes a batch as given, as NeMo's
+    ``process_input_for_thd``, whose drop-in it serves.)
     """
     batch = _stack_packs(packs)
-    return _flatten(batch, bshd_meta(batch))
+    thd = _flatten(batch, bshd_meta(batch))
+    _check_padding_labels(thd["labels"], thd["padding_mask"], batch)
+    return thd
 
 
 def thd_to_device(thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True) -> THDBatch:
@@ -312,3 +321,20 @@ def _flatten(batch: Mapping[str, Any], meta: ThdMeta) -> THDBatch:
             thd[key] = flat(value)
     attach_meta(thd, meta)
     return thd
+
+
+def _check_padding_labels(labels_T: torch.Tensor, padding_T: torch.Tensor, batch: Mapping[str, Any]) -> None:
+    """``ValueError`` naming the pack (row of ``batch``) and position of the first label other than
+    ``IGNORE_INDEX`` on a padding row (one vectorised pass)."""
+    live_T = padding_T & (labels_T != IGNORE_INDEX)
+    if not bool(live_T.any()):
+        return
+    L = batch["input_ids"].shape[1]
+    t = int(torch.argmax(live_T.to(torch.uint8)))
+    row = t // L
+    lengths = {key: [n for n in batch[key][row].tolist() if n != SEQ_LENS_SENTINEL] for key in LENGTH_KEYS}
+    raise ValueError(
+        f"pack {row} has label {int(labels_T[t])} at position {t % L}, a padding row of its layout (seq_lens "
+        f"{lengths['seq_lens']}, seq_lens_padded {lengths['seq_lens_padded']}); padding is labelled -100: fix "
+        "seq_lens, or the labels"
+    )

@@ -16,11 +16,14 @@ Python stack first (``faulthandler``).
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import faulthandler
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from thdpack._optional import require
 
@@ -40,6 +43,34 @@ def removed_setting(argv: list[str]) -> str | None:
         key = arg.split("=", 1)[0].lstrip("+~")
         if key in REMOVED_KEYS:
             return f"{key} was removed: {REMOVED_KEYS[key]}"
+    return None
+
+
+def unknown_setting(cfg: Any) -> str | None:
+    """The message for the first key of the composed config ``cfg`` that its schema lacks, else None.
+
+    Hydra adds a ``+key=value`` override to a typed node, and OmegaConf then hands the key to no
+    field: the run would go on with the default (``+packing.cp_placment=te`` would train with
+    ``cp_placement=adaptive``). The message names the closest valid key.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    todo: list[tuple[str, Any]] = [("", cfg)]
+    while todo:
+        prefix, node = todo.pop(0)
+        schema = OmegaConf.get_type(node)  # a node set to null has no dataclass type
+        if not dataclasses.is_dataclass(schema):
+            continue
+        fields = [f.name for f in dataclasses.fields(schema)]
+        for key in node:
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+                where = prefix.rstrip(".") or "the run"
+                hint = f"did you mean {prefix}{close[0]}?" if close else f"{where} has: {', '.join(fields)}"
+                return f"{prefix}{key} is not a setting ({hint}); a key added with + must be one the schema has"
+            child = node._get_node(key)  # the node itself: reading the value would resolve interpolations
+            if isinstance(child, DictConfig):
+                todo.append((f"{prefix}{key}.", child))
     return None
 
 
@@ -69,6 +100,10 @@ def main() -> None:
     def entry(cfg: DictConfig) -> None:
         is_main = int(os.environ.get("RANK", "0")) == 0
         logging.basicConfig(level=logging.INFO if is_main else logging.WARNING, format="%(name)s: %(message)s")
+        unknown = unknown_setting(cfg)
+        if unknown is not None:
+            print(f"thdpack.train: bad config: {unknown}", file=sys.stderr)
+            sys.exit(2)
         try:
             config = OmegaConf.to_object(cfg)  # runs every config's __post_init__ checks
         except ValueError as err:

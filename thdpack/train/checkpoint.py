@@ -16,7 +16,9 @@ a run killed while saving leaves a folder without it. ``latest``
 is rewritten (atomically) after each manifest and on resume; it is a pointer for people and
 tools: resume walks the checkpoints newest first, verifies every file against its manifest and
 falls back past damaged or unfinished ones with a warning naming the file
-(``verify_checkpoint(folder)`` runs the same check on its own).
+(``verify_checkpoint(folder)`` runs the same check on its own). Checksums catch accidents, not a
+crafted folder: every file is read back as tensors and plain values only (``thdpack.files.safe_load``,
+``thdpack.files.safe_dcp``), so a file asking to run code stops the resume, named.
 
 One output_dir holds the checkpoints of one run: a fresh run into a folder that holds
 checkpoints is refused unless it resumes them (``train.resume=true``) or clears them
@@ -55,6 +57,8 @@ from thdpack.files.publish import (
     write_json_atomic,
     write_text_atomic,
 )
+from thdpack.files.safe_dcp import load_dcp
+from thdpack.files.safe_load import load_plain
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
@@ -68,7 +72,10 @@ _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state as tensors and plain values (``load_plain`` reads it back: no numpy objects)."""
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -76,7 +83,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    key = numpy_state["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state({**numpy_state, "state": {**numpy_state["state"], "key": key}})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -257,7 +266,7 @@ def _save_failed(folder: Path, error: BaseException) -> CheckpointSaveError:
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
     """The ``trainer.pt`` of checkpoint ``folder``: step, scheduler, data stream, config, identity."""
-    return torch.load(folder / "trainer.pt", weights_only=False)
+    return load_plain(folder / "trainer.pt")
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -392,11 +401,11 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: torch.op
     _materialize_optimizer_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=folder / "dcp")
+    load_dcp(state, folder / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = folder / "rng" / f"rank_{rank}.pt"
     if not rng_file.exists():
         raise ValueError(f"{folder} has no RNG state for rank {rank}: resume with the world size that saved it")
-    set_rng_state(torch.load(rng_file, weights_only=False))
+    set_rng_state(load_plain(rng_file))
     trainer = read_trainer_state(folder)
     return Restored(step=int(trainer["step"]), trainer=trainer)

@@ -42,6 +42,11 @@ def _at_least(name: str, value: int | float, minimum: int | float) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _shown(value: object) -> str:
+    """``value`` as an override writes it (``true``, not ``True``)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _finite(name: str, value: float) -> None:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
@@ -119,7 +124,11 @@ class ParallelConfig:
     of the run). torch's own default is 30 minutes (gloo): a stopped or hung rank would hold the
     whole allocation that long. Raise it when a legitimate wait inside training is longer (saving
     a very large checkpoint to a slow file system); the long waits before training (building the
-    token cache, verifying a large store) use their own group and are not limited by it."""
+    token cache, verifying a large store) use their own group and are not limited by it. Under
+    torchrun a stopped rank (``kill -STOP``) ends about 30 s later still, after timeout_s + 30 s in
+    all: torchrun stops a failed job's other workers with SIGTERM, which a stopped process never
+    handles, and sends SIGKILL 30 s later (torch.distributed.elastic's fixed grace for a failed
+    worker group; ``--shutdown-timeout`` does not shorten it as of torch 2.13)."""
     watchdog_s: float = 60.0
     """Report a step that has run longer than max(10 x the median step, watchdog_s), naming the
     ranks that have not arrived (``output_dir/heartbeats``); 0 turns the watchdog off."""
@@ -228,13 +237,19 @@ MODEL_KINDS = ("thdpack", "hf")
 ModelNode = hydra_node(
     ModelConfig,
     exclude=("attention",),  # the `attention` group sets it
-    extra=(("kind", str, "thdpack"), ("path", str | None, None), ("arch", str | None, None)),
+    extra=(
+        ("kind", str, "thdpack"),
+        ("path", str | None, None),
+        ("arch", str | None, None),
+        ("trust_remote_code", bool, False),
+    ),
     optional=True,
 )
 """The ``model`` group: ``thdpack.models.ModelConfig``'s fields for thdpack's decoder
 (``kind: thdpack``, the presets tiny / small / 114m), or with ``kind: hf`` a Hugging Face causal
 LM (``configs/model/hf.yaml``: ``thdpack.models.hf_causal_lm.HFModelConfig``): ``path``, a local
-folder, or ``arch`` with the size fields for a random initialisation."""
+folder (``trust_remote_code``: run the code it ships), or ``arch`` with the size fields for a
+random initialisation."""
 AttentionNode = hydra_node(AttentionConfig)
 
 
@@ -265,7 +280,8 @@ class Config:
         _one_of("model.kind", self.model.kind, MODEL_KINDS)
         if self.model.kind == "hf":
             return build(HFModelConfig, self.model, attention=self.attention_config())
-        stray = [f"model.{name}={getattr(self.model, name)}" for name in ("path", "arch") if getattr(self.model, name)]
+        hf_only = ("path", "arch", "trust_remote_code")
+        stray = [f"model.{name}={_shown(getattr(self.model, name))}" for name in hf_only if getattr(self.model, name)]
         if stray:
             raise ValueError(f"{', '.join(stray)} applies to Hugging Face models only: add model=hf, or drop it")
         return build(ModelConfig, self.model, attention=self.attention_config())

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from thdpack.cp.comm import release_collectives
 from thdpack.cp.topology import CpTopology, timed_device_mesh
 from thdpack.plan.config import CpPlacementMode
 from thdpack.train.config import ParallelConfig
@@ -120,3 +121,4 @@ def is_collective_timeout(error: BaseException) -> bool:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    release_collectives()

@@ -23,7 +23,7 @@ from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.store_verify import verify_store
 from thdpack.data.tokenizer import load_tokenizer
-from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.data.write_store import SKIPPED_FILE, NoSamplesError, write_token_store
 from thdpack.files.lock import FolderBusyError, FolderLock
 from thdpack.models.config import ModelConfig
 from thdpack.models.hf_causal_lm import HFModelConfig
@@ -192,20 +192,28 @@ def _cache_damage(path: Path, vocab_size: int, lock: FolderLock | None = None) -
 def _build_cache(data: DataConfig, path: Path, lock: FolderLock) -> None:
     """Write the store in place, published as every store is (``thdpack.files.publish``): the old
     manifest goes first, the new one comes last, so the folder is unfinished in between."""
-    write_token_store(
-        data.inputs,
-        path,
-        tokenizer=data.tokenizer,
-        source_config=SourceConfig(format=data.format),
-        tokenize_config=TokenizeConfig(
-            kind=data.kind,
-            chat_template=data.chat_template,
-            on_bad_record=data.on_bad_record,
-        ),
-        limit=data.limit,
-        overwrite=True,
-        lock=lock,
-    )
+    try:
+        write_token_store(
+            data.inputs,
+            path,
+            tokenizer=data.tokenizer,
+            source_config=SourceConfig(format=data.format),
+            tokenize_config=TokenizeConfig(
+                kind=data.kind,
+                chat_template=data.chat_template,
+                on_bad_record=data.on_bad_record,
+            ),
+            limit=data.limit,
+            overwrite=True,
+            lock=lock,
+        )
+    except NoSamplesError as err:
+        inputs = ",".join(data.inputs)
+        raise ValueError(
+            f"{err.summary}; check data.inputs=[{inputs}] (files of records: for jsonl one JSON object per line) "
+            f"and data.kind={data.kind} (auto reads 'text' records, alpaca 'instruction' + 'output' and chat "
+            "'messages')"
+        ) from None
 
 
 def check_model_tokenizer(model: ModelConfig | HFModelConfig, store: TokenStore) -> str | None:

@@ -173,3 +173,33 @@ def test_backends_run_a_placed_batch_with_empty_padding_entries(backend):
     got, plain = _errors_and_plain_bf16_errors(case, thd, True, attend)
     for name, err in got.items():
         assert err <= 2 * plain[name], (backend, name, got, plain)
+
+
+@pytest.mark.parametrize("backend", ["flash", "flex"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_and_flex_return_the_lse_on_cuda(backend, causal):
+    """Issue 26: the LSE of ``flash`` (flash-attn's ``return_attn_probs``) and of ``flex`` on CUDA
+    (``AuxRequest(lse=True)``) had no test: (Nq, T) fp32, natural log, the oracle's on real rows."""
+    if backend == "flash" and not _optional.has_flash_attn():
+        pytest.skip("flash-attn is not installed (pip install 'thdpack[flash]')")
+    thd = make_thd([5, 1, 170, 64, 33], multiple=8, tail=8)
+    case, thd = _cuda_case(thd, 8, 2, 64, seed=6)
+    q, k, v = (case[name].bfloat16() for name in ("q", "k", "v"))
+    with torch.no_grad():
+        out, lse = thd_attention(q, k, v, thd, causal=causal, backend=backend, return_lse=True)
+        want_out, want_lse = reference_attention(*(case[name] for name in ("q", "k", "v")), thd, causal=causal)
+        plain_out, plain_lse = reference_attention(q, k, v, thd, causal=causal)  # plain PyTorch in bf16
+    valid = case["valid"]
+    assert lse.shape == (8, len(valid)) and lse.dtype == torch.float32
+    errors = {
+        "lse": (
+            float((lse - want_lse)[:, valid].abs().max()),
+            float((plain_lse.float() - want_lse)[:, valid].abs().max()),
+        ),
+        "out": (
+            float((out.float() - want_out)[valid].abs().max()),
+            float((plain_out.float() - want_out)[valid].abs().max()),
+        ),
+    }
+    for name, (err, plain) in errors.items():
+        assert err <= 2 * plain + 1e-3, (backend, name, errors)

@@ -21,6 +21,8 @@ from thdpack.attention.select import (
 )
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+TE_KERNELS = _optional.TransformerEngineKernels(cudnn=(9, 10, 0), flash_attn_2=True, flash_attn_3=False)
+"""What a fake Transformer Engine finds: cuDNN 9.10 and flash-attn 2 (the usual pip install)."""
 
 
 def _situation(
@@ -54,13 +56,24 @@ def _situation(
 @pytest.fixture
 def installed(monkeypatch):
     """Pretend which optional packages import: installed(te=..., flash=..., varlen=..., flex=...,
-    te_version=...)."""
+    te_version=..., te_kernels=..., flash_version=...)."""
 
-    def set_installed(*, te=False, flash=False, varlen=False, flex=True, te_version=(2, 20, 0)):
+    def set_installed(
+        *,
+        te=False,
+        flash=False,
+        varlen=False,
+        flex=True,
+        te_version=(2, 20, 0),
+        te_kernels=TE_KERNELS,
+        flash_version=(2, 8, 3),
+    ):
         for name, value in (
             ("has_transformer_engine", te),
             ("transformer_engine_version", te_version if te else None),
+            ("transformer_engine_kernels", te_kernels if te else None),
             ("has_flash_attn", flash),
+            ("flash_attn_version", flash_version if flash else None),
             ("has_varlen_attn", varlen),
             ("has_flex_attention", flex),
         ):
@@ -451,3 +464,19 @@ def test_a_placed_shard_runs_the_split_algorithm_and_the_kernel():
     assert BACKEND_TABLE["sdpa"].split_algorithm("all_gather") == "all_gather"
     assert BACKEND_TABLE["flash"].split_algorithm("all_gather") is None
     assert select.attend_function("te", _situation(CUDA, torch.bfloat16, placed=True)).keywords["split"] is te.attend
+
+
+def test_flash_attn_before_2_6_is_refused_for_its_lse_shape(installed):
+    """Issue 26: flash-attn <= 2.5.9 returns the varlen LSE as (S, Nq, max_seqlen); only pyproject pinned >= 2.6."""
+    situation = _situation(CUDA, torch.bfloat16, lse=True)
+    installed(flash=True, varlen=True, flash_version=(2, 5, 9))
+    with pytest.raises(
+        ImportError,
+        match=r"backend 'flash' needs flash-attn >= 2\.6, found 2\.5\.9, whose flash_attn_varlen_func returns the LSE "
+        r"padded per sequence, \(S, Nq, max_seqlen\), not \(Nq, T\); pip install 'flash-attn>=2\.6'",
+    ):
+        choose_backend("flash", situation)
+    backend, reason = choose_backend("auto", situation)
+    assert backend == "varlen" and "flash (backend 'flash' needs flash-attn >= 2.6, found 2.5.9" in reason
+    installed(flash=True, varlen=True, flash_version=(2, 6, 0))
+    assert choose_backend("auto", situation)[0] == "flash"

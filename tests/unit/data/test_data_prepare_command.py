@@ -127,6 +127,30 @@ def test_out_naming_a_file_is_a_message(corpus, tmp_path, capsys):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_out_on_a_read_only_file_system_is_a_message_with_the_fix(corpus, tmp_path, capsys, monkeypatch):
+    """Issue 26: it was "[Errno 30] Read-only file system: '.../.store.lock'" (a lock file the user never named)."""
+    import errno
+
+    import thdpack.files.lock as lock_module
+
+    out = tmp_path / "mount" / "store"
+    lock_file = tmp_path / "mount" / ".store.lock"
+    real_open = os.open
+
+    def read_only_open(path, *args, **kwargs):  # what a read-only mount answers
+        if Path(path) == lock_file:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(lock_module.os, "open", read_only_open)
+    assert prepare(str(corpus), "--pack-size", "64", "--out", str(out)) == 2
+    assert capsys.readouterr().err == (
+        f"thdpack prepare: error: --out {out} cannot be written (Read-only file system: {lock_file}): prepare "
+        "writes the store into that folder and its lock file, .store.lock, beside it; choose an --out on a file "
+        "system this process can write\n"
+    )
+
+
 def test_a_folder_being_written_is_refused_and_left_alone(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     assert prepare(str(corpus), "--pack-size", "64", "--out", str(out), "--no-plots") == 0

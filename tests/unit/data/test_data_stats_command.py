@@ -67,3 +67,12 @@ def test_empty_lengths_are_a_message(tmp_path, capsys):
     assert main(["stats", str(tmp_path / "grid.npy")]) == 2
     message = f"{tmp_path / 'grid.npy'} holds int64 of shape (2, 3); expected 1-D integer lengths"
     assert re.search(re.escape(message), capsys.readouterr().err)
+
+
+def test_a_lengths_file_of_objects_is_named_and_never_unpickled(tmp_path, capsys):
+    np.save(tmp_path / "objects.npy", np.array([3, "four", None], dtype=object), allow_pickle=True)
+    (tmp_path / "text.npy").write_text("3\n4\n")  # numpy takes it for a pickle
+    for name, holds in (("objects.npy", "Python objects (an object array)"), ("text.npy", "no .npy array")):
+        assert main(["stats", str(tmp_path / name)]) == 2
+        expected = f"thdpack stats: error: {tmp_path / name} holds {holds}, and thdpack never unpickles a file; save"
+        assert capsys.readouterr().err.startswith(expected)

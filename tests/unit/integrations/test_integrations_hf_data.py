@@ -119,3 +119,17 @@ def test_the_loader_covers_the_epoch_the_trainer_sets():
     assert [mb[STEP_KEY] for mb in loader] == [0, 0, 1, 1]
     loader.set_epoch(1)
     assert [mb[STEP_KEY] for mb in loader] == [2, 2, 3, 3]
+
+
+def test_token_ids_are_checked_against_the_vocabulary_in_arrow_and_one_by_one():
+    datasets = pytest.importorskip("datasets")
+    good = {"input_ids": [[1, 2, 3], [4, 5]], "labels": [[-100, 2, 3], [4, 5]]}
+    HFSamples(datasets.Dataset.from_dict(good), vocab_size=6).check_token_ids()
+    listed = [dict(zip(good, values, strict=True)) for values in zip(*good.values(), strict=True)]
+    HFSamples(listed, vocab_size=6).check_token_ids()
+    bad = {"input_ids": [[1, 2, 3], [4, 5]], "labels": [[-100, 2, 3], [4, -7]]}
+    for data in (datasets.Dataset.from_dict(bad), [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5], "labels": [4, -7]}]):
+        with pytest.raises(ValueError, match=r"example 1: labels holds -7 at position 1, not a token id of the"):
+            HFSamples(data, vocab_size=6).check_token_ids()
+    with pytest.raises(ValueError, match=r"example 1: input_ids holds 6 at position 1"):
+        HFSamples(datasets.Dataset.from_dict({"input_ids": [[1], [4, 6]]}), vocab_size=6).check_token_ids()

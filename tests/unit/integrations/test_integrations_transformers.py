@@ -315,3 +315,28 @@ def test_truncation_is_reported(tmp_path, caplog):
     assert (
         f"0 sequences dropped (0 tokens), {cut} tokens truncated, of sequences longer than pack_size=8" in caplog.text
     )
+
+
+@pytest.mark.parametrize(
+    ("example", "message"),
+    [
+        (
+            {"input_ids": [5, 97, 6], "labels": [5, 97, 6]},
+            r"example 2: input_ids holds 97 at position 1, not a token id of the vocabulary of 97 \(ids 0\.\.96\)",
+        ),
+        ({"input_ids": [5, 6, 7], "labels": [-100, 6, 200]}, r"example 2: labels holds 200 at position 2, not a"),
+        ({"input_ids": [5, -3, 7]}, r"example 2: input_ids holds -3 at position 1, not a token id"),
+    ],
+)
+def test_token_ids_outside_the_models_vocabulary_are_named_before_training(tmp_path, example, message):
+    """Issue 26: an id >= the vocabulary reached the embedding as a raw IndexError (a device-side
+    assert on CUDA, and a gloo "Connection closed" from the other rank)."""
+    examples = token_examples()
+    examples[2] = example
+    with pytest.raises(ValueError, match=message):
+        ThdpackTrainer(
+            model=tiny_llama(),
+            args=_args(tmp_path),
+            train_dataset=examples,
+            packing=PackingArguments(pack_size=32),
+        )

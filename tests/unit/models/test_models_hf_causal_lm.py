@@ -115,3 +115,37 @@ def test_packed_hf_model_on_cuda_in_bf16_matches_sdpa_per_sequence():
             alone = reference(input_ids=ids, use_cache=False).logits[0].float()
             torch.testing.assert_close(logits[start : start + n], alone, atol=5e-2, rtol=5e-2)
             start += n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: transformers' flash_attention_2")
+def test_transformers_own_flash_attention_2_fed_by_hf_packed_kwargs_matches_sdpa_per_sequence():
+    """Issue 26: a packed row through transformers' own ``flash_attention_2`` (``cu_seq_lens_*`` and
+    ``max_length_*`` from ``hf_packed_kwargs``, no thdpack attention in the model) had no test."""
+    from transformers.utils import is_flash_attn_2_available
+
+    from thdpack.models.hf_attention import hf_packed_kwargs
+
+    if not is_flash_attn_2_available():
+        pytest.skip("transformers finds no flash-attn 2 here (pip install 'thdpack[flash]')")
+    config = transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    flash = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    flash.set_attn_implementation("flash_attention_2")
+    reference = copy.deepcopy(flash)
+    reference.set_attn_implementation("sdpa")
+    samples, thd = _row()
+    thd = thd_to_device(thd, "cuda")
+    kwargs = hf_packed_kwargs(thd, model=flash)
+    assert "cu_seq_lens_q" in kwargs and "max_length_q" in kwargs
+    with torch.no_grad():
+        logits = flash(**kwargs).logits[0]
+        start = 0
+        for sample, n in zip(samples, LENGTHS, strict=True):
+            ids = torch.tensor([sample["input_ids"]], device="cuda")
+            alone = reference(input_ids=ids, use_cache=False).logits[0]
+            torch.testing.assert_close(logits[start : start + n].float(), alone.float(), atol=5e-2, rtol=5e-2)
+            start += n

@@ -167,3 +167,104 @@ def test_sizes_transformers_would_refuse_are_named_before_building(fields, messa
     with pytest.raises(ValueError, match=message):
         HFModelConfig(**fields)
     assert HFModelConfig(arch="gemma", dim=30).transformers_kwargs()["hidden_size"] == 30  # its own head_dim
+
+
+REMOTE_CODE = """
+import pathlib
+pathlib.Path({marker!r}).touch()
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class ShippedConfig(LlamaConfig):
+    model_type = "shipped"
+
+
+class ShippedForCausalLM(LlamaForCausalLM):
+    config_class = ShippedConfig
+"""
+
+
+def _with_remote_code(llama: Path, tmp_path: Path, model_type: str) -> tuple[Path, Path]:
+    """A copy of ``llama`` whose config.json maps its classes to a ``shipped.py`` beside it (which
+    touches the returned marker when imported)."""
+    marker = tmp_path / "code_ran"
+    auto_map = {"AutoConfig": "shipped.ShippedConfig", "AutoModelForCausalLM": "shipped.ShippedForCausalLM"}
+    folder = _copy(llama, tmp_path, auto_map=auto_map, model_type=model_type)
+    (folder / "shipped.py").write_text(REMOTE_CODE.format(marker=str(marker)))
+    return folder, marker
+
+
+@pytest.mark.parametrize("model_type", ["shipped", "llama"], ids=["own-type", "known-type"])
+def test_a_folder_that_ships_code_is_refused_without_running_it(llama, tmp_path, monkeypatch, model_type):
+    """It was transformers' "[y/N]" prompt on stdin (own model_type; ``echo y |`` ran the code), or
+    transformers' own Llama silently in place of the folder's class (a known model_type)."""
+    folder, marker = _with_remote_code(llama, tmp_path, model_type)
+    monkeypatch.setattr("sys.stdin", __import__("io").StringIO("y\n"))  # the answer the prompt would read
+    with pytest.raises(
+        ValueError,
+        match=rf"{folder / 'config.json'} maps its classes to code shipped with the model \(auto_map "
+        r"\{AutoConfig: shipped\.ShippedConfig, AutoModelForCausalLM: shipped\.ShippedForCausalLM\}\), which "
+        r"thdpack does not run unless told: read that code, then set model\.trust_remote_code=true",
+    ):
+        _build(folder)
+    assert not marker.exists()
+
+
+def test_trust_remote_code_runs_the_folder_code(llama, tmp_path):
+    folder, marker = _with_remote_code(llama, tmp_path, "shipped")
+    model = build_hf_model(HFModelConfig(path=str(folder), trust_remote_code=True), seed=0)
+    assert marker.exists()
+    assert type(model.hf).__name__ == "ShippedForCausalLM"
+    with pytest.raises(ValueError, match=r"model\.trust_remote_code=true lets a model folder's own code run, and"):
+        HFModelConfig(trust_remote_code=True)
+
+
+def _pickled(llama: Path, tmp_path: Path, extra: object = None) -> Path:
+    """A copy of ``llama`` with its weights in ``pytorch_model.bin`` (plus ``extra`` when given)."""
+    from safetensors.torch import load_file
+
+    folder = _copy(llama, tmp_path)
+    weights = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    torch.save({**weights, **({"extra": extra} if extra is not None else {})}, folder / "pytorch_model.bin")
+    return folder
+
+
+def test_pickled_weights_load_exactly(llama, tmp_path):
+    from safetensors.torch import load_file
+
+    model = _build(_pickled(llama, tmp_path))
+    for name, tensor in load_file(llama / "model.safetensors").items():
+        assert torch.equal(model.hf.state_dict()[name], tensor), name
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (__import__("os").system, (f"touch {self.marker}",))
+
+
+def test_pickled_weights_naming_code_are_refused_by_file(llama, tmp_path):
+    """It was transformers' raw UnpicklingError traceback ("Weights only load failed ...")."""
+    marker = tmp_path / "code_ran"
+    folder = _pickled(llama, tmp_path, _RunsCode(marker))
+    with pytest.raises(
+        ValueError,
+        match=rf"{folder / 'pytorch_model.bin'} is refused: it asks for the global posix\.system, and thdpack "
+        "loads only tensors and plain values",
+    ):
+        _build(folder)
+    assert not marker.exists()
+
+
+def test_damaged_pickled_weights_are_named(llama, tmp_path):
+    """It was "cannot load model.path=...: [Errno 22] Invalid argument", no file named."""
+    folder = _pickled(llama, tmp_path)
+    weights = folder / "pytorch_model.bin"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(
+        ValueError, match=rf"{weights} \([\d,]+ bytes\) is not a readable PyTorch \(torch\.save zip\) file \("
+    ):
+        _build(folder)

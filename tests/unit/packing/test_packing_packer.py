@@ -107,6 +107,77 @@ def test_bad_samples(sample, error, message):
         read_sample(sample, 3)
 
 
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        # Hugging Face's labels (the model shifts them): a copy task if packed as they are
+        (
+            {"input_ids": [5, 6, 7, 8], "labels": [5, 6, 7, 8]},
+            r"sample 3: labels equal input_ids at every labelled position \(4 of them, e\.g\. position 0: 5\); "
+            r"thdpack's labels are already shifted \(labels\[t\] is the token after input_ids\[t\]\), as packed here "
+            r"they would train a copy task\. Hugging Face labels: pass np\.append\(labels\[1:\], -100\)",
+        ),
+        (
+            {"input_ids": [5, 6, 7, 8], "labels": [N, N, 7, 8]},  # a masked prompt
+            r"sample 3: labels equal input_ids at every labelled position \(2 of them, e\.g\. position 2: 7\)",
+        ),
+        # a left-padded (or right-padded) row: the padding would be trained as text
+        (
+            {"input_ids": [0, 6, 7], "attention_mask": [0, 1, 1]},
+            r"sample 3: attention_mask is not 1 at 1 of 3 positions \(0\): padding, which packing would train as "
+            r"text \(packs need no padding\); pass input_ids\[attention_mask == 1\]",
+        ),
+        ({"input_ids": [5, 6, 0, 0], "attention_mask": [1, 1, 0, 0]}, r"is not 1 at 2 of 4 positions \(2, 3\)"),
+        (
+            {"input_ids": [5, 6], "attention_mask": [1]},
+            r"sample 3: attention_mask has shape \(1,\) but input_ids has 2",
+        ),
+        # token ids and labels that are no token ids
+        (
+            {"input_ids": [5, -1, 7]},
+            r"sample 3: input_ids holds -1 at position 1; token ids are >= 0: check the tokenization",
+        ),
+        (
+            {"input_ids": [5, 6, 7], "labels": [6, -7, N]},
+            r"sample 3: labels holds -7 at position 1; token ids are >= 0 or -100 \(no loss\)",
+        ),
+        # a loss mask is 0 or 1
+        (
+            {"input_ids": [5, 6, 7], "loss_mask": [1, 2, 1]},
+            r"sample 3: loss_mask is 2 at position 1; give 1 \(train on the token's label\) or 0 \(no loss\)",
+        ),
+        ({"input_ids": [5, 6, 7], "loss_mask": [1, 0, -1]}, r"sample 3: loss_mask is -1 at position 2"),
+    ],
+)
+def test_silently_wrong_samples_are_refused_naming_the_position(sample, message):
+    with pytest.raises(ValueError, match=message):
+        read_sample(sample, 3)
+
+
+def test_the_conventions_that_stay_accepted():
+    # shifted labels of a repeated token equal input_ids too: nothing tells them apart, both are fine
+    assert read_sample({"input_ids": [4, 4, 4], "labels": [4, 4, N]}, 0).labels.tolist() == [4, 4, N]
+    # NeMo's "labels" records: the last label points past input_ids
+    assert read_sample({"input_ids": [5, 6, 7], "labels": [6, 7, 8]}, 0).labels.tolist() == [6, 7, 8]
+    # an all-ones attention_mask (a tokenizer's output without padding), a boolean loss_mask
+    ones = read_sample({"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "loss_mask": [False, True, True]}, 0)
+    assert ones.labels.tolist() == [N, 7, N]
+    # NeMo's pack_dataset drop-in packs labels as they come
+    assert read_sample({"input_ids": [5, 6], "labels": [5, 6]}, 0, labels_as_given=True).labels.tolist() == [5, 6]
+
+
+def test_token_ids_at_or_above_a_known_vocabulary_are_named():
+    with pytest.raises(
+        ValueError,
+        match=r"sample 2: input_ids holds 97 at position 2, not a token id of the vocabulary of 97 \(ids 0\.\.96\); "
+        "tokenize with the model's tokenizer",
+    ):
+        read_sample({"input_ids": [5, 6, 97]}, 2, vocab_size=97)
+    with pytest.raises(ValueError, match=r"sample 2: labels holds 100 at position 0, not a token id of the vocabulary"):
+        read_sample({"input_ids": [5, 6, 7], "labels": [100, 7, N]}, 2, vocab_size=97)
+    assert read_sample({"input_ids": [5, 96]}, 2, vocab_size=97).labels.tolist() == [96, N]
+
+
 def test_plan_and_samples_disagree():
     samples = [{"input_ids": [1, 2, 3]}]
     with pytest.raises(ValueError, match=r"sample 0 has 3 tokens but the plan takes tokens \[2, 6\)"):
@@ -123,3 +194,12 @@ def test_pieces_that_do_not_fit():
         assemble_pack([piece, piece], 12, cp_size=2)
     with pytest.raises(TypeError, match="pad_id must be an integer token id, got None"):
         assemble_pack([piece], 8, pad_id=None)
+
+
+def test_a_packed_dataset_of_hugging_face_labels_is_refused_not_trained_as_a_copy_task():
+    """Issue 26: ``labels == input_ids`` packed without a word; the pack trained token t -> token t."""
+    from thdpack.packing.dataset import PackedDataset
+
+    samples = [{"input_ids": [3, 4, 5, 6], "labels": [3, 4, 5, 6]}, {"input_ids": [7, 8], "labels": [7, 8]}]
+    with pytest.raises(ValueError, match=r"sample \d: labels equal input_ids at every labelled position"):
+        PackedDataset(samples, 8, shuffle=False)[0]

@@ -15,7 +15,7 @@ SAMPLES = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4, 7)]
 
 def test_from_topology_reads_the_dp_x_cp_place():
     """Any topology with cp_size, dp_size and dp_rank (the trainer's Runtime, the integrations'
-    ParallelLayout, CpTopology) gives the runtime; the pad id comes from the tokenizer."""
+    CpTopology) gives the runtime; the pad id comes from the tokenizer."""
     topology = SimpleNamespace(cp_size=2, dp_size=3, dp_rank=1, cp_rank=0)
     assert PackingRuntime.from_topology(topology, pad_id=50256) == PackingRuntime(
         cp_size=2, dp_rank=1, dp_size=3, pad_id=50256

@@ -305,3 +305,17 @@ def _batch(**changes):
 def test_to_thd_rejects(batch, message):
     with pytest.raises(ValueError, match=message):
         to_thd(batch)
+
+
+def test_thd_collate_refuses_a_live_label_on_a_padding_row():
+    """Issue 26: a pack edited to seq_lens [3] kept live labels past position 3; thd_collate took it
+    and the loss trained on rows attention treats as padding."""
+    edited = dict(P5, seq_lens=torch.tensor([3, 2]))  # sequence 1 now holds 2 real tokens of its 5 labelled
+    with pytest.raises(
+        ValueError,
+        match=r"pack 1 has label 6 at position 6, a padding row of its layout \(seq_lens \[3, 2\], seq_lens_padded "
+        r"\[4, 12\]\); padding is labelled -100: fix seq_lens, or the labels",
+    ):
+        thd_collate([P5, edited])
+    relabelled = dict(edited, labels=torch.tensor([1, 2, 3, -100, 4, 5] + [-100] * 10))
+    assert thd_collate([P5, relabelled])["labels"].shape == (32,)

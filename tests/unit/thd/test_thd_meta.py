@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 from _attention_cases import make_thd, shard_of
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from thdpack.cp import local_placement
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.meta import ThdMeta
-from thdpack.thd.tokens import global_placement
+from thdpack.thd.tokens import global_placement, real_rows
 
 CPU = torch.device("cpu")
 
@@ -121,9 +122,10 @@ def test_cu_tensor_is_int32_on_the_kernels_device():
 
 def _pack(seq_lens, seq_lens_padded):
     total = sum(seq_lens_padded)
+    real = torch.from_numpy(real_rows(np.array(seq_lens_padded), np.array(seq_lens)))
     return {
         "input_ids": torch.arange(1, total + 1),
-        "labels": torch.arange(2, total + 2),
+        "labels": torch.arange(2, total + 2).where(real, -100),  # padding predicts nothing
         "position_ids": torch.zeros(total, dtype=torch.long),
         "seq_lens": torch.tensor(seq_lens),
         "seq_lens_padded": torch.tensor(seq_lens_padded),

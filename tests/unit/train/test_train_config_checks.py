@@ -54,3 +54,28 @@ def test_the_removed_train_dtype_names_its_replacement(monkeypatch, capsys):
     assert exit_.value.code == 2
     said = "thdpack.train: bad config: train.dtype was removed: use train.precision=fp32, bf16-mixed or fp64"
     assert said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "said"),
+    [
+        ("+packing.cp_placment=te", "packing.cp_placment is not a setting (did you mean packing.cp_placement?)"),
+        ("+train.lrr=0.1", "train.lrr is not a setting (did you mean train.lr?)"),
+        ("+data.tokeniser=gpt2", "data.tokeniser is not a setting (did you mean data.tokenizer?)"),
+        ("+trainer.steps=3", "trainer is not a setting (did you mean train?)"),
+        ("+train.zzz=1", "train.zzz is not a setting (train has: steps, micro_batches, "),
+    ],
+)
+def test_a_key_added_with_plus_that_the_schema_lacks_is_refused_by_the_real_entry(tmp_path, override, said):
+    """Issue 26: Hydra added the key, OmegaConf gave it to no field, and the run trained on the default."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "thdpack.train", f"train.output_dir={tmp_path}", "parallel.cp_size=1", override]
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"thdpack.train: bad config: {said}" in result.stderr
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -218,3 +218,23 @@ def _gpt2_vocab_digest() -> str:
     from thdpack.data.tokenizer import load_tokenizer
 
     return load_tokenizer("gpt2").vocab_sha256
+
+
+def test_an_empty_input_names_the_data_settings_not_prepares_flags(tmp_path):
+    """Issue 26: the trainer said "check the inputs and --kind / --text-key", flags it does not have."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    data = DataConfig(inputs=[str(empty)], cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(ValueError) as refused:
+        open_token_store(data, vocab_size=50257, is_local_main=True, barrier=lambda: None)
+    said = str(refused.value)
+    assert said.startswith("no samples to store: 0 records () -> 0 samples")
+    assert said.endswith(
+        f"check data.inputs=[{empty}] (files of records: for jsonl one JSON object per line) and data.kind=auto "
+        "(auto reads 'text' records, alpaca 'instruction' + 'output' and chat 'messages')"
+    )
+    assert "--kind" not in said
+    with pytest.raises(
+        ValueError, match=r"no samples to store: .*; check the inputs, and TokenizeConfig\.kind / text_key$"
+    ):
+        write_token_store([str(empty)], tmp_path / "library")

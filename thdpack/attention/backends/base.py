@@ -72,6 +72,14 @@ class CallFacts:
     placed: bool = False
     """A CP shard of a per-sequence placement: split sequences run a CP algorithm, whole ones the
     backend's own kernel, without CP."""
+    num_heads: int | None = None
+    """Q's heads (None: not checked)."""
+    num_kv_heads: int | None = None
+    """K's and V's heads (None: not checked)."""
+    cp_size: int = 1
+    """Ranks of the CP group (1 without CP)."""
+    padded: bool = False
+    """A slot of the batch holds padding after its real tokens (Transformer Engine's ``pad_between_seqs``)."""
 
     @property
     def cuda_half(self) -> bool:
@@ -94,8 +102,10 @@ class CallFacts:
         cp_comm_type: CpCommType,
         need_lse: bool,
         placed: bool = False,
+        cp_size: int = 1,
+        padded: bool = False,
     ) -> CallFacts:
-        """The facts of a call on ``q, k, v`` (device, dtype, head dims, the GPU's capability)."""
+        """The facts of a call on ``q, k, v`` (device, dtype, heads, head dims, the GPU's capability)."""
         device = q_TNH.device
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         return cls(
@@ -109,6 +119,10 @@ class CallFacts:
             head_dim_v=v_TNH.shape[-1],
             capability=capability,
             placed=placed,
+            num_heads=q_TNH.shape[1],
+            num_kv_heads=k_TNH.shape[1],
+            cp_size=cp_size,
+            padded=padded,
         )
 
     def without_cp(self) -> CallFacts:

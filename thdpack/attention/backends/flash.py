@@ -29,6 +29,14 @@ def kernel_problem(s: CallFacts) -> Exception | None:
             "backend 'flash' needs flash-attn (flash_attn_varlen_func), which is not installed; "
             "pip install 'thdpack[flash]', or use backend='varlen' (torch >= 2.10) or 'math'"
         )
+    version = _optional.flash_attn_version()
+    if version is not None and version < _optional.FLASH_ATTN_SINCE:
+        found = ".".join(map(str, version))
+        return ImportError(
+            f"backend 'flash' needs flash-attn >= 2.6, found {found}, whose flash_attn_varlen_func returns the LSE "
+            "padded per sequence, (S, Nq, max_seqlen), not (Nq, T); pip install 'flash-attn>=2.6', or use "
+            "backend='varlen' (torch >= 2.10) or 'math'"
+        )
     return needs_cuda_half("flash", s)
 
 

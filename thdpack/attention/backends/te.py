@@ -8,13 +8,17 @@ itself (``p2p``, ``all_gather`` from TE 2.18 with THD, ``a2a`` from TE 2.10 with
 all-to-all needs ``cp`` to divide both head counts; where it does not divide the KV heads, they
 are repeated first, as thdpack's own all-to-all does (:func:`thdpack.attention.heads.kv_replication`).
 ``pad_between_seqs=True`` is passed whenever slots hold padding: TE's auto-detection path without
-it drops real keys (TE issue #3331). TE returns no LSE.
+it drops real keys (TE issue #3331). TE returns no LSE. Which of TE's own backends (FlashAttention,
+cuDNN, unfused) can take a call is predicted from TE's rules (``te_rules``) before TE is called, so
+``auto`` falls back, and a forced ``te`` refuses with TE's reason, instead of TE raising "no backend".
 
 Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -22,6 +26,7 @@ import torch.distributed as dist
 
 from thdpack import _optional
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
+from thdpack.attention.backends.te_rules import TEFacts, te_problem
 from thdpack.attention.heads import kv_replication, repeat_kv_heads
 
 # DotProductAttention modules hold no weights (vanilla softmax); one per configuration
@@ -62,7 +67,53 @@ def kernel_problem(s: CallFacts) -> Exception | None:
             f"(before it AttnFuncWithCPAndQKVOA2A asserts qkv_format != 'thd'), found {found}; "
             "use cp_comm_type='p2p', upgrade Transformer Engine, or another backend (thdpack's all-to-all)"
         )
+    facts = te_facts(s)
+    problem = te_problem(facts) if facts is not None else None
+    if problem is not None:
+        return ValueError(
+            f"backend 'te': {problem}; use backend='flash' or 'varlen' (thdpack's ring with FlashAttention-2 tiles), "
+            "or 'math'"
+        )
     return None
+
+
+def te_facts(s: CallFacts) -> TEFacts | None:
+    """What Transformer Engine's backend selection would read for a call in situation ``s`` (None
+    when TE, its kernels, the GPU or the head counts are unknown: nothing is predicted)."""
+    version, kernels = _optional.transformer_engine_version(), _optional.transformer_engine_kernels()
+    if version is None or kernels is None or s.capability is None or s.num_heads is None or s.num_kv_heads is None:
+        return None
+    kv_heads = s.num_kv_heads
+    if s.cp and s.cp_comm_type == "a2a" and s.num_heads % s.cp_size == 0:  # attend repeats them for TE's all-to-all
+        kv_heads *= kv_replication(s.num_heads, s.num_kv_heads, s.cp_size)
+    return TEFacts(
+        version=version,
+        capability=s.capability,
+        cudnn=kernels.cudnn,
+        flash_attn_2=kernels.flash_attn_2,
+        flash_attn_3=kernels.flash_attn_3,
+        pad_between_seqs=s.padded,
+        cp=s.cp,
+        cp_comm_type=s.cp_comm_type,
+        num_heads=s.num_heads,
+        num_gqa_groups=kv_heads,
+        head_dim_qk=s.head_dim if s.head_dim is not None else 0,
+        head_dim_v=s.head_dim_v if s.head_dim_v is not None else 0,
+        half=s.cuda_half,
+        deterministic=os.environ.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1") == "0"
+        or torch.are_deterministic_algorithms_enabled(),
+        fp8_attention=_fp8_attention(),
+    )
+
+
+def _fp8_attention() -> bool:
+    """Inside Transformer Engine's ``fp8_autocast`` with a recipe that quantizes attention (``fp8_dpa``).
+
+    Read from TE's module only if something imported it: ``fp8_autocast`` lives there."""
+    manager = getattr(sys.modules.get("transformer_engine.pytorch.fp8"), "FP8GlobalStateManager", None)
+    if manager is None or not manager.is_fp8_enabled():
+        return False
+    return bool(getattr(manager.get_fp8_recipe(), "fp8_dpa", False))
 
 
 def _module(q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, **settings: Any) -> Any:
