@@ -34,8 +34,13 @@ pytest.importorskip("trl", reason="the TRL / Trainer integration needs thdpack[t
 
 import torch
 import torch.distributed as dist
-from _hf_cases import keep_float64
-from _trainer_cases import (
+
+from thdpack.cp import gather
+from thdpack.testing import run_distributed
+from thdpack.thd.carriage import META_KEY
+
+from support.hf_cases import keep_float64
+from support.trainer_cases import (
     CLIP,
     MIXED_LENGTHS,
     RecordLosses,
@@ -53,10 +58,6 @@ from _trainer_cases import (
     token_examples,
     weights,
 )
-
-from thdpack.cp import gather
-from thdpack.testing import run_distributed
-from thdpack.thd.carriage import META_KEY
 
 pytestmark = pytest.mark.distributed
 

@@ -27,7 +27,7 @@ sequences with batch size 1 (transformers 5.x; research/ring_attention.md sectio
   (RMSNorm, RoPE, eager's softmax, the loss: ``.float()`` / ``.to(torch.float32)``), so a
   float64 model agrees with itself packed vs alone only to float32 rounding (measured: 4e-8 on
   logits with eager, where the float32 softmax sums rows of different lengths in a different
-  order). ``tests/_hf_cases.py`` keeps those steps in float64 for the 1e-10 exactness tests.
+  order). ``tests/support/hf_cases.py`` keeps those steps in float64 for the 1e-10 exactness tests.
 * The loss: ``labels`` are shifted inside the model unless ``shift_labels`` is given; thdpack's
   labels are already shifted, so pass both (``hf_packed_kwargs(..., include_labels=True)``),
   plus ``num_items_in_batch`` = ``thdpack.loss.count_loss_tokens(...)`` for the global token mean.

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import make_thd, random_case
-from placement_cases import MIXED_PACKS, placed_metadata
 
 from thdpack import _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
@@ -18,6 +16,9 @@ from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
 from thdpack.cp import local_placement
 from thdpack.thd.carriage import thd_meta
+
+from support.attention_cases import make_thd, random_case
+from support.placement_cases import MIXED_PACKS, placed_metadata
 
 pytestmark = [
     pytest.mark.gpu,

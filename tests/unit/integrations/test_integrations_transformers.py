@@ -15,18 +15,6 @@ import pytest
 pytest.importorskip("trl", reason="the Trainer integration is tested with thdpack[trl] (transformers, trl, accelerate)")
 
 import torch
-from _hf_cases import keep_float64
-from _trainer_cases import (
-    MIXED_LENGTHS,
-    RecordLosses,
-    max_difference,
-    reference_run,
-    sgd,
-    step_examples,
-    tiny_llama,
-    token_examples,
-    weights,
-)
 from transformers import TrainingArguments
 
 from thdpack.attention.config import AttentionConfig
@@ -39,6 +27,19 @@ from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.parts import shard_parts
+
+from support.hf_cases import keep_float64
+from support.trainer_cases import (
+    MIXED_LENGTHS,
+    RecordLosses,
+    max_difference,
+    reference_run,
+    sgd,
+    step_examples,
+    tiny_llama,
+    token_examples,
+    weights,
+)
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:

@@ -19,10 +19,11 @@ import pytest
 pytest.importorskip("trl", reason="the TRL integration needs thdpack[trl] (transformers, trl, accelerate)")
 
 import torch
-from _trainer_cases import chat_tokenizer, chats, tiny_llama
 from datasets import Dataset
 
 from thdpack.integrations.trl import SFTConfig, SFTTrainer
+
+from support.trainer_cases import chat_tokenizer, chats, tiny_llama
 
 
 def _config(tmp_path, **overrides) -> SFTConfig:

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 from torch.utils.data import DataLoader
 
 from thdpack.thd import (
@@ -21,6 +20,8 @@ from thdpack.thd import (
     to_thd,
     validate_thd,
 )
+
+from support.thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 
 
 def _padding_positions(thd):

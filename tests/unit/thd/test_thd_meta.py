@@ -6,7 +6,6 @@ import types
 
 import pytest
 import torch
-from _attention_cases import make_thd, shard_of
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,6 +13,8 @@ from thdpack.cp import local_placement
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import global_placement
+
+from support.attention_cases import make_thd, shard_of
 
 CPU = torch.device("cpu")
 

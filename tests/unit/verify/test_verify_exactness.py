@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _model_oracle import compare, oracle_step
 
 from thdpack.cp.topology import CpTopology
 from thdpack.models import ModelConfig, Transformer
@@ -22,6 +21,8 @@ from thdpack.verify.exactness import (
     sample_lengths,
     unpacked_step,
 )
+
+from support.model_oracle import compare, oracle_step
 
 CONFIG = ModelConfig.preset("tiny")
 ALONE = CpTopology.single()

@@ -1,8 +1,5 @@
 """Shared builders for the per-sequence CP placement tests: random placements (hypothesis), fixed
 packs that mix every kind of entry, and THD batches laid out by them.
-
-Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path).
 """
 
 from __future__ import annotations

@@ -2,9 +2,7 @@
 built here (no download), float64 kept float64 inside transformers, one packed training step
 (a whole row, or one CP rank's shard of it) and the unpacked per-sequence reference.
 
-Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path). Needs transformers (``thdpack[dev]``
-installs it).
+Needs transformers (``thdpack[dev]`` installs it).
 
 Why ``keep_float64``: transformers computes some steps in float32 whatever the model's dtype:
 RMSNorm (``hidden_states.to(torch.float32)``, Gemma's ``x.float()``), RoPE (``inv_freq`` and

@@ -3,8 +3,7 @@ plain unpacked training: tiny random fp64 Llamas and a word-level chat tokenizer
 (nothing downloaded), and a single-process reference that runs every example alone through
 eager transformers and takes the optimizer step by hand.
 
-Importable from every test directory and from spawned ranks (spawn copies sys.path). Needs
-transformers, TRL and accelerate: import after ``pytest.importorskip("trl")``.
+Needs transformers, TRL and accelerate: import after ``pytest.importorskip("trl")``.
 
 Which examples a step trains on comes from the plan, as ``PackedDataset.step_stream`` documents
 it: the epochs' pack orders one after the other, ``packs_per_step`` packs per step.
@@ -24,9 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
-from _hf_cases import keep_float64
 
 from thdpack.packing.dataset import PackedDataset
+
+from support.hf_cases import keep_float64
 
 LLAMA = {
     "hidden_size": 32,

@@ -1,8 +1,4 @@
-"""Shared builders for the attention tests: THD metadata from lengths, shards, the oracle's grads.
-
-Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path).
-"""
+"""Shared builders for the attention tests: THD metadata from lengths, shards, the oracle's grads."""
 
 from __future__ import annotations
 
