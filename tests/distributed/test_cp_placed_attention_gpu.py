@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention import reference_attention, thd_attention
 from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology

@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from thdpack import _config_forms
+import thdpack._config_forms as _config_forms
 from thdpack._settings import integer, setting
 from thdpack.data import prepare_command, stats_command
 from thdpack.plan import PlanConfig, plan_packs

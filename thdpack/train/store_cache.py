@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from thdpack import __version__
+from thdpack._version import __version__
 from thdpack.data.encode import TokenizeConfig
 from thdpack.data.manifest import MANIFEST_FILE, STORE_FILES, StoreError
 from thdpack.data.prepared_plan import PLAN_FILE

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
 from thdpack.attention.merge import output_grads
 from thdpack.attention.ring_simulation import simulated_ring_attention
