@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from thdpack.cp.partition import shard
 from thdpack.packing.layout import IGNORE_INDEX
-from thdpack.packing.steps import StepStream
+from thdpack.packing.step_stream import StepStream
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
 

@@ -8,7 +8,7 @@ from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
 from thdpack.packing.dealing import Epochs, EpochShard
 from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, build_pack, pack_from_segments, read_sample
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.steps import Step, StepStream
+from thdpack.packing.step_stream import Step, StepStream
 from thdpack.packing.streaming import StreamingPacker, StreamingPackerConfig
 
 __all__ = [

@@ -1,5 +1,5 @@
 """The run's data: a cached token store (the steps cut from its packs are
-:class:`thdpack.packing.steps.StepStream`'s)."""
+:class:`thdpack.packing.step_stream.StepStream`'s)."""
 
 from __future__ import annotations
 

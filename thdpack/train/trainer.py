@@ -1,7 +1,7 @@
 """The training loop: packed THD batches, CP-sharded, dp x cp replicas, globally normalised loss.
 
 One optimizer step on rank r:
-1. the step's packs are dealt to the DP ranks (``thdpack.packing.steps.StepStream``); this rank's micro-batches
+1. the step's packs are dealt to the DP ranks (``thdpack.packing.step_stream.StepStream``); this rank's micro-batches
    are collated to THD (metadata on the host) and CP-sharded (``cp.shard``);
 2. one collective counts the global loss tokens (``loss.StepLoss``); each micro-batch's loss is
    ``sum(token losses) / global count * world_size``, because DDP / FSDP2 average gradients over
@@ -33,7 +33,7 @@ from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.steps import Step, StepStream
+from thdpack.packing.step_stream import Step, StepStream
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers

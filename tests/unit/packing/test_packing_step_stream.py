@@ -1,4 +1,4 @@
-"""thdpack.packing.steps: optimizer steps cut from the dealer's epochs and dealt to DP ranks."""
+"""thdpack.packing.step_stream: optimizer steps cut from the dealer's epochs and dealt to DP ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from thdpack.cp import shard, unshard
 from thdpack.packing import PackedDataset, PackedDatasetConfig, PackingRuntime
-from thdpack.packing.steps import StepStream
+from thdpack.packing.step_stream import StepStream
 from thdpack.plan import PlanConfig
 from thdpack.thd import thd_collate
 
