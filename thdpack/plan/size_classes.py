@@ -1,6 +1,6 @@
 """The length-class planner: the decreasing fit on the sizes' histogram, then the improvement phase.
 
-``plan_size_classes`` runs the fit (:mod:`thdpack.plan.histogram`: best or first fit decreasing,
+``plan_size_classes`` runs the fit (:mod:`thdpack.plan.decreasing_fit`: best or first fit decreasing,
 one step per size class) and, unless the fit already reaches the L2 bound, the improvement phase
 (:mod:`thdpack.plan.improve`) aiming at the best lower bound (:mod:`thdpack.plan.bounds`); the phase
 never adds a pack. ``plan_histogram`` is the same from a dense histogram. ``plan_packs`` and the
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from thdpack.plan.bounds import best_lower_bound_of_sizes, l2_lower_bound_of_sizes
-from thdpack.plan.histogram import Fit, fit_size_classes
+from thdpack.plan.decreasing_fit import Fit, fit_size_classes
 from thdpack.plan.histogram_plan import HistogramPlan
 from thdpack.plan.improve import improve as improve_plan
 
@@ -34,7 +34,7 @@ def plan_histogram(
     Args:
         counts: (capacity+1,) non-negative integers; ``counts[0]`` must be 0.
         capacity: pack capacity in slot units (>= 1).
-        fit, rng: the decreasing fit's (``thdpack.plan.histogram.fit_size_classes``).
+        fit, rng: the decreasing fit's (``thdpack.plan.decreasing_fit.fit_size_classes``).
         improve: run the improvement phase after the fit (``thdpack.plan.improve``) unless the
             fit already reaches the lower bound; it never adds a pack.
 
