@@ -45,7 +45,7 @@ from thdpack._settings import Settings, check_int, flag, one_of, setting
 from thdpack.packing.dealing import BALANCES, REMAINDERS, Balance, Epoch, Epochs, EpochShard, Remainder, rank_share
 from thdpack.packing.packer import Pack, build_pack, read_sample
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.state import check_saved_settings
+from thdpack.packing.saved_settings import check_saved_settings
 from thdpack.packing.step_stream import StepStream
 from thdpack.plan.api import as_lengths
 from thdpack.plan.config import PlanConfig
