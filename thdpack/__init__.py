@@ -64,8 +64,8 @@ _EXPORTS = {
     # models
     "ModelConfig": "thdpack.models",
     "Transformer": "thdpack.models",
-    "hf_packed_kwargs": "thdpack.models.hf_attention",
-    "register_hf_attention": "thdpack.models.hf_attention",
+    "hf_packed_kwargs": "thdpack.models.hf.attention",
+    "register_hf_attention": "thdpack.models.hf.attention",
     # data
     "TokenStore": "thdpack.data.store",
     "TokenStoreWriter": "thdpack.data.store",

@@ -20,7 +20,7 @@ import pytest
 
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp.topology import CpTopology
-from thdpack.models.hf_attention import register_hf_attention
+from thdpack.models.hf.attention import register_hf_attention
 from thdpack.testing import run_distributed
 
 from support.hf_cases import (

@@ -82,7 +82,7 @@ from thdpack.integrations.hf_data import (
 from thdpack.integrations.parallel import accelerator_topology
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.loss import StepLoss
-from thdpack.models.hf_attention import (
+from thdpack.models.hf.attention import (
     ATTENTION_CONFIG_KWARG,
     POSITION_MASKED,
     VARLEN,

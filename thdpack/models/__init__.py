@@ -1,8 +1,8 @@
 """thdpack's reference decoder over THD batches, and the Hugging Face adapter.
 
 ``Transformer(ModelConfig(...))`` runs packed, CP-sharded THD batches exactly (the same logits
-and gradients as each sequence alone); ``thdpack.models.hf_attention`` feeds THD batches to Hugging Face
-models and registers thdpack's attention with them.
+and gradients as each sequence alone); :mod:`thdpack.models.hf` runs THD batches through Hugging Face
+models, on thdpack's attention.
 """
 
 from __future__ import annotations

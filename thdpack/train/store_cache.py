@@ -26,8 +26,8 @@ from thdpack.data.tokenizer import load_tokenizer
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
 from thdpack.files.lock import FolderBusyError, FolderLock
 from thdpack.models.config import ModelConfig
-from thdpack.models.hf_causal_lm import HFModelConfig
-from thdpack.models.hf_folder import folder_tokenizer
+from thdpack.models.hf.causal_lm import HFModelConfig
+from thdpack.models.hf.folder import folder_tokenizer
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from thdpack.data.prepared_plan import read_prepared_plan
 from thdpack.data.store import TokenStore
 from thdpack.models.config import ModelConfig
-from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_model
+from thdpack.models.hf.causal_lm import HFCausalLM, HFModelConfig, build_hf_model
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack

@@ -55,7 +55,7 @@ sequence; RoPE from each token's local index on its CP rank instead of its globa
 per-rank, per-micro-step means. Positions that fail to restart per sequence are NOT in the list:
 RoPE depends only on the distance between two positions of one sequence, so a per-sequence
 offset changes nothing here (Hugging Face's position-id boundary inference is another matter:
-``thdpack.models.hf_attention``)."""
+``thdpack.models.hf.attention``)."""
 
 BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
 """Sequence lengths of one copy of the test batch: a length-1 sequence (no loss token), 2, 4 and 8

@@ -1,4 +1,4 @@
-"""``thdpack.models.hf_causal_lm``: Hugging Face causal LMs behind thdpack's model interface."""
+"""``thdpack.models.hf.causal_lm``: Hugging Face causal LMs behind thdpack's model interface."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from thdpack.attention import AttentionConfig
-from thdpack.models.hf_causal_lm import (
+from thdpack.models.hf.causal_lm import (
     ARCHITECTURES,
     ATTENTION_NAME,
     HFModelConfig,

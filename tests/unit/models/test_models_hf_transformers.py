@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from thdpack.cp import shard
-from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention
+from thdpack.models.hf.attention import hf_packed_kwargs, register_hf_attention
 
 from support.hf_cases import (
     ARCHITECTURES,

@@ -35,7 +35,7 @@ sequences with batch size 1 (transformers 5.x; research/ring_attention.md sectio
 thdpack's attention as a Hugging Face backend (adds CP, the TE / flash / math backends, real
 ``cu_seqlens`` for exact bidirectional attention)::
 
-    from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention
+    from thdpack.models.hf.attention import hf_packed_kwargs, register_hf_attention
     register_hf_attention("thdpack")              # transformers' AttentionInterface.register
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="thdpack")
     out = model(**hf_packed_kwargs(cp.shard(thd, topology.cp_size, topology.cp_rank), cp_group=topology))
