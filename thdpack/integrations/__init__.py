@@ -5,7 +5,7 @@ global loss for transformers' ``Trainer`` and TRL's ``SFTTrainer``.
   ``PackingArguments``, and the mixin both trainers share (needs ``thdpack[trl]`` or ``thdpack[hf]``).
 - :mod:`thdpack.integrations.trl`: ``SFTTrainer``, TRL's trainer with thdpack's packing and CP in
   place of TRL's (needs ``thdpack[trl]``).
-- :mod:`thdpack.integrations.hf_data`: Hugging Face samples (``input_ids``, unshifted ``labels``)
+- :mod:`thdpack.integrations.trainer_data`: Hugging Face samples (``input_ids``, unshifted ``labels``)
   as thdpack samples, and the data loader that serves each rank its CP shard of every step.
 - :mod:`thdpack.integrations.parallel`: the dp x cp ``CpTopology``, from accelerate's ``ParallelismConfig``
   or thdpack's ``cp_size``; :mod:`thdpack.integrations.stream_state`: the pack stream's state in

@@ -72,15 +72,15 @@ from thdpack._settings import Check, check_fields, integer, optional, setting
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp.partition import shard
 from thdpack.cp.topology import CpTopology
-from thdpack.integrations.hf_data import (
+from thdpack.integrations.parallel import accelerator_topology
+from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
+from thdpack.integrations.trainer_data import (
     MICRO_BATCH_KEY,
     STEP_LABELS_KEY,
     HFSamples,
     StepSource,
     packed_step_loader,
 )
-from thdpack.integrations.parallel import accelerator_topology
-from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
 from thdpack.loss import StepLoss
 from thdpack.models.hf.attention import (
     ATTENTION_CONFIG_KWARG,

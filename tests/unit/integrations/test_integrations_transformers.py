@@ -19,9 +19,9 @@ from transformers import TrainingArguments
 
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp.topology import CpTopology
-from thdpack.integrations.hf_data import HFSamples, StepSource
 from thdpack.integrations.parallel import accelerator_topology
 from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
+from thdpack.integrations.trainer_data import HFSamples, StepSource
 from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer, packed_dataset
 from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
