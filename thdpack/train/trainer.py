@@ -39,6 +39,7 @@ from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
 from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, read_trainer_state, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
+from thdpack.train.export import checkpoint_export, publish_hf_folder
 from thdpack.train.forward_backward import (
     clip_grad_norm,
     collate_micro_batches,
@@ -47,7 +48,6 @@ from thdpack.train.forward_backward import (
     parameters_finite,
     prepare_micro_batches,
 )
-from thdpack.train.hf_export import checkpoint_export, publish_hf_folder
 from thdpack.train.identity import check_resume_identity, run_identity
 from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
 from thdpack.train.output_dir import hold_output_dir
