@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from thdpack.cp.partition import shard
-from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.layout.rules import IGNORE_INDEX
 from thdpack.packing.step_stream import StepStream
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
