@@ -52,7 +52,7 @@ def test_a_setting_added_to_the_plan_config_appears_in_every_cli(monkeypatch, ca
 
 def test_a_setting_added_to_the_plan_config_appears_in_packing_arguments():
     pytest.importorskip("transformers")
-    from thdpack.integrations.transformers import packing_arguments
+    from thdpack.integrations.packing_arguments import packing_arguments
 
     grown = packing_arguments(GrownPlanConfig)
     assert "min_fill" in {f.name for f in dataclasses.fields(grown)}
