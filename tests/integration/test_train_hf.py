@@ -66,7 +66,7 @@ def test_the_hf_folder_holds_the_checkpoint_weights_and_loads_with_the_same_logi
     assert set(trained) - set(saved) <= {"lm_head.weight"}  # tied to the embedding
 
     from thdpack.models.hf.causal_lm import HFModelConfig, build_hf_model
-    from thdpack.packing import pack_from_segments
+    from thdpack.packing.packer import pack_from_segments
     from thdpack.thd import thd_collate
 
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

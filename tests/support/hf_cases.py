@@ -39,7 +39,7 @@ from thdpack.layout.placement import PackPlacement
 from thdpack.layout.rules import cp_multiple
 from thdpack.loss import count_loss_tokens
 from thdpack.models.hf.attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
-from thdpack.packing import pack_from_segments
+from thdpack.packing.packer import pack_from_segments
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
 

@@ -118,5 +118,5 @@ def placed_batch(packs: Sequence[PackPlacement], seed: int = 0) -> dict:
 
 
 def shard_rows(thd: dict) -> torch.Tensor:
-    """(T_local,) int64 global token indices of a shard (``thdpack.cp.rank_token_indices``)."""
+    """(T_local,) int64 global token indices of a shard (``thdpack.cp.partition.rank_token_indices``)."""
     return torch.tensor(rank_token_indices(thd["thd_meta"]))

@@ -7,7 +7,7 @@ models, on thdpack's attention.
 
 from __future__ import annotations
 
-from thdpack.models.config import MODEL_PRESETS, ModelConfig, ModelPreset
+from thdpack.models.config import MODEL_PRESETS, ModelConfig
 from thdpack.models.transformer import Transformer
 
-__all__ = ["MODEL_PRESETS", "ModelConfig", "ModelPreset", "Transformer"]
+__all__ = ["MODEL_PRESETS", "ModelConfig", "Transformer"]

@@ -85,7 +85,7 @@ class Epoch:
 
 
 class Epochs:
-    """Every epoch's plan and pack order over ``lengths`` (checked: ``thdpack.plan.as_lengths``),
+    """Every epoch's plan and pack order over ``lengths`` (checked: ``thdpack.plan.api.as_lengths``),
     each planned once.
 
     The two most recent epochs are kept, so a consumer whose step straddles an epoch boundary

@@ -14,7 +14,7 @@ from thdpack.attention import flash_kernel, math_kernel, reference_attention, th
 from thdpack.attention.merge import output_grads
 from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.carriage import thd_meta
 
 from support.attention_cases import make_thd, random_case

@@ -11,7 +11,7 @@ from thdpack.attention import math_kernel
 from thdpack.attention.backends.math import attend as attend_math
 from thdpack.attention.backends.math import tiled_attention
 from thdpack.attention.merge import merge_partials, output_grads
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.tokens import TokenPlacement
 

@@ -17,7 +17,7 @@ from thdpack.models.hf.causal_lm import (
     build_hf_model,
     save_hf_folder,
 )
-from thdpack.packing import pack_from_segments
+from thdpack.packing.packer import pack_from_segments
 from thdpack.thd import thd_collate, thd_to_device
 
 TINY = {"vocab_size": 101, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48}

@@ -6,14 +6,14 @@ use: ``thdpack[hf]``).
   ``attn_implementation``) and ``check_hf_attention`` (what CP requires of the model);
 - :mod:`.causal_lm`: ``HFCausalLM``, a causal LM behind thdpack's model interface (the trainer's
   ``model=hf``), built from ``HFModelConfig``, and ``save_hf_folder``;
-- :mod:`.folder`: a local model folder, loaded with every mismatch named (``load_hf_folder``).
+- :mod:`.folder`: a local model folder, loaded with every mismatch named (what ``build_hf_model``
+  does with ``HFModelConfig.path``).
 """
 
 from __future__ import annotations
 
 from thdpack.models.hf.attention import check_hf_attention, hf_packed_kwargs, register_hf_attention
 from thdpack.models.hf.causal_lm import HFCausalLM, HFModelConfig, build_hf_model, save_hf_folder
-from thdpack.models.hf.folder import load_hf_folder
 
 __all__ = [
     "HFCausalLM",
@@ -21,7 +21,6 @@ __all__ = [
     "build_hf_model",
     "check_hf_attention",
     "hf_packed_kwargs",
-    "load_hf_folder",
     "register_hf_attention",
     "save_hf_folder",
 ]
