@@ -1,5 +1,6 @@
 """The public surface: every exported name of every package resolves, star-imports work in a
-fresh interpreter, the package has no import cycle, and planning does not pull in torch."""
+fresh interpreter, no import cycle (package ``__init__`` files and the benchmark scripts counted),
+and planning does not pull in torch."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 import thdpack
 
 PACKAGE_DIR = Path(thdpack.__file__).parent
+BENCH_DIR = PACKAGE_DIR.parent / "benchmarks"
 # modules that need an optional extra to import at all
 OPTIONAL = {
     "thdpack.train.__main__": "hydra",
@@ -148,30 +150,48 @@ def _ancestors(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def module_graph() -> dict[str, set[str]]:
-    """module -> the modules whose code runs when it is imported, package ``__init__`` files counted:
+def module_sources(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:
+    """module -> its file: thdpack's modules and the benchmark scripts (as ``benchmarks.<stem>``)."""
+    sources = {name: _path(name) for name in _modules()}
+    sources |= {f"benchmarks.{path.stem}": path for path in sorted(bench_dir.glob("*.py"))}
+    return sources
+
+
+def _resolve_in(name: str, importer: str, modules: set[str]) -> str | None:
+    """``name`` as ``importer`` imports it: a benchmark script imports its siblings by their plain
+    name (benchmarks/ is on its ``sys.path``)."""
+    sibling = f"benchmarks.{name.split('.')[0]}"
+    if importer.startswith("benchmarks.") and sibling in modules:
+        return sibling
+    return _resolve(name, modules)
+
+
+def module_graph(sources: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """module -> the modules whose code runs when it is imported, package ``__init__`` files and
+    benchmark scripts counted (``module_sources``):
 
     - ``import a.b.c`` / ``from a.b.c import x`` runs ``a.b.c`` and every package above it that is
       not also above the importing module (those are already being imported);
     - ``from P import name`` with ``P`` a package also runs (and reads) ``P``'s ``__init__``: it
-      imports the package's face, even from inside ``P``, where the library imports modules.
+      imports the package's face, even from inside ``P``, where the library imports modules;
+    - imports inside functions count: a lazy import that leads back is a cycle the first call closes.
     """
-    modules = set(_modules())
+    sources = module_sources() if sources is None else sources
+    modules = set(sources)
     graph: dict[str, set[str]] = {}
-    for name in modules:
-        path = _path(name)
+    for name, path in sources.items():
         found: list[str | None] = []
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                found += [_resolve(a.name, modules) for a in node.names if a.name.startswith("thdpack")]
-            elif isinstance(node, ast.ImportFrom) and (source := _from_target(node, name, path)).startswith("thdpack"):
-                package = _resolve(source, modules)
+                found += [_resolve_in(a.name, name, modules) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (source := _from_target(node, name, path)):
+                package = _resolve_in(source, name, modules)
                 found += [package, *(f"{package}.{a.name}" for a in node.names if f"{package}.{a.name}" in modules)]
             elif _is_import_module_call(node):
                 found.append(_resolve(node.args[0].value, modules))  # type: ignore[attr-defined]
         own = set(_ancestors(name))
         targets = {module for module in found if module is not None}
-        targets |= {a for module in targets for a in _ancestors(module) if a not in own}  # their packages run too
+        targets |= {a for module in targets for a in _ancestors(module) if a not in own and a in modules}
         graph[name] = targets - {name}
     return graph
 
@@ -244,10 +264,14 @@ def test_no_import_cycle_between_stages():
     assert find_cycle(import_graph()) is None
 
 
-def test_no_import_cycle_between_modules_package_inits_included():
+def test_no_import_cycle_between_modules_package_inits_and_benchmarks_included():
     """No module's import runs code that imports it back, counting each package ``__init__`` as
-    the module it is (a face import inside the package is an import of its ``__init__``)."""
-    cycles = module_cycles(module_graph())
+    the module it is (a face import inside the package is an import of its ``__init__``) and the
+    benchmark scripts, whose lazy imports of each other count too."""
+    graph = module_graph()
+    assert "benchmarks.cp_throughput" in graph["benchmarks.train_throughput"]  # a lazy import is seen
+    assert "thdpack.plan" in graph["benchmarks.plan_bench"]  # and thdpack, through the face it imports
+    cycles = module_cycles(graph)
     assert cycles == [], "\n".join(f"{len(c)} modules: {' -> '.join(c)}" for c in cycles)
 
 
@@ -262,6 +286,21 @@ def test_the_module_cycle_check_can_fail():
     assert module_cycles(graph) == [["thdpack.packing", "thdpack.packing.dataset"]], face
     graph["thdpack.packing.dataset"] = {"thdpack.packing.pack_layout"}
     assert module_cycles(graph) == []
+
+
+def test_the_module_cycle_check_fails_on_a_planted_benchmark_cycle(tmp_path):
+    """Benchmark scripts importing each other back (one of them lazily, as ``--cp`` modes do) are a
+    cycle; a script importing thdpack and a sibling one way is not."""
+    (tmp_path / "a.py").write_text("import b\nfrom thdpack.plan.api import plan_packs\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    graph = module_graph(module_sources(tmp_path))
+    assert graph["benchmarks.b"] == {"benchmarks.a"} and "thdpack.plan.api" in graph["benchmarks.a"]
+    assert module_cycles(graph) == [["benchmarks.a", "benchmarks.b"]]
+    (tmp_path / "b.py").write_text("import c\n")  # a -> b -> c -> a
+    assert module_cycles(module_graph(module_sources(tmp_path))) == [["benchmarks.a", "benchmarks.b", "benchmarks.c"]]
+    (tmp_path / "b.py").write_text("import json\n")
+    assert module_cycles(module_graph(module_sources(tmp_path))) == []
 
 
 def test_the_cycle_check_can_fail():
