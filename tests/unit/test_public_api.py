@@ -1,10 +1,12 @@
-"""The public surface: every exported name of every package resolves, star-imports work in a
-fresh interpreter, no import cycle (package ``__init__`` files and the benchmark scripts counted),
-and planning does not pull in torch."""
+"""The public surface: the front door's names (``thdpack.__all__``), every exported name of every
+package resolves and has one home, star-imports work in a fresh interpreter, no module imports
+through the top face, no import cycle (package ``__init__`` files and the benchmark scripts
+counted), and ``import thdpack`` / planning do not pull in torch."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import pkgutil
 import subprocess
@@ -17,6 +19,27 @@ import thdpack
 
 PACKAGE_DIR = Path(thdpack.__file__).parent
 BENCH_DIR = PACKAGE_DIR.parent / "benchmarks"
+FRONT_DOOR = {
+    "__version__",
+    # planning (numpy only: imported with the package)
+    "plan_packs",
+    "PlanConfig",
+    "PackPlan",
+    "PackingStats",
+    "IGNORE_INDEX",
+    # packs, THD batches, attention, loss (torch: imported on first use)
+    "PackedDataset",
+    "StreamingPacker",
+    "collate",
+    "to_thd",
+    "thd_collate",
+    "thd_attention",
+    "StepLoss",
+    "packed_cross_entropy",
+    # token stores
+    "TokenStore",
+    "verify_store",
+}
 # modules that need an optional extra to import at all
 OPTIONAL = {
     "thdpack.train.__main__": "hydra",
@@ -340,9 +363,89 @@ def test_names_readme_and_the_contract_document_import_plainly():
     assert out.stdout.split() == ["-100", "thdpack.packing.dataset"]
 
 
-def test_root_exports_only_what_users_call():
-    internals = {"assemble_pack", "read_sample", "layout_mask", "segment_ids", "TokenLayout", "token_layout"}
-    assert not internals & set(thdpack.__all__)
+def test_the_front_door():
+    """``thdpack`` serves the names of the plan -> pack -> THD -> attention / loss path, CONTRACT's
+    included; every other name lives in its stage's package."""
+    assert set(thdpack.__all__) == FRONT_DOOR and len(thdpack.__all__) == len(FRONT_DOOR)
+    for name in FRONT_DOOR:
+        assert getattr(thdpack, name) is not None, name
+
+
+def test_the_torch_names_are_visible_to_static_tools():
+    """Each name ``__getattr__`` imports on first use is also imported under ``TYPE_CHECKING``,
+    from the same module, and the eager imports plus those are the front door."""
+    tree = ast.parse((PACKAGE_DIR / "__init__.py").read_text())
+    eager, typed = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "typing"):
+            eager |= {(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            typed |= {(n.module, a.name) for n in node.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert typed == {(module, name) for name, module in thdpack._LAZY.items()}
+    assert {name for _, name in eager | typed} == FRONT_DOOR
+
+
+def test_import_thdpack_loads_neither_torch_nor_the_torch_names():
+    code = (
+        "import sys, thdpack\n"
+        "print('torch' in sys.modules, sorted(n for n in thdpack._LAZY if n in vars(thdpack)), thdpack.PlanConfig.__name__)\n"
+        "thdpack.thd_collate\n"
+        "print('torch' in sys.modules)"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "[]", "PlanConfig", "True"]
+
+
+def _face_imports(path: Path) -> dict[str, str]:
+    """name -> the module a package face imports it from."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("thdpack"):
+            found.update({alias.asname or alias.name: node.module for alias in node.names})
+    return found
+
+
+def test_every_exported_name_has_one_home():
+    """A package exports only what its own modules define, and no name is exported by two packages
+    (the front door aside): one path to each name."""
+    homes: dict[str, list[str]] = {}
+    for package in _packages():
+        names = getattr(importlib.import_module(package), "__all__", None)
+        if package == "thdpack" or names is None:
+            continue
+        imported = _face_imports(_path(package))
+        for name in names:
+            assert imported[name].startswith(f"{package}."), f"{package}.{name} comes from {imported[name]}"
+            homes.setdefault(name, []).append(package)
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+
+
+def top_face_imports(path: Path, module: str) -> list[int]:
+    """The lines where ``module`` imports a name through ``thdpack/__init__`` (``from thdpack import
+    x``, or its relative twin from a top-level module), instead of from the module that defines it."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and _from_target(node, module, path) == "thdpack":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_imports_through_the_top_face():
+    """The top face is for users: a module that imported through it would run (and depend on) the
+    whole face, and ``from thdpack import _optional`` reads as a public name."""
+    found = {name: lines for name, path in module_sources().items() if (lines := top_face_imports(path, name))}
+    assert found == {}
+
+
+def test_the_top_face_check_can_fail(tmp_path):
+    module = tmp_path / "backend.py"
+    module.write_text("import thdpack._optional as _optional\nfrom thdpack._version import __version__\n")
+    assert top_face_imports(module, "thdpack.attention.backends.backend") == []
+    module.write_text("import json\n\nfrom thdpack import _optional\n")
+    assert top_face_imports(module, "thdpack.attention.backends.backend") == [3]
+    module.write_text("from . import __version__\n")  # a top-level module's relative twin
+    assert top_face_imports(module, "thdpack.cli") == [1]
 
 
 def test_planning_does_not_import_torch():
