@@ -47,6 +47,7 @@ from support.trainer_cases import (
     chat_tokenizer,
     chats,
     checkpoint,
+    cpu_arguments,
     join_launch,
     max_difference,
     placement_kinds,
@@ -82,43 +83,22 @@ def _trainer_classes():
     )
 
 
+# one step: two micro-batches, clipped, logged, seeded
+STEP = dict(gradient_accumulation_steps=2, logging_steps=1, max_grad_norm=CLIP, seed=0)
+
+
 def _trainer_args(output_dir: str, **overrides):
     from transformers import TrainingArguments
 
-    settings = dict(
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        max_grad_norm=CLIP,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return TrainingArguments(output_dir, **{**settings, **overrides})
+    return cpu_arguments(TrainingArguments, output_dir, **{**STEP, "per_device_train_batch_size": 1, **overrides})
 
 
 def _sft_args(output_dir: str, **overrides):
     from thdpack.integrations.trl import SFTConfig
 
-    settings = dict(
-        max_length=64,
-        assistant_only_loss=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        # keep_float64's torch-function mode does not reach checkpointing's recompute in backward
-        gradient_checkpointing=False,
-        max_grad_norm=CLIP,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return SFTConfig(output_dir, **{**settings, **overrides})
+    # keep_float64's torch-function mode does not reach checkpointing's recompute in backward
+    sft = dict(max_length=64, assistant_only_loss=True, per_device_train_batch_size=2, gradient_checkpointing=False)
+    return cpu_arguments(SFTConfig, output_dir, **{**STEP, **sft, **overrides})
 
 
 def _exactness(trainer, examples, steps: int) -> dict:

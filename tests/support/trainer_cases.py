@@ -57,6 +57,14 @@ def join_launch(rank: int, world: int) -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
+def cpu_arguments(kind: type, output_dir: str | Path, **settings: Any) -> Any:
+    """``kind`` (``transformers.TrainingArguments`` or TRL's ``SFTConfig``) for a quiet test run on
+    the CPU in ``output_dir``: no reports, checkpoints or progress bars, no bf16 (the models are
+    fp64), then ``settings``."""
+    quiet = {"report_to": [], "save_strategy": "no", "use_cpu": True, "disable_tqdm": True, "bf16": False}
+    return kind(str(output_dir), **{**quiet, **settings})
+
+
 def tiny_llama(vocab_size: int = VOCAB, implementation: str = "eager", **extra: Any) -> transformers.PreTrainedModel:
     """A float64 Llama of ``LLAMA``'s sizes, the same weights on every rank."""
     config = transformers.LlamaConfig(vocab_size=vocab_size, pad_token_id=0, **LLAMA, **extra)

@@ -28,6 +28,7 @@ from support.hf_cases import keep_float64
 from support.trainer_cases import (
     MIXED_LENGTHS,
     RecordLosses,
+    cpu_arguments,
     max_difference,
     reference_run,
     sgd,
@@ -39,17 +40,8 @@ from support.trainer_cases import (
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
-    settings = dict(
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        max_grad_norm=1.0,
-    )
-    return TrainingArguments(str(tmp_path), **{**settings, **overrides})
+    steps = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, max_grad_norm=1.0)
+    return cpu_arguments(TrainingArguments, tmp_path, **{**steps, **overrides})
 
 
 def _trainer(tmp_path, model=None, packing=None, args=None, **kwargs) -> ThdpackTrainer:
