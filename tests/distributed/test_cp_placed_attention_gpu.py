@@ -14,25 +14,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-import thdpack._optional as _optional
 from thdpack.attention import reference_attention, thd_attention
 from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology
 from thdpack.testing import run_distributed
 
-from support.attention_cases import random_case
+from support.attention_cases import missing_library, random_case
 from support.placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 BACKENDS = ("flash", "varlen", "te", "math")
-
-
-def _available(backend: str) -> bool:
-    return {
-        "flash": _optional.has_flash_attn,
-        "varlen": _optional.has_varlen_attn,
-        "te": _optional.has_transformer_engine,
-    }.get(backend, lambda: True)()
 
 
 def _grads(attend, q, k, v, dout):
@@ -66,7 +57,7 @@ def _rank_errors(rank: int, world: int, cp_size: int) -> dict:
 
     result = {"plain": {n: float((plain[n] - want[n])[index][real].abs().max()) for n in want}}
     for backend in BACKENDS:
-        if not _available(backend):
+        if missing_library(backend):
             continue
 
         def attend(q, k, v, backend=backend):
