@@ -24,11 +24,6 @@ HF = ["model=hf", "train.checkpoint_every=2"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("stores")
-
-
-@pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache) -> Path:
     """4 steps of a random Llama, 2 processes, CP 2."""
     out = tmp_path_factory.mktemp("straight")
