@@ -64,7 +64,7 @@ from thdpack.plan import plan_packs  # noqa: E402
 from thdpack.plan.adaptive import place_packs  # noqa: E402
 from thdpack.testing import run_distributed  # noqa: E402
 from thdpack.thd import thd_collate  # noqa: E402
-from thdpack.train.step import forward_backward, prepare_micro_batches  # noqa: E402
+from thdpack.train.forward_backward import forward_backward, prepare_micro_batches  # noqa: E402
 
 CpMode = Literal["te", "adaptive", "a2a"]
 CP_MODES: tuple[CpMode, ...] = get_args(CpMode)

@@ -360,7 +360,7 @@ def histogram_run(total: int) -> dict:
 import json, math, sys, time
 import numpy as np
 sys.path.insert(0, {str(REPO)!r})
-from thdpack.plan import plan_size_classes
+from thdpack.plan.size_classes import plan_size_classes
 from thdpack.plan.bounds import l2_lower_bound_of_sizes
 L = 4096
 edges = np.arange(0.5, L + 1.5)

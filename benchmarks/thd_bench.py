@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from thdpack._optional import has_transformer_engine
 from thdpack.cp import partition_indices, shard
-from thdpack.packing import pack_from_segments
+from thdpack.packing.packer import pack_from_segments
 from thdpack.plan import plan_packs
 from thdpack.thd import collate, thd_collate, to_thd
 

@@ -93,7 +93,7 @@ from thdpack.cp.topology import CpTopology  # noqa: E402
 from thdpack.layout.rules import IGNORE_INDEX  # noqa: E402
 from thdpack.loss import StepLoss  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
-from thdpack.packing.layout import position_ids  # noqa: E402
+from thdpack.packing.pack_layout import position_ids  # noqa: E402
 from thdpack.packing.packer import pack_from_segments  # noqa: E402
 from thdpack.plan import plan_packs  # noqa: E402
 from thdpack.thd import thd_collate, thd_to_device  # noqa: E402

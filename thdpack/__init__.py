@@ -7,95 +7,90 @@ plan -> pack -> collate -> to_thd -> cp.shard -> attention / loss:
 >>> [p.tolist() for p in plan]
 [[2, 4], [0, 1, 3]]
 
-Names are imported on first use (``__getattr__`` below, a plain lookup of the module that
-defines each name), so ``import thdpack`` (and the numpy-only ``thdpack.plan``) stays light;
-torch loads with the first tensor-facing name.
+The front door holds the names of that path; everything else lives in its stage's package
+(``thdpack.plan``, ``thdpack.packing``, ``thdpack.thd``, ``thdpack.cp``, ``thdpack.attention``,
+``thdpack.models``, ``thdpack.data``, ...), documented there. The planning names import with
+numpy alone; the names that need torch are imported on first use (``__getattr__``), so
+``import thdpack`` never loads torch. Subpackages load on first attribute access too
+(``thdpack.cp.shard``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from thdpack._version import __version__
+from thdpack.layout.rules import IGNORE_INDEX
+from thdpack.plan.api import plan_packs
+from thdpack.plan.config import PlanConfig
+from thdpack.plan.packing_stats import PackingStats
+from thdpack.plan.packplan import PackPlan
 
-# public name -> module that defines it
-_EXPORTS = {
-    # planning (numpy only)
-    "plan_packs": "thdpack.plan",
-    "PackPlan": "thdpack.plan",
-    "PackingStats": "thdpack.plan",
-    "ALGORITHMS": "thdpack.plan",
-    "OVERFLOWS": "thdpack.plan",
-    "l2_lower_bound": "thdpack.plan",
-    "plan_histogram": "thdpack.plan",
-    "HistogramPlan": "thdpack.plan",
-    "PlanConfig": "thdpack.plan",
-    # the THD format's rules (numpy only)
-    "IGNORE_INDEX": "thdpack.layout.rules",
-    # packs
-    "build_pack": "thdpack.packing",
-    "Pack": "thdpack.packing",
-    "PackedDataset": "thdpack.packing",
-    "PackedDatasetConfig": "thdpack.packing",
-    "StreamingPacker": "thdpack.packing",
-    "StreamingPackerConfig": "thdpack.packing",
-    # THD batches
-    "collate": "thdpack.thd",
-    "to_thd": "thdpack.thd",
-    "thd_collate": "thdpack.thd",
-    "thd_to_device": "thdpack.thd",
-    "split_micro_batches": "thdpack.thd",
-    "validate_thd": "thdpack.thd",
-    "SEQ_LENS_SENTINEL": "thdpack.thd",
-    # masks (for attention kernels that take a mask)
-    "block_causal_mask": "thdpack.attention.masks",
-    "block_causal_bias": "thdpack.attention.masks",
-    "flex_block_mask": "thdpack.attention.masks",
-    # attention
-    "thd_attention": "thdpack.attention",
-    "AttentionConfig": "thdpack.attention",
-    "reference_attention": "thdpack.attention",
-    # loss
-    "packed_cross_entropy": "thdpack.loss",
-    "count_loss_tokens": "thdpack.loss",
-    "loss_weights": "thdpack.loss",
+if TYPE_CHECKING:  # what static tools read; at run time __getattr__ imports each on first use
+    from thdpack.attention.api import thd_attention
+    from thdpack.data.store import TokenStore
+    from thdpack.data.store_verify import verify_store
+    from thdpack.loss import StepLoss, packed_cross_entropy
+    from thdpack.packing.dataset import PackedDataset
+    from thdpack.packing.streaming import StreamingPacker
+    from thdpack.thd.batch import collate, thd_collate, to_thd
+
+# name -> the module that defines it (these import torch, or more than numpy)
+_LAZY = {
+    "PackedDataset": "thdpack.packing.dataset",
+    "StreamingPacker": "thdpack.packing.streaming",
+    "collate": "thdpack.thd.batch",
+    "to_thd": "thdpack.thd.batch",
+    "thd_collate": "thdpack.thd.batch",
+    "thd_attention": "thdpack.attention.api",
     "StepLoss": "thdpack.loss",
-    # models
-    "ModelConfig": "thdpack.models",
-    "Transformer": "thdpack.models",
-    "hf_packed_kwargs": "thdpack.models.hf_attention",
-    "register_hf_attention": "thdpack.models.hf_attention",
-    # data
+    "packed_cross_entropy": "thdpack.loss",
     "TokenStore": "thdpack.data.store",
-    "TokenStoreWriter": "thdpack.data.store",
-    "StoreError": "thdpack.data.manifest",
     "verify_store": "thdpack.data.store_verify",
-    "load_tokenizer": "thdpack.data.tokenizer",
-    "SampleEncoder": "thdpack.data.encode",
 }
-# modules reachable as attributes: thdpack.cp.shard(...), thdpack.compat.nemo...
-_SUBMODULES = (
+# thdpack.cp.shard(...) after a bare `import thdpack`, as for any attribute
+_SUBPACKAGES = (
     "attention",
     "compat",
     "cp",
     "data",
+    "files",
     "integrations",
+    "layout",
     "models",
     "packing",
+    "perf",
     "plan",
     "thd",
     "train",
     "verify",
 )
 
-__all__ = ["__version__", *sorted(_EXPORTS), *_SUBMODULES]
+__all__ = [
+    "IGNORE_INDEX",
+    "PackPlan",
+    "PackedDataset",
+    "PackingStats",
+    "PlanConfig",
+    "StepLoss",
+    "StreamingPacker",
+    "TokenStore",
+    "__version__",
+    "collate",
+    "packed_cross_entropy",
+    "plan_packs",
+    "thd_attention",
+    "thd_collate",
+    "to_thd",
+    "verify_store",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    elif name in _SUBMODULES:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _SUBPACKAGES:
         value = importlib.import_module(f"thdpack.{name}")
     else:
         raise AttributeError(f"module 'thdpack' has no attribute {name!r}")
@@ -104,4 +99,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted({*__all__, *_SUBPACKAGES})

@@ -16,7 +16,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from thdpack import __version__
+from thdpack._version import __version__
 
 # name -> (help, module, its argument adder, its runner)
 COMMANDS: dict[str, tuple[str, str, str, str]] = {

@@ -90,7 +90,7 @@ def loss_weights(
 
     Args:
         labels_T: (T,) integer labels, already next-token shifted; ``ignore_index`` = no loss.
-        meta: the batch's record (``thdpack.thd.meta.thd_meta(thd)``), whose sequences the
+        meta: the batch's record (``thdpack.thd.carriage.thd_meta(thd)``), whose sequences the
             ``"sequence_mean"`` weights follow; a global record (``cp_size`` 1) of ``T`` tokens.
         reduction: ``"token_mean"``: 1 for every loss token. ``"sequence_mean"``: ``1 / n_s`` for
             each loss token of sequence ``s`` with ``n_s`` loss tokens.
@@ -109,7 +109,9 @@ def loss_weights(
         raise ValueError(f"unknown reduction {reduction!r}; use one of {list(LOSS_REDUCTIONS)}")
     _check_labels(labels_T)
     if not isinstance(meta, ThdMeta):
-        raise TypeError(f"meta must be the batch's ThdMeta (thdpack.thd.meta.thd_meta(thd)), got {type(meta).__name__}")
+        raise TypeError(
+            f"meta must be the batch's ThdMeta (thdpack.thd.carriage.thd_meta(thd)), got {type(meta).__name__}"
+        )
     if meta.cp_size != 1:
         raise ValueError(
             f"meta is CP rank {meta.cp_rank}'s shard of cp_size={meta.cp_size}; sequence weights need the whole "

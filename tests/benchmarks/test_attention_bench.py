@@ -3,23 +3,11 @@ while the others still run."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_bench.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("attention_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["attention_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+from support.benchmarks import load_benchmark
 
 
 def test_a_failing_backend_is_reported_and_the_run_goes_on(monkeypatch, capsys, tmp_path):
-    bench = _load()
+    bench = load_benchmark("attention_bench")
     real = bench.thd_attention
 
     def flaky(q, k, v, thd, *, backend, **kwargs):

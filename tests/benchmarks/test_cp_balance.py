@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,11 +14,9 @@ from thdpack.cp import partition_indices
 from thdpack.layout.placement import PackPlacement
 from thdpack.layout.rules import round_up_to_cp
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cp_balance.py"
-spec = importlib.util.spec_from_file_location("cp_balance", SCRIPT)
-cp_balance = importlib.util.module_from_spec(spec)
-sys.modules["cp_balance"] = cp_balance
-spec.loader.exec_module(cp_balance)
+from support.benchmarks import load_benchmark
+
+cp_balance = load_benchmark("cp_balance")
 
 
 def _brute_force_te_pairs(real: np.ndarray, cp_size: int) -> np.ndarray:

@@ -4,9 +4,7 @@ Its --tiny run is gpu_suite's cp_placement section (tests/benchmarks/test_gpu_su
 
 from __future__ import annotations
 
-import sys
 import threading
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,9 +19,10 @@ from thdpack.thd import thd_collate
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.parts import shard_parts
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import cp_rank_timing
-import thd_bench
+from support.benchmarks import load_benchmark
+
+cp_rank_timing = load_benchmark("cp_rank_timing")
+thd_bench = load_benchmark("thd_bench")
 
 
 def _side(side):

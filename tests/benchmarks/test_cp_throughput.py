@@ -4,29 +4,16 @@ gloo processes through train_throughput.py --cp 2."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from support.benchmarks import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-tt = _load("train_throughput")
-cpt = _load("cp_throughput")
+tt = load_benchmark("train_throughput")
+cpt = load_benchmark("cp_throughput")
 
 
 def test_every_mode_gets_the_same_documents_and_adaptive_places_short_ones_whole():

@@ -3,27 +3,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "plan_bench.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("plan_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["plan_bench"] = module
-    spec.loader.exec_module(module)
-    return module
+from support.benchmarks import load_benchmark
 
 
 @pytest.mark.slow
 def test_tiny_mode_runs(tmp_path, capsys, shared_data_if_any):
-    bench = _load()
+    bench = load_benchmark("plan_bench")
     shared = (
         shared_data_if_any.parent if shared_data_if_any.is_dir() else tmp_path / "no-shared"
     )  # ../shared: data, peers

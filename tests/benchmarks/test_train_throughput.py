@@ -4,21 +4,16 @@
 from __future__ import annotations
 
 import doctest
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "train_throughput.py"
-spec = importlib.util.spec_from_file_location("train_throughput", SCRIPT)
-tt = importlib.util.module_from_spec(spec)
-sys.modules["train_throughput"] = tt
-spec.loader.exec_module(tt)
+from support.benchmarks import load_benchmark
+
+tt = load_benchmark("train_throughput")
 
 L = 32
 CFG = replace(tt.TINY, pack_sizes=(L,), micro_tokens=2 * L, step_tokens=4 * L, warmup=0, steps=1)

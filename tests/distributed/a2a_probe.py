@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared case builders
-from _attention_cases import make_thd, random_case, shard_of
-
 from thdpack.attention import reference_attention, thd_attention
+
+from support.attention_cases import make_thd, random_case, shard_of
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")

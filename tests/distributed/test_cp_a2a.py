@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import max_errors, random_case, reference_results, worst_errors
 
 from thdpack.attention import a2a as a2a_module
 from thdpack.attention import a2a_attention, reference_attention, thd_attention
@@ -40,6 +39,8 @@ from thdpack.layout.ranks import rank_indices
 from thdpack.testing import run_distributed
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.cu import cu_from_lengths
+
+from support.attention_cases import max_errors, random_case, reference_results, worst_errors
 
 pytestmark = pytest.mark.distributed
 

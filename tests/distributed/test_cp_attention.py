@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import LENGTH_MIXES, make_thd, random_case, reference_results, shard_of, worst_errors
 
 from thdpack.attention import ring as ring_module
 from thdpack.attention import thd_attention
@@ -20,6 +19,8 @@ from thdpack.cp import shard
 from thdpack.testing import run_distributed
 from thdpack.thd import thd_collate
 from thdpack.thd.carriage import thd_meta
+
+from support.attention_cases import LENGTH_MIXES, make_thd, random_case, reference_results, shard_of, worst_errors
 
 pytestmark = pytest.mark.distributed
 

@@ -19,7 +19,6 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import make_thd, max_errors, random_case, reference_results, shard_of
 
 from thdpack.attention import reference_attention, thd_attention
 from thdpack.attention.backends.base import CallFacts
@@ -27,6 +26,8 @@ from thdpack.attention.select import BACKEND_TABLE
 from thdpack.cp.comm import all_gather_rows, reduce_scatter_rows
 from thdpack.testing import run_distributed
 from thdpack.thd.carriage import thd_meta
+
+from support.attention_cases import make_thd, max_errors, random_case, reference_results, shard_of
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 CP = 2

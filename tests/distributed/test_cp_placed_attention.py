@@ -3,7 +3,7 @@
 One launch of 4 ranks covers cp 2 (both pairs, side by side), cp 3 (ranks 0-2) and cp 4 (all):
 every rank builds the same global batch of packs that mix whole, subgroup-split (cp 4: over a
 pair of ranks) and all-split sequences with empty and non-empty padding entries
-(``placement_cases.MIXED_PACKS``), shards it by its placement, runs ``thd_attention(...,
+(``support.placement_cases.MIXED_PACKS``), shards it by its placement, runs ``thd_attention(...,
 cp_group=topology)`` (a plain process group for cp 3, whose placements split over all three ranks
 only) forward and backward with every backend the CPU has (``math`` with the ring and
 the all-gather, ``sdpa`` without an LSE, ``flex`` forward only: no CPU backward), and returns its
@@ -17,8 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import random_case, reference_results, worst_errors
-from placement_cases import MIXED_PACKS, WHOLE_PACKS, placed_metadata, shard_rows
 
 import thdpack.cp.comm as comm
 from thdpack.attention import thd_attention
@@ -26,6 +24,9 @@ from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology
 from thdpack.testing import run_distributed
 from thdpack.thd.parts import shard_parts
+
+from support.attention_cases import random_case, reference_results, worst_errors
+from support.placement_cases import MIXED_PACKS, WHOLE_PACKS, placed_metadata, shard_rows
 
 pytestmark = pytest.mark.distributed
 

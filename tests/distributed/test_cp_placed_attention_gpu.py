@@ -1,6 +1,6 @@
 """Placed CP attention on GPUs (NCCL, one GPU per rank): the CUDA backends' split and whole parts.
 
-Each rank holds its shard of ``placement_cases.MIXED_PACKS`` in bf16 on its GPU and runs
+Each rank holds its shard of ``support.placement_cases.MIXED_PACKS`` in bf16 on its GPU and runs
 ``thd_attention(..., cp_group=topology)`` with ``flash`` (the ring with FlashAttention-2 tiles, whole
 sequences through flash-attn), ``varlen`` (the same ring, whole sequences through torch's
 varlen_attn), ``te`` (TE's own CP attention over each group's process group, whole sequences
@@ -15,8 +15,6 @@ import traceback
 
 import pytest
 import torch
-from _attention_cases import random_case
-from placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 from thdpack.attention import reference_attention, thd_attention
 from thdpack.attention.backends.base import CallFacts
@@ -25,6 +23,9 @@ from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology
 from thdpack.testing import run_distributed
 from thdpack.thd.carriage import thd_meta
+
+from support.attention_cases import random_case
+from support.placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
 BACKENDS = ("flash", "varlen", "te", "math")

@@ -5,7 +5,7 @@ One launch of 4 ranks makes, in order: dp 2 x cp 2, cp 4 (its placement groups: 
 {0, 1}, {2, 3}), a second cp 4 without placement groups, and a topology around the dp 2 x cp 2 CP
 group (``from_groups``, as the Trainer integration adopts accelerate's). Each rank reports the
 ranks of every group it holds and its coordinates; then it runs the placed batches of
-``placement_cases.MIXED_PACKS`` (cp 4: sequences split over all ranks and over pairs, cp 2: over
+``support.placement_cases.MIXED_PACKS`` (cp 4: sequences split over all ranks and over pairs, cp 2: over
 both ranks) forward and backward through each topology, interleaved, and returns its shard's
 results for the parent to compare with the per-sequence fp64 oracle. The topology made without
 placement groups refuses the pair-split batch on every rank before any collective, while the
@@ -17,14 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _attention_cases import random_case, reference_results, worst_errors
-from placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 from thdpack.attention import thd_attention
 from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology
 from thdpack.loss import StepLoss
 from thdpack.testing import run_distributed
+
+from support.attention_cases import random_case, reference_results, worst_errors
+from support.placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 pytestmark = pytest.mark.distributed
 

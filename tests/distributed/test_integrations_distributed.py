@@ -34,14 +34,20 @@ pytest.importorskip("trl", reason="the TRL / Trainer integration needs thdpack[t
 
 import torch
 import torch.distributed as dist
-from _hf_cases import keep_float64
-from _trainer_cases import (
+
+from thdpack.cp import gather
+from thdpack.testing import run_distributed
+from thdpack.thd.carriage import META_KEY
+
+from support.hf_cases import keep_float64
+from support.trainer_cases import (
     CLIP,
     MIXED_LENGTHS,
     RecordLosses,
     chat_tokenizer,
     chats,
     checkpoint,
+    cpu_arguments,
     join_launch,
     max_difference,
     placement_kinds,
@@ -53,10 +59,6 @@ from _trainer_cases import (
     token_examples,
     weights,
 )
-
-from thdpack.cp import gather
-from thdpack.testing import run_distributed
-from thdpack.thd.carriage import META_KEY
 
 pytestmark = pytest.mark.distributed
 
@@ -81,43 +83,22 @@ def _trainer_classes():
     )
 
 
+# one step: two micro-batches, clipped, logged, seeded
+STEP = dict(gradient_accumulation_steps=2, logging_steps=1, max_grad_norm=CLIP, seed=0)
+
+
 def _trainer_args(output_dir: str, **overrides):
     from transformers import TrainingArguments
 
-    settings = dict(
-        per_device_train_batch_size=1,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        max_grad_norm=CLIP,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return TrainingArguments(output_dir, **{**settings, **overrides})
+    return cpu_arguments(TrainingArguments, output_dir, **{**STEP, "per_device_train_batch_size": 1, **overrides})
 
 
 def _sft_args(output_dir: str, **overrides):
     from thdpack.integrations.trl import SFTConfig
 
-    settings = dict(
-        max_length=64,
-        assistant_only_loss=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        # keep_float64's torch-function mode does not reach checkpointing's recompute in backward
-        gradient_checkpointing=False,
-        max_grad_norm=CLIP,
-        seed=0,
-        disable_tqdm=True,
-    )
-    return SFTConfig(output_dir, **{**settings, **overrides})
+    # keep_float64's torch-function mode does not reach checkpointing's recompute in backward
+    sft = dict(max_length=64, assistant_only_loss=True, per_device_train_batch_size=2, gradient_checkpointing=False)
+    return cpu_arguments(SFTConfig, output_dir, **{**STEP, **sft, **overrides})
 
 
 def _exactness(trainer, examples, steps: int) -> dict:

@@ -8,7 +8,7 @@ exactly 2*cp_size among them, tail padding), shards its micro-batches with ``cp.
 ``Transformer(shard, cp_group=topology)``, the global-denominator loss of ``thdpack.loss`` and the
 gradient average over the flattened DP x CP group (ring CP; at dp 2 x cp 2 also all-gather and
 all-to-all CP). The loss, every parameter gradient and every real token's logits must equal the
-unpacked single-process oracle (``_model_oracle``) to 1e-10; each planted layout bug must break
+unpacked single-process oracle (``support.model_oracle``) to 1e-10; each planted layout bug must break
 that. The same holds under a per-sequence CP placement (``cp_placement="adaptive"``: short
 sequences whole on one rank, long ones split over a pair of ranks or all of them) at dp x cp in
 {1x2, 1x3, 1x4, 2x2}, with the ring, the all-gather and the all-to-all.
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _model_oracle import compare, oracle_step
 
 from thdpack.cp.topology import CpTopology
 from thdpack.models import ModelConfig, Transformer
@@ -31,6 +30,8 @@ from thdpack.verify.exactness import (
     packed_step,
     sample_lengths,
 )
+
+from support.model_oracle import compare, oracle_step
 
 pytestmark = pytest.mark.distributed
 

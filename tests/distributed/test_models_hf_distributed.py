@@ -17,7 +17,13 @@ ranks (cp 4) or over all of them are exact too.
 from __future__ import annotations
 
 import pytest
-from _hf_cases import (
+
+from thdpack.attention.config import AttentionConfig
+from thdpack.cp.topology import CpTopology
+from thdpack.models.hf.attention import register_hf_attention
+from thdpack.testing import run_distributed
+
+from support.hf_cases import (
     ARCHITECTURES,
     differences,
     hf_model,
@@ -27,11 +33,6 @@ from _hf_cases import (
     samples,
     unpacked_step,
 )
-
-from thdpack.attention.config import AttentionConfig
-from thdpack.cp.topology import CpTopology
-from thdpack.models.hf_attention import register_hf_attention
-from thdpack.testing import run_distributed
 
 pytestmark = pytest.mark.distributed
 

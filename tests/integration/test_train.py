@@ -59,11 +59,6 @@ def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("stores")
-
-
 @pytest.mark.parametrize("parallel", [["parallel.cp_size=2"], ["parallel.cp_size=1"]], ids=["cp2", "dp2"])
 def test_loss_decreases_and_is_finite(tmp_path, cache, parallel):
     result = torchrun(tmp_path, cache, "train.steps=8", "train.checkpoint_every=0", *parallel)

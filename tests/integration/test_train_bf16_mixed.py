@@ -41,11 +41,6 @@ def saved_tensors(out: Path, tmp: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def fp32_losses(tmp_path_factory, cache) -> list[float]:
     out = tmp_path_factory.mktemp("fp32")
     run(config(out, cache, *RUN, "train.precision=fp32"))

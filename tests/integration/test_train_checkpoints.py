@@ -54,6 +54,12 @@ def entry(out: Path, cache: Path, *overrides: str) -> subprocess.CompletedProces
     return subprocess.run([*cmd, *RUN, *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+def copy_run(run: Path, tmp_path: Path) -> Path:
+    """A copy of a module's run (its output_dir) for one test to change."""
+    shutil.copytree(run, tmp_path / "run")
+    return tmp_path / "run"
+
+
 def folders(checkpoints: Path) -> list[str]:
     return sorted(p.name for p in checkpoints.iterdir())
 
@@ -67,11 +73,6 @@ def overwrite_middle(file: Path) -> None:
 
 def truncate(file: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("stores")
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +94,7 @@ def stopped(tmp_path_factory, cache) -> Path:
 
 @pytest.fixture
 def stopped_copy(stopped, tmp_path) -> Path:
-    out = tmp_path / "run"
-    shutil.copytree(stopped, out)
-    return out
+    return copy_run(stopped, tmp_path)
 
 
 def test_fresh_run_into_a_used_output_dir_is_refused_or_overwritten(tmp_path, cache, caplog, capsys):

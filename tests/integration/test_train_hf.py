@@ -24,11 +24,6 @@ HF = ["model=hf", "train.checkpoint_every=2"]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("stores")
-
-
-@pytest.fixture(scope="module")
 def straight(tmp_path_factory, cache) -> Path:
     """4 steps of a random Llama, 2 processes, CP 2."""
     out = tmp_path_factory.mktemp("straight")
@@ -65,8 +60,8 @@ def test_the_hf_folder_holds_the_checkpoint_weights_and_loads_with_the_same_logi
         assert torch.equal(tensor, trained[name]), name
     assert set(trained) - set(saved) <= {"lm_head.weight"}  # tied to the embedding
 
-    from thdpack.models.hf_causal_lm import HFModelConfig, build_hf_model
-    from thdpack.packing import pack_from_segments
+    from thdpack.models.hf.causal_lm import HFModelConfig, build_hf_model
+    from thdpack.packing.packer import pack_from_segments
     from thdpack.thd import thd_collate
 
     plain = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

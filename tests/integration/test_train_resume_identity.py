@@ -13,14 +13,13 @@ records (``short_records.py``), and the overrides of ``test_train.py``.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from short_records import write_short_store
 from test_train import losses
-from test_train_checkpoints import config, folders
+from test_train_checkpoints import config, copy_run, folders
 
 from thdpack.train.trainer import run
 
@@ -49,9 +48,7 @@ def trained(tmp_path_factory, stores) -> Path:
 
 @pytest.fixture
 def out(trained, tmp_path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(trained, copy)
-    return copy
+    return copy_run(trained, tmp_path)
 
 
 def test_resume_on_other_data_is_refused_naming_the_files(out, stores):

@@ -10,7 +10,7 @@ from thdpack.cli import main
 
 
 def test_embedded_example(capsys, tmp_path):
-    argv = ["stats", "--algorithm", "bfd", "sequential", "--overflow", "split", "--json", str(tmp_path / "rows.json")]
+    argv = ["stats", "--algorithm", "bfd", "sequential", "--json", str(tmp_path / "rows.json")]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "skipped 28 empty sequences (length 0)" in out
@@ -28,10 +28,25 @@ def test_lengths_files(capsys, tmp_path):
         assert "| 1,024 | window |" in capsys.readouterr().out
 
 
-def test_stats_defaults_overflow_as_the_plan_config(capsys):
-    """``thdpack stats`` plans like ``PlanConfig``: overflow='error' unless told (it was 'split')."""
-    assert main(["stats", "--algorithm", "bfd"]) == 2
+def test_stats_alone_plans_the_embedded_example_as_the_trainer(capsys):
+    """``thdpack stats`` with no INPUT, the first command a newcomer types, plans the embedded
+    example with the trainer's overflow='split' (some stdlib files are longer than a pack) and says
+    so; it stopped with an overflow error. ``--overflow error`` still stops, naming the sequence."""
+    assert main(["stats", "--algorithm", "bfd"]) == 0
+    out = capsys.readouterr().out
+    assert "overflow: split (the trainer's, for the embedded example" in out
+    assert "| 4,096 | bfd |" in out
+    assert main(["stats", "--algorithm", "bfd", "--overflow", "error"]) == 2
     assert "sequence 4 has 13283 tokens, over pack_size=4096 (772 sequences in total)" in capsys.readouterr().err
+
+
+def test_stats_of_an_input_defaults_overflow_as_the_plan_config(capsys, tmp_path):
+    """An INPUT is planned with ``PlanConfig``'s defaults: overflow='error' unless told."""
+    np.save(tmp_path / "l.npy", np.array([100, 5000, 300]))
+    assert main(["stats", str(tmp_path / "l.npy"), "--algorithm", "bfd"]) == 2
+    assert "sequence 1 has 5000 tokens, over pack_size=4096" in capsys.readouterr().err
+    assert main(["stats", str(tmp_path / "l.npy"), "--algorithm", "bfd", "--overflow", "split"]) == 0
+    assert "overflow:" not in capsys.readouterr().out
 
 
 def test_stats_says_which_cp_placement_it_assumed(capsys, tmp_path):

@@ -10,7 +10,7 @@ import inspect
 
 import pytest
 
-from thdpack import _config_forms
+import thdpack._config_forms as _config_forms
 from thdpack._settings import integer, setting
 from thdpack.data import prepare_command, stats_command
 from thdpack.plan import PlanConfig, plan_packs
@@ -52,7 +52,7 @@ def test_a_setting_added_to_the_plan_config_appears_in_every_cli(monkeypatch, ca
 
 def test_a_setting_added_to_the_plan_config_appears_in_packing_arguments():
     pytest.importorskip("transformers")
-    from thdpack.integrations.transformers import packing_arguments
+    from thdpack.integrations.packing_arguments import packing_arguments
 
     grown = packing_arguments(GrownPlanConfig)
     assert "min_fill" in {f.name for f in dataclasses.fields(grown)}

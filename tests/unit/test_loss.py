@@ -137,7 +137,7 @@ def test_bad_inputs_raise_with_the_values():
     ):
         loss_weights(labels, ThdMeta.from_lengths([2], [2]), reduction="sequence_mean")
     with pytest.raises(
-        TypeError, match=r"meta must be the batch's ThdMeta \(thdpack.thd.meta.thd_meta\(thd\)\), got Tensor"
+        TypeError, match=r"meta must be the batch's ThdMeta \(thdpack.thd.carriage.thd_meta\(thd\)\), got Tensor"
     ):
         loss_weights(labels, torch.tensor([0, 3]), reduction="sequence_mean")
     shard_record = ThdMeta.from_lengths([4], [4], cp_size=2, cp_rank=1)

@@ -1,9 +1,12 @@
-"""The public surface: every exported name of every package resolves, star-imports work in a
-fresh interpreter, the package has no import cycle, and planning does not pull in torch."""
+"""The public surface: the front door's names (``thdpack.__all__``), every exported name of every
+package resolves and has one home, star-imports work in a fresh interpreter, no module imports
+through the top face, no import cycle (package ``__init__`` files and the benchmark scripts
+counted), and ``import thdpack`` / planning do not pull in torch."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 import pkgutil
 import subprocess
@@ -15,6 +18,28 @@ import pytest
 import thdpack
 
 PACKAGE_DIR = Path(thdpack.__file__).parent
+BENCH_DIR = PACKAGE_DIR.parent / "benchmarks"
+FRONT_DOOR = {
+    "__version__",
+    # planning (numpy only: imported with the package)
+    "plan_packs",
+    "PlanConfig",
+    "PackPlan",
+    "PackingStats",
+    "IGNORE_INDEX",
+    # packs, THD batches, attention, loss (torch: imported on first use)
+    "PackedDataset",
+    "StreamingPacker",
+    "collate",
+    "to_thd",
+    "thd_collate",
+    "thd_attention",
+    "StepLoss",
+    "packed_cross_entropy",
+    # token stores
+    "TokenStore",
+    "verify_store",
+}
 # modules that need an optional extra to import at all
 OPTIONAL = {
     "thdpack.train.__main__": "hydra",
@@ -148,30 +173,48 @@ def _ancestors(module: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def module_graph() -> dict[str, set[str]]:
-    """module -> the modules whose code runs when it is imported, package ``__init__`` files counted:
+def module_sources(bench_dir: Path = BENCH_DIR) -> dict[str, Path]:
+    """module -> its file: thdpack's modules and the benchmark scripts (as ``benchmarks.<stem>``)."""
+    sources = {name: _path(name) for name in _modules()}
+    sources |= {f"benchmarks.{path.stem}": path for path in sorted(bench_dir.glob("*.py"))}
+    return sources
+
+
+def _resolve_in(name: str, importer: str, modules: set[str]) -> str | None:
+    """``name`` as ``importer`` imports it: a benchmark script imports its siblings by their plain
+    name (benchmarks/ is on its ``sys.path``)."""
+    sibling = f"benchmarks.{name.split('.')[0]}"
+    if importer.startswith("benchmarks.") and sibling in modules:
+        return sibling
+    return _resolve(name, modules)
+
+
+def module_graph(sources: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """module -> the modules whose code runs when it is imported, package ``__init__`` files and
+    benchmark scripts counted (``module_sources``):
 
     - ``import a.b.c`` / ``from a.b.c import x`` runs ``a.b.c`` and every package above it that is
       not also above the importing module (those are already being imported);
     - ``from P import name`` with ``P`` a package also runs (and reads) ``P``'s ``__init__``: it
-      imports the package's face, even from inside ``P``, where the library imports modules.
+      imports the package's face, even from inside ``P``, where the library imports modules;
+    - imports inside functions count: a lazy import that leads back is a cycle the first call closes.
     """
-    modules = set(_modules())
+    sources = module_sources() if sources is None else sources
+    modules = set(sources)
     graph: dict[str, set[str]] = {}
-    for name in modules:
-        path = _path(name)
+    for name, path in sources.items():
         found: list[str | None] = []
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
-                found += [_resolve(a.name, modules) for a in node.names if a.name.startswith("thdpack")]
-            elif isinstance(node, ast.ImportFrom) and (source := _from_target(node, name, path)).startswith("thdpack"):
-                package = _resolve(source, modules)
+                found += [_resolve_in(a.name, name, modules) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (source := _from_target(node, name, path)):
+                package = _resolve_in(source, name, modules)
                 found += [package, *(f"{package}.{a.name}" for a in node.names if f"{package}.{a.name}" in modules)]
             elif _is_import_module_call(node):
                 found.append(_resolve(node.args[0].value, modules))  # type: ignore[attr-defined]
         own = set(_ancestors(name))
         targets = {module for module in found if module is not None}
-        targets |= {a for module in targets for a in _ancestors(module) if a not in own}  # their packages run too
+        targets |= {a for module in targets for a in _ancestors(module) if a not in own and a in modules}
         graph[name] = targets - {name}
     return graph
 
@@ -244,24 +287,43 @@ def test_no_import_cycle_between_stages():
     assert find_cycle(import_graph()) is None
 
 
-def test_no_import_cycle_between_modules_package_inits_included():
+def test_no_import_cycle_between_modules_package_inits_and_benchmarks_included():
     """No module's import runs code that imports it back, counting each package ``__init__`` as
-    the module it is (a face import inside the package is an import of its ``__init__``)."""
-    cycles = module_cycles(module_graph())
+    the module it is (a face import inside the package is an import of its ``__init__``) and the
+    benchmark scripts, whose lazy imports of each other count too."""
+    graph = module_graph()
+    assert "benchmarks.cp_throughput" in graph["benchmarks.train_throughput"]  # a lazy import is seen
+    assert "thdpack.plan" in graph["benchmarks.plan_bench"]  # and thdpack, through the face it imports
+    cycles = module_cycles(graph)
     assert cycles == [], "\n".join(f"{len(c)} modules: {' -> '.join(c)}" for c in cycles)
 
 
 def test_the_module_cycle_check_can_fail():
     """A face import inside a package is a cycle through its ``__init__``; a module import is not."""
-    face = "from thdpack.packing import layout"
+    face = "from thdpack.packing import pack_layout"
     graph = {
         "thdpack.packing": {"thdpack.packing.dataset"},
         "thdpack.packing.dataset": {"thdpack.packing"},  # what `face` makes of it
-        "thdpack.packing.layout": set(),
+        "thdpack.packing.pack_layout": set(),
     }
     assert module_cycles(graph) == [["thdpack.packing", "thdpack.packing.dataset"]], face
-    graph["thdpack.packing.dataset"] = {"thdpack.packing.layout"}
+    graph["thdpack.packing.dataset"] = {"thdpack.packing.pack_layout"}
     assert module_cycles(graph) == []
+
+
+def test_the_module_cycle_check_fails_on_a_planted_benchmark_cycle(tmp_path):
+    """Benchmark scripts importing each other back (one of them lazily, as ``--cp`` modes do) are a
+    cycle; a script importing thdpack and a sibling one way is not."""
+    (tmp_path / "a.py").write_text("import b\nfrom thdpack.plan.api import plan_packs\n")
+    (tmp_path / "b.py").write_text("def f():\n    from a import g\n")
+    (tmp_path / "c.py").write_text("import a\n")
+    graph = module_graph(module_sources(tmp_path))
+    assert graph["benchmarks.b"] == {"benchmarks.a"} and "thdpack.plan.api" in graph["benchmarks.a"]
+    assert module_cycles(graph) == [["benchmarks.a", "benchmarks.b"]]
+    (tmp_path / "b.py").write_text("import c\n")  # a -> b -> c -> a
+    assert module_cycles(module_graph(module_sources(tmp_path))) == [["benchmarks.a", "benchmarks.b", "benchmarks.c"]]
+    (tmp_path / "b.py").write_text("import json\n")
+    assert module_cycles(module_graph(module_sources(tmp_path))) == []
 
 
 def test_the_cycle_check_can_fail():
@@ -301,9 +363,89 @@ def test_names_readme_and_the_contract_document_import_plainly():
     assert out.stdout.split() == ["-100", "thdpack.packing.dataset"]
 
 
-def test_root_exports_only_what_users_call():
-    internals = {"assemble_pack", "read_sample", "layout_mask", "segment_ids", "TokenLayout", "token_layout"}
-    assert not internals & set(thdpack.__all__)
+def test_the_front_door():
+    """``thdpack`` serves the names of the plan -> pack -> THD -> attention / loss path, CONTRACT's
+    included; every other name lives in its stage's package."""
+    assert set(thdpack.__all__) == FRONT_DOOR and len(thdpack.__all__) == len(FRONT_DOOR)
+    for name in FRONT_DOOR:
+        assert getattr(thdpack, name) is not None, name
+
+
+def test_the_torch_names_are_visible_to_static_tools():
+    """Each name ``__getattr__`` imports on first use is also imported under ``TYPE_CHECKING``,
+    from the same module, and the eager imports plus those are the front door."""
+    tree = ast.parse((PACKAGE_DIR / "__init__.py").read_text())
+    eager, typed = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module not in ("__future__", "typing"):
+            eager |= {(node.module, a.name) for a in node.names}
+        elif isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            typed |= {(n.module, a.name) for n in node.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert typed == {(module, name) for name, module in thdpack._LAZY.items()}
+    assert {name for _, name in eager | typed} == FRONT_DOOR
+
+
+def test_import_thdpack_loads_neither_torch_nor_the_torch_names():
+    code = (
+        "import sys, thdpack\n"
+        "print('torch' in sys.modules, sorted(n for n in thdpack._LAZY if n in vars(thdpack)), thdpack.PlanConfig.__name__)\n"
+        "thdpack.thd_collate\n"
+        "print('torch' in sys.modules)"
+    )
+    out = _run(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "[]", "PlanConfig", "True"]
+
+
+def _face_imports(path: Path) -> dict[str, str]:
+    """name -> the module a package face imports it from."""
+    found = {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("thdpack"):
+            found.update({alias.asname or alias.name: node.module for alias in node.names})
+    return found
+
+
+def test_every_exported_name_has_one_home():
+    """A package exports only what its own modules define, and no name is exported by two packages
+    (the front door aside): one path to each name."""
+    homes: dict[str, list[str]] = {}
+    for package in _packages():
+        names = getattr(importlib.import_module(package), "__all__", None)
+        if package == "thdpack" or names is None:
+            continue
+        imported = _face_imports(_path(package))
+        for name in names:
+            assert imported[name].startswith(f"{package}."), f"{package}.{name} comes from {imported[name]}"
+            homes.setdefault(name, []).append(package)
+    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+
+
+def top_face_imports(path: Path, module: str) -> list[int]:
+    """The lines where ``module`` imports a name through ``thdpack/__init__`` (``from thdpack import
+    x``, or its relative twin from a top-level module), instead of from the module that defines it."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and _from_target(node, module, path) == "thdpack":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_no_module_imports_through_the_top_face():
+    """The top face is for users: a module that imported through it would run (and depend on) the
+    whole face, and ``from thdpack import _optional`` reads as a public name."""
+    found = {name: lines for name, path in module_sources().items() if (lines := top_face_imports(path, name))}
+    assert found == {}
+
+
+def test_the_top_face_check_can_fail(tmp_path):
+    module = tmp_path / "backend.py"
+    module.write_text("import thdpack._optional as _optional\nfrom thdpack._version import __version__\n")
+    assert top_face_imports(module, "thdpack.attention.backends.backend") == []
+    module.write_text("import json\n\nfrom thdpack import _optional\n")
+    assert top_face_imports(module, "thdpack.attention.backends.backend") == [3]
+    module.write_text("from . import __version__\n")  # a top-level module's relative twin
+    assert top_face_imports(module, "thdpack.cli") == [1]
 
 
 def test_planning_does_not_import_torch():

@@ -227,7 +227,7 @@ def ring_attention(
     Args:
         q_TNH: (T, Nq, H) this rank's queries in ``thdpack.cp.shard`` order.
         k_TNH / v_TNH: (T, Nkv, H) / (T, Nkv, Hv), ``Nq % Nkv == 0``.
-        meta: the shard's record (:func:`thdpack.thd.meta.thd_meta`; ``cp_size`` = ``cp_group``'s
+        meta: the shard's record (:func:`thdpack.thd.carriage.thd_meta`; ``cp_size`` = ``cp_group``'s
             size, ``cp_rank`` = this rank in it, as ``ThdMeta.check_cp_group`` checks).
         cp_group: the context-parallel group (None: the default group).
         causal, scale: attention mask type and softmax scale.

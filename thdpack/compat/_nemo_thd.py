@@ -200,7 +200,7 @@ def split_batch_into_thd_chunks(
 ) -> dict[str, Any]:
     """NeMo's ``split_batch_into_thd_chunks``: ``process_input_for_thd`` on C groups of rows.
 
-    ``num_chunks <= 1`` is ``process_input_for_thd(batch)``. Otherwise ``thdpack.split_micro_batches``
+    ``num_chunks <= 1`` is ``process_input_for_thd(batch)``. Otherwise ``thdpack.thd.split_micro_batches``
     cuts the batch into chunks of ``B/C`` consecutive rows; ``input_ids``, ``labels``,
     ``position_ids``, ``padding_mask`` are stacked to (C, T/C), ``cu_seqlens`` to (C, K) int32
     right-padded with the filler, ``cu_seqlens_padded`` likewise when any chunk has one (others

@@ -25,7 +25,7 @@ Each drop-in is a thdpack core call plus NeMo's names and quirks: ``pack_dataset
 ``plan_packs(algorithm="sequential", overflow="drop" | "error")`` + ``assemble_pack``,
 ``packed_sequence_thd_collater`` is ``thdpack.collate``, ``process_input_for_thd`` is
 ``thdpack.to_thd`` (which checks the lengths and takes ``padding_mask`` from the layout),
-``split_batch_into_thd_chunks`` is ``thdpack.split_micro_batches`` and ``process_input_for_thd``
+``split_batch_into_thd_chunks`` is ``thdpack.thd.split_micro_batches`` and ``process_input_for_thd``
 per chunk, ``make_cp_batch_for_te`` shards with ``thdpack.cp.shard``, and
 ``create_block_causal_mask`` is ``thdpack.attention.masks.block_causal_mask``. A fix in the core
 fixes the drop-in. Their outputs have NeMo's keys exactly (no ``thd_meta`` record): thdpack's

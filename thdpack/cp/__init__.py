@@ -10,7 +10,7 @@ ring / row communication (``comm``) that the CP attention algorithms in ``thdpac
 
 from __future__ import annotations
 
-from thdpack.cp.partition import gather, local_placement, partition_indices, rank_token_indices, shard, unshard
+from thdpack.cp.partition import gather, partition_indices, shard, unshard
 from thdpack.cp.topology import CpTopology
 
-__all__ = ["CpTopology", "gather", "local_placement", "partition_indices", "rank_token_indices", "shard", "unshard"]
+__all__ = ["CpTopology", "gather", "partition_indices", "shard", "unshard"]

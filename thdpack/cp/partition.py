@@ -320,7 +320,7 @@ def shard(
     Under a per-sequence placement (docs/design/cp_placement.md): 6 tokens split over both
     ranks (slot 8), 3 whole on rank 1, 1 whole on rank 0, then a padding entry per rank.
 
-    >>> from thdpack.packing import assemble_pack, read_sample
+    >>> from thdpack.packing.packer import assemble_pack, read_sample
     >>> from thdpack.thd import thd_collate
     >>> samples = [{"input_ids": [1, 2, 3, 4, 5, 6]}, {"input_ids": [10, 20, 30]}, {"input_ids": [100]}]
     >>> place = PackPlacement.from_groups([6, 3, 1], {(0, 2): [0], (1, 1): [1], (0, 1): [2]}, cp_size=2, pack_size=16)

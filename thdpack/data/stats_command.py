@@ -1,13 +1,15 @@
 """``thdpack stats``: compare planners and pack sizes on a dataset's lengths; table, JSON, plots.
 
-thdpack stats --overflow split                  # the embedded example (CPython stdlib, GPT-2 tokens)
+thdpack stats                                   # the embedded example (CPython stdlib, GPT-2 tokens)
 thdpack stats lengths.npy --pack-size 8192 --cp-size 2 --plot-dir out/
 thdpack stats runs/web --pack-size 8192         # a token store: verified in full first (non-zero exit if damaged)
 
 Every setting of the plan is an option (generated from ``thdpack.plan.PlanConfig``'s fields, its
 defaults but ``--cp-placement``'s, which is the trainer's: ``adaptive``); ``--pack-size`` and
 ``--algorithm`` take several values to compare. Under ``--cp-size`` > 1 the output says which CP
-placement it assumed.
+placement it assumed. Without INPUT the embedded example is planned as the trainer plans it,
+``--overflow split`` unless told otherwise (some of its files are longer than a pack), and the
+output says so.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from thdpack.plan.packing_stats import PackingStats
 
 EXAMPLE = "python311_stdlib.gpt2.lengths.npy"
 EXAMPLE_NOTE = "embedded example: the 1,790 .py files of CPython 3.11's standard library, in GPT-2 tokens"
+EXAMPLE_OVERFLOW = "split"
+"""The embedded example's overflow policy when ``--overflow`` is not given: the trainer's (its
+packing presets split), so that ``thdpack stats`` alone plans the data the trainer trains on."""
 
 
 def example_lengths_path() -> Path:
@@ -173,20 +178,36 @@ def add_stats_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(
         parser,
         PlanConfig,
-        defaults={"pack_size": [4096], "algorithm": ["all"], "cp_placement": TRAINING_CP_PLACEMENT},
+        defaults={
+            "pack_size": [4096],
+            "algorithm": ["all"],
+            "cp_placement": TRAINING_CP_PLACEMENT,
+            "overflow": None,
+        },
         many=("pack_size", "algorithm"),
         more_choices={"algorithm": ("all",)},
-        notes={"pack_size": "One or more: each is planned.", "algorithm": "One or more, or 'all': each is planned."},
+        notes={
+            "pack_size": "One or more: each is planned.",
+            "algorithm": "One or more, or 'all': each is planned.",
+            "overflow": f"None: PlanConfig's, 'error'; without INPUT, {EXAMPLE_OVERFLOW!r} (the trainer's).",
+        },
     )
     parser.add_argument("--json", type=Path, help="write the rows as JSON here")
     parser.add_argument("--plot-dir", type=Path, help="write PNG plots here (needs matplotlib)")
 
 
 def plan_configs(args: argparse.Namespace) -> list[PlanConfig]:
-    """One ``PlanConfig`` per (pack size, algorithm) of the command line, the other settings its options."""
+    """One ``PlanConfig`` per (pack size, algorithm) of the command line, the other settings its
+    options; an ``--overflow`` not given is PlanConfig's for an INPUT, the trainer's for the example."""
     algorithms = list(ALGORITHMS) if "all" in args.algorithm else args.algorithm
+    settings = vars(args).copy()
+    if settings["overflow"] is None:
+        if args.input:
+            del settings["overflow"]
+        else:
+            settings["overflow"] = EXAMPLE_OVERFLOW
     return [
-        from_flat(PlanConfig, {**vars(args), "pack_size": pack_size, "algorithm": algorithm})
+        from_flat(PlanConfig, {**settings, "pack_size": pack_size, "algorithm": algorithm})
         for pack_size in args.pack_size
         for algorithm in algorithms
     ]
@@ -214,6 +235,11 @@ def run_stats(args: argparse.Namespace) -> int:
         print(verify_store(source))
     lengths = load_lengths(source)
     print(f"input: {source if args.input else EXAMPLE_NOTE}")
+    if not args.input and args.overflow is None:
+        print(
+            f"overflow: {EXAMPLE_OVERFLOW} (the trainer's, for the embedded example: its files longer than a pack "
+            "are split; --overflow error stops at the first)"
+        )
     empty = int((lengths == 0).sum())
     if empty:
         print(f"skipped {empty:,} empty sequences (length 0): they hold no token to train on")

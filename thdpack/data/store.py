@@ -54,7 +54,7 @@ from typing import Any, NoReturn, overload
 
 import numpy as np
 
-from thdpack import __version__
+from thdpack._version import __version__
 from thdpack.data.encode import SAMPLE_FORMATS, SampleFormat, TokenizedSample
 from thdpack.data.manifest import (
     LOSS_MASK_FILE,

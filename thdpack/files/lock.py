@@ -43,7 +43,7 @@ class FolderBusyError(ValueError):
 
 BusyError = Callable[[Path, str, str], Exception]
 """What a busy folder raises, made from (folder, problem, fix): ``FolderBusyError`` unless the
-folder's owner names its own (a token store raises ``thdpack.data.StoreBusyError``)."""
+folder's owner names its own (a token store raises ``thdpack.data.manifest.StoreBusyError``)."""
 
 
 def lock_file_of(folder: str | os.PathLike[str]) -> Path:

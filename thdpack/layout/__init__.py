@@ -14,45 +14,9 @@
 
 from __future__ import annotations
 
-from thdpack.layout.entries import CpLayout, rank_sums
-from thdpack.layout.placement import CpPlacement, PackPlacement, check_budgets
-from thdpack.layout.ranks import RankPart, rank_indices, rank_parts
-from thdpack.layout.rules import (
-    IGNORE_INDEX,
-    check_cp,
-    check_cp_multiple,
-    check_cp_size,
-    check_groups,
-    check_pack_size,
-    cp_multiple,
-    group_options,
-    group_sizes,
-    round_up_to_cp,
-    sequence_name,
-    slot_lengths,
-    slot_multiple,
-)
+from thdpack.layout.entries import CpLayout
+from thdpack.layout.placement import CpPlacement, PackPlacement
+from thdpack.layout.ranks import rank_indices
+from thdpack.layout.rules import slot_lengths
 
-__all__ = [
-    "IGNORE_INDEX",
-    "CpLayout",
-    "CpPlacement",
-    "PackPlacement",
-    "RankPart",
-    "check_budgets",
-    "check_cp",
-    "check_cp_multiple",
-    "check_cp_size",
-    "check_groups",
-    "check_pack_size",
-    "cp_multiple",
-    "group_options",
-    "group_sizes",
-    "rank_indices",
-    "rank_parts",
-    "rank_sums",
-    "round_up_to_cp",
-    "sequence_name",
-    "slot_lengths",
-    "slot_multiple",
-]
+__all__ = ["CpLayout", "CpPlacement", "PackPlacement", "rank_indices", "slot_lengths"]

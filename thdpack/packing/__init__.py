@@ -5,26 +5,18 @@ streaming (``StreamingPacker``) datasets that serve them, built with the run's `
 from __future__ import annotations
 
 from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
-from thdpack.packing.dealing import Epochs, EpochShard
-from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, build_pack, pack_from_segments, read_sample
+from thdpack.packing.packer import Pack, build_pack
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.steps import Step, StepStream
+from thdpack.packing.step_stream import StepStream
 from thdpack.packing.streaming import StreamingPacker, StreamingPackerConfig
 
 __all__ = [
-    "EpochShard",
-    "Epochs",
     "Pack",
     "PackedDataset",
     "PackedDatasetConfig",
     "PackingRuntime",
-    "SampleTokens",
-    "Step",
     "StepStream",
     "StreamingPacker",
     "StreamingPackerConfig",
-    "assemble_pack",
     "build_pack",
-    "pack_from_segments",
-    "read_sample",
 ]

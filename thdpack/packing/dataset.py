@@ -45,8 +45,8 @@ from thdpack._settings import Settings, check_int, flag, one_of, setting
 from thdpack.packing.dealing import BALANCES, REMAINDERS, Balance, Epoch, Epochs, EpochShard, Remainder, rank_share
 from thdpack.packing.packer import Pack, build_pack, read_sample
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.state import check_saved_settings
-from thdpack.packing.steps import StepStream
+from thdpack.packing.saved_settings import check_saved_settings
+from thdpack.packing.step_stream import StepStream
 from thdpack.plan.api import as_lengths
 from thdpack.plan.config import PlanConfig
 from thdpack.plan.packing_stats import PackingStats
@@ -230,7 +230,7 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def step_stream(self, *, micro_batches: int, packs_per_micro_batch: int) -> StepStream:
         """Optimizer steps over every epoch's packs, dealt to this dataset's data-parallel rank
-        (``runtime.dp_rank`` of ``dp_size``) by ``balance``: :class:`thdpack.packing.steps.StepStream`."""
+        (``runtime.dp_rank`` of ``dp_size``) by ``balance``: :class:`thdpack.packing.step_stream.StepStream`."""
         return StepStream(
             self.epochs,
             self.epoch_pack,

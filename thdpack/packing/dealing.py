@@ -7,7 +7,7 @@ This module alone decides which packs a data-parallel rank sees:
   and its packs are put in an order shuffled by a second seed derived from ``(seed, e)``. Every
   rank computes the same epochs, so the global order needs no communication;
 - **balanced steps** (:func:`deal`): a step's packs go to the ranks with equal counts and
-  balanced work, what :class:`thdpack.packing.steps.StepStream` (the trainer's stream) does;
+  balanced work, what :class:`thdpack.packing.step_stream.StepStream` (the trainer's stream) does;
 - **the map-style share** (:func:`rank_share`): an epoch's order dealt round robin, with the
   ``remainder`` policy evening out the ranks; what ``PackedDataset[i]`` serves;
 - **round robin** (:func:`round_robin`) for a fixed layout (``thdpack verify``'s step).
@@ -85,7 +85,7 @@ class Epoch:
 
 
 class Epochs:
-    """Every epoch's plan and pack order over ``lengths`` (checked: ``thdpack.plan.as_lengths``),
+    """Every epoch's plan and pack order over ``lengths`` (checked: ``thdpack.plan.api.as_lengths``),
     each planned once.
 
     The two most recent epochs are kept, so a consumer whose step straddles an epoch boundary

@@ -39,7 +39,7 @@ import torch
 
 from thdpack.layout.placement import PackPlacement
 from thdpack.layout.rules import IGNORE_INDEX
-from thdpack.packing.layout import (
+from thdpack.packing.pack_layout import (
     apply_loss_mask,
     next_token_labels,
     pack_seq_lens_padded,

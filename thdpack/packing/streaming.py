@@ -51,7 +51,7 @@ from thdpack._settings import Settings, integer, one_of, setting
 from thdpack.layout.rules import check_pack_size, cp_multiple, round_up_to_cp
 from thdpack.packing.packer import Pack, SampleTokens, assemble_pack, read_sample
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.state import check_saved_settings
+from thdpack.packing.saved_settings import check_saved_settings
 from thdpack.plan.config import check_pack_size_setting
 from thdpack.plan.improve import SizePool
 from thdpack.plan.overflow import OVERFLOW_COUNTS, OVERFLOWS, Overflow, apply_overflow

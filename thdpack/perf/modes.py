@@ -13,7 +13,7 @@ A mode is how sequences reach the ranks of a ``world = dp x cp`` mesh:
 ``MODES`` is the closed set; ``auto`` (per pack the fastest of te / adaptive / a2a by modelled
 time) joins it with the ``time`` cost model: it plugs in as one more ``_plan`` branch.
 
-Steps are cut as thdpack's trainer cuts them (``thdpack.packing.steps``): the epoch's packs in a
+Steps are cut as thdpack's trainer cuts them (``thdpack.packing.step_stream``): the epoch's packs in a
 seeded shuffled order, ``dp x micro_batches`` per step, dealt to the data-parallel ranks by
 ``thdpack.packing.dealing.deal`` (largest attention cost first to the least-loaded rank). With
 ``batch_size``, each global batch of that many sequences is planned on its own instead (how

@@ -76,7 +76,7 @@ THDBatch = dict[str, Any]
 def validate_thd(thd: Mapping[str, Any]) -> ThdMeta:
     """Check a THD batch (global, or a CP shard); return its record.
 
-    The layout is checked by its record (:func:`thdpack.thd.meta.thd_meta`: ``cu_seqlens`` and
+    The layout is checked by its record (:func:`thdpack.thd.carriage.thd_meta`: ``cu_seqlens`` and
     ``cu_seqlens_padded`` (S+1,), ``[0] == 0``, non-decreasing, real ``<=`` padded per sequence,
     ``max_seqlen`` an int ``>=`` every padded width, under CP every padded width a multiple of
     ``2*cp_size``; a batch thdpack made carries it, checked once), and so are both ``cu``

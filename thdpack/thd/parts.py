@@ -3,7 +3,7 @@
 A Transformer Engine layout shard is one part over all ``cp_size`` ranks. Under a per-sequence
 placement a rank computes one part per split group holding its entries (largest first: TE's
 layout within the group, over the group's ranks), then its whole entries (the local kernel, no
-communication); ``thdpack.layout.rank_parts`` says which rows and entries each part takes.
+communication); ``thdpack.layout.ranks.rank_parts`` says which rows and entries each part takes.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where every token of a THD batch sits: its sequence, its position in it, real or padding.
 
 :class:`TokenPlacement` is the one per-token view of a batch (or of one CP rank's shard, built by
-``thdpack.cp.local_placement``): rows grouped sequence by sequence, each sequence's real tokens
+``thdpack.cp.partition.local_placement``): rows grouped sequence by sequence, each sequence's real tokens
 first (padding follows the real tokens in every layout thdpack makes), with every row's position
 inside its sequence. Masks, attention tiles, the THD ``padding_mask``, per-sequence loss weights
 and segment ids all read it; :func:`global_placement` builds it for a whole batch.

@@ -208,7 +208,7 @@ def save_checkpoint(
 
     ``export(folder)`` (collective, optional) writes more files into the folder before the
     checksums are taken, so they are verified and pruned with it (the Hugging Face folder of a
-    ``model=hf`` run, ``thdpack.train.hf_export``).
+    ``model=hf`` run, ``thdpack.train.export``).
 
     Order: every rank writes its files; rank 0 lists them, every rank hashes a share, rank 0
     writes ``checksums.json`` then ``latest`` (both atomically) and prunes to the ``keep``

@@ -21,7 +21,7 @@ from thdpack.data.sources import SOURCE_FORMATS
 from thdpack.layout.rules import check_pack_size
 from thdpack.loss import LOSS_REDUCTIONS
 from thdpack.models.config import ModelConfig
-from thdpack.models.hf_causal_lm import HFModelConfig
+from thdpack.models.hf.causal_lm import HFModelConfig
 from thdpack.packing.dataset import DATASET_SEED, PackedDatasetConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT
 from thdpack.train.precision import PRECISIONS
@@ -247,7 +247,7 @@ ModelNode = hydra_node(
 )
 """The ``model`` group: ``thdpack.models.ModelConfig``'s fields for thdpack's decoder
 (``kind: thdpack``, the presets tiny / small / 114m), or with ``kind: hf`` a Hugging Face causal
-LM (``configs/model/hf.yaml``: ``thdpack.models.hf_causal_lm.HFModelConfig``): ``path``, a local
+LM (``configs/model/hf.yaml``: ``thdpack.models.hf.causal_lm.HFModelConfig``): ``path``, a local
 folder (``trust_remote_code``: run the code it ships), or ``arch`` with the size fields for a
 random initialisation."""
 AttentionNode = hydra_node(AttentionConfig)

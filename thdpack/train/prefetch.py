@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from thdpack._settings import check_int
-from thdpack.packing.steps import Step, StepStream
+from thdpack.packing.step_stream import Step, StepStream
 from thdpack.thd.format import THDBatch
 
 _POLL_SECONDS = 0.1

@@ -1,5 +1,5 @@
 """The run's data: a cached token store (the steps cut from its packs are
-:class:`thdpack.packing.steps.StepStream`'s)."""
+:class:`thdpack.packing.step_stream.StepStream`'s)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from thdpack import __version__
+from thdpack._version import __version__
 from thdpack.data.encode import TokenizeConfig
 from thdpack.data.manifest import MANIFEST_FILE, STORE_FILES, StoreError
 from thdpack.data.prepared_plan import PLAN_FILE
@@ -26,8 +26,8 @@ from thdpack.data.tokenizer import load_tokenizer
 from thdpack.data.write_store import SKIPPED_FILE, NoSamplesError, write_token_store
 from thdpack.files.lock import FolderBusyError, FolderLock
 from thdpack.models.config import ModelConfig
-from thdpack.models.hf_causal_lm import HFModelConfig
-from thdpack.models.hf_folder import folder_tokenizer
+from thdpack.models.hf.causal_lm import HFModelConfig
+from thdpack.models.hf.folder import folder_tokenizer
 from thdpack.train.config import DataConfig
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The training loop: packed THD batches, CP-sharded, dp x cp replicas, globally normalised loss.
 
 One optimizer step on rank r:
-1. the step's packs are dealt to the DP ranks (``thdpack.packing.steps.StepStream``); this rank's micro-batches
+1. the step's packs are dealt to the DP ranks (``thdpack.packing.step_stream.StepStream``); this rank's micro-batches
    are collated to THD (metadata on the host) and CP-sharded (``cp.shard``);
 2. one collective counts the global loss tokens (``loss.StepLoss``); each micro-batch's loss is
    ``sum(token losses) / global count * world_size``, because DDP / FSDP2 average gradients over
@@ -28,25 +28,19 @@ from torch.nn.parallel import DistributedDataParallel
 from thdpack.data.prepared_plan import read_prepared_plan
 from thdpack.data.store import TokenStore
 from thdpack.models.config import ModelConfig
-from thdpack.models.hf_causal_lm import HFCausalLM, HFModelConfig, build_hf_model
+from thdpack.models.hf.causal_lm import HFCausalLM, HFModelConfig, build_hf_model
 from thdpack.models.transformer import Transformer
 from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.steps import Step, StepStream
+from thdpack.packing.step_stream import Step, StepStream
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
 from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, read_trainer_state, save_checkpoint
 from thdpack.train.config import Config, TrainConfig
-from thdpack.train.hf_export import checkpoint_export, publish_hf_folder
-from thdpack.train.identity import check_resume_identity, run_identity
-from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
-from thdpack.train.output_dir import hold_output_dir
-from thdpack.train.precision import Precision
-from thdpack.train.prefetch import StepPrefetcher
-from thdpack.train.runtime import RankTimeoutError, Runtime, init_runtime, is_collective_timeout, shutdown
-from thdpack.train.step import (
+from thdpack.train.export import checkpoint_export, publish_hf_folder
+from thdpack.train.forward_backward import (
     clip_grad_norm,
     collate_micro_batches,
     forward_backward,
@@ -54,6 +48,12 @@ from thdpack.train.step import (
     parameters_finite,
     prepare_micro_batches,
 )
+from thdpack.train.identity import check_resume_identity, run_identity
+from thdpack.train.metrics import MetricsLog, StepMetrics, padding_comparison, plot_loss, summary
+from thdpack.train.output_dir import hold_output_dir
+from thdpack.train.precision import Precision
+from thdpack.train.prefetch import StepPrefetcher
+from thdpack.train.runtime import RankTimeoutError, Runtime, init_runtime, is_collective_timeout, shutdown
 from thdpack.train.store_cache import check_model_tokenizer, open_token_store, pad_id_of, real_lengths_summary
 from thdpack.train.watchdog import Watchdog
 

@@ -3,6 +3,6 @@ gradient-accumulated training step against the same step on every sequence alone
 
 from __future__ import annotations
 
-from thdpack.verify.command import add_verify_arguments, main, run_verify
+from thdpack.verify.command import run_verify
 
-__all__ = ["add_verify_arguments", "main", "run_verify"]
+__all__ = ["run_verify"]

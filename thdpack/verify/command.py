@@ -29,7 +29,7 @@ from typing import Any, Literal, NamedTuple, get_args
 import torch
 import torch.distributed as dist
 
-from thdpack._config_forms import add_options
+from thdpack._config_forms import add_options, from_flat
 from thdpack.attention.config import BACKENDS, CP_COMM_TYPES, AttentionConfig
 from thdpack.cp.topology import CpTopology
 from thdpack.loss import LOSS_REDUCTIONS
@@ -137,14 +137,8 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace) -> VerifyJob:
-    spread = StepSpread(
-        dp_size=args.dp_size,
-        cp_size=args.cp_size,
-        micro_steps=args.micro_steps,
-        reduction=args.reduction,
-        fault=args.inject_fault,
-        cp_placement=args.cp_placement,
-    )
+    # each field from the option of its name; --inject-fault says what the fault field is for
+    spread = from_flat(StepSpread, {**vars(args), "fault": args.inject_fault})
     config = ModelConfig.preset(
         args.model, attention=AttentionConfig(backend=args.backend, cp_comm_type=args.cp_comm_type)
     )

@@ -45,7 +45,7 @@ from thdpack.plan.config import CP_PLACEMENTS, LIBRARY_CP_PLACEMENT, CpPlacement
 from thdpack.thd.batch import thd_collate
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.format import THDBatch
-from thdpack.train.step import StepHooks, forward_backward, prepare_micro_batches
+from thdpack.train.forward_backward import StepHooks, forward_backward, prepare_micro_batches
 
 Fault = Literal["none", "cross_sequence_attention", "local_positions", "foreign_shard", "mean_of_means"]
 FAULTS: tuple[Fault, ...] = get_args(Fault)
@@ -55,7 +55,7 @@ sequence; RoPE from each token's local index on its CP rank instead of its globa
 per-rank, per-micro-step means. Positions that fail to restart per sequence are NOT in the list:
 RoPE depends only on the distance between two positions of one sequence, so a per-sequence
 offset changes nothing here (Hugging Face's position-id boundary inference is another matter:
-``thdpack.models.hf_attention``)."""
+``thdpack.models.hf.attention``)."""
 
 BASE_LENGTHS = (13, 1, 4, 9, 2, 17, 8, 6, 3, 11, 5, 7)
 """Sequence lengths of one copy of the test batch: a length-1 sequence (no loss token), 2, 4 and 8
@@ -193,7 +193,7 @@ def packed_step(
     autocast_dtype: torch.dtype | None = None,
 ) -> PackedResult:
     """One optimizer step's forward and backward on this rank's CP shards of its micro-batches,
-    run by the trainer's own step functions (``thdpack.train.step``) with ``spread.fault``
+    run by the trainer's own step functions (``thdpack.train.forward_backward``) with ``spread.fault``
     planted through their hooks.
 
     ``micro_batches``: this DP rank's global THD micro-batches (``global_micro_batches()[dp_rank]``),

@@ -9,9 +9,6 @@ import types
 
 import pytest
 import torch
-from _attention_cases import make_thd, random_case, reference_results
-from placement_cases import MIXED_PACKS, placed_metadata
-from thd_cases import P5
 
 from thdpack.attention import AttentionConfig, reference_attention, select, thd_attention
 from thdpack.attention.backends import flash
@@ -21,6 +18,10 @@ from thdpack.cp import shard as cp_shard
 from thdpack.cp.topology import CpTopology
 from thdpack.thd import thd_collate
 from thdpack.thd.carriage import thd_meta
+
+from support.attention_cases import make_thd, random_case, reference_results
+from support.placement_cases import MIXED_PACKS, placed_metadata
+from support.thd_cases import P5
 
 
 @pytest.fixture(autouse=True)

@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import make_thd, random_case
-from placement_cases import MIXED_PACKS, placed_metadata
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
 from thdpack.attention.merge import output_grads
 from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.carriage import thd_meta
+
+from support.attention_cases import make_thd, missing_library, random_case
+from support.placement_cases import MIXED_PACKS, placed_metadata
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,12 +122,8 @@ def test_bf16_ring_on_flash_tiles_is_within_2x_plain_bf16_error(cp_size, causal)
 @pytest.mark.parametrize("backend", ["varlen", "flash", "te", "flex", "sdpa", "math"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_backends_are_within_2x_plain_bf16_error(backend, causal):
-    if backend == "varlen" and not _optional.has_varlen_attn():
-        pytest.skip("torch.nn.attention.varlen needs torch >= 2.10")
-    if backend == "flash" and not _optional.has_flash_attn():
-        pytest.skip("flash-attn is not installed (pip install 'thdpack[flash]')")
-    if backend == "te" and not _optional.has_transformer_engine():
-        pytest.skip("Transformer Engine is not installed (pip install 'thdpack[te]')")
+    if reason := missing_library(backend):
+        pytest.skip(reason)
     thd = make_thd([5, 1, 170, 64, 33], multiple=8, tail=8)
     case, thd = _cuda_case(thd, 8, 2, 64, seed=3)
 
@@ -139,8 +136,8 @@ def test_backends_are_within_2x_plain_bf16_error(backend, causal):
 
 
 def test_varlen_lse_layout_and_its_gradient_guard():
-    if not _optional.has_varlen_attn():
-        pytest.skip("torch.nn.attention.varlen needs torch >= 2.10")
+    if reason := missing_library("varlen"):
+        pytest.skip(reason)
     thd = make_thd([7, 12], multiple=4)
     case, thd = _cuda_case(thd, 4, 4, 64, seed=5)
     q, k, v = (case[name].bfloat16().requires_grad_() for name in ("q", "k", "v"))
@@ -157,12 +154,8 @@ def test_varlen_lse_layout_and_its_gradient_guard():
 def test_backends_run_a_placed_batch_with_empty_padding_entries(backend):
     """The whole part of a placed shard is a batch with padding entries of no real token (and
     empty slots left out): every kernel runs it within 2x plain bf16 error (one GPU, no CP)."""
-    if backend == "varlen" and not _optional.has_varlen_attn():
-        pytest.skip("torch.nn.attention.varlen needs torch >= 2.10")
-    if backend == "flash" and not _optional.has_flash_attn():
-        pytest.skip("flash-attn is not installed (pip install 'thdpack[flash]')")
-    if backend == "te" and not _optional.has_transformer_engine():
-        pytest.skip("Transformer Engine is not installed (pip install 'thdpack[te]')")
+    if reason := missing_library(backend):
+        pytest.skip(reason)
     thd = placed_metadata(MIXED_PACKS[4])
     case, thd = _cuda_case(thd, 8, 2, 64, seed=4)
     assert thd_meta(thd).groups is not None  # moved with the batch

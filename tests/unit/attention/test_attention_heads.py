@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import make_thd, random_case
 
 from thdpack.attention import reference_attention
 from thdpack.attention.heads import kv_replication, repeat_kv_heads
+
+from support.attention_cases import make_thd, random_case
 
 
 @pytest.mark.parametrize(

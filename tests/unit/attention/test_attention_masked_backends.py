@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import make_thd, random_case
 
 from thdpack.attention import thd_attention
 from thdpack.attention.select import ENV_VAR
+
+from support.attention_cases import make_thd, random_case
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 from hypothesis import given
-from thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 
 from thdpack._optional import has_flex_attention
 from thdpack.attention.masks import (
@@ -23,6 +22,8 @@ from thdpack.attention.masks import (
 from thdpack.cp import partition_indices, shard
 from thdpack.thd import collate, thd_collate
 from thdpack.thd.tokens import TokenPlacement
+
+from support.thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 
 
 def _reference_mask(thd, causal=True):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import autograd_results, global_errors, make_thd, random_case, reference_results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,9 +11,11 @@ from thdpack.attention import math_kernel
 from thdpack.attention.backends.math import attend as attend_math
 from thdpack.attention.backends.math import tiled_attention
 from thdpack.attention.merge import merge_partials, output_grads
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.tokens import TokenPlacement
+
+from support.attention_cases import autograd_results, global_errors, make_thd, random_case, reference_results
 
 CPU = torch.device("cpu")
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

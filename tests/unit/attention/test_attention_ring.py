@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attention_cases import LENGTH_MIXES, autograd_results, global_errors, make_thd, random_case, reference_results
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from thdpack.attention import ring
 from thdpack.attention.ring_simulation import simulated_ring_attention
+
+from support.attention_cases import (
+    LENGTH_MIXES,
+    autograd_results,
+    global_errors,
+    make_thd,
+    random_case,
+    reference_results,
+)
 
 
 def _ring(thd, cp_size, causal):

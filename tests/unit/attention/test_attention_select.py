@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention import BACKENDS, select
 from thdpack.attention.backends import flash, flex, math, sdpa, te, varlen
 from thdpack.attention.select import (

@@ -271,7 +271,7 @@ def test_widths_and_lengths_are_checked_against_input_ids(convert, change, messa
 
 
 def test_the_drop_ins_call_the_core(monkeypatch):
-    """process_input_for_thd is thdpack.to_thd, split_batch_into_thd_chunks thdpack.split_micro_batches
+    """process_input_for_thd is thdpack.to_thd, split_batch_into_thd_chunks thdpack.thd.split_micro_batches
     (then to_thd per chunk); a fault only the core checks surfaces with the core's words."""
     import thdpack.compat._nemo_thd as nemo_thd
 

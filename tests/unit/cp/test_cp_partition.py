@@ -14,16 +14,17 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from thd_cases import C1_SECOND, P5, P6, S3, pack_batches
 
 from thdpack._optional import has_transformer_engine
 from thdpack.attention.masks import token_layout
 from thdpack.cp import partition as partition_module
-from thdpack.cp import partition_indices, rank_token_indices, shard, unshard
-from thdpack.cp.partition import TE_MAX_SEQUENCES, gather_order, gather_order_of
+from thdpack.cp import partition_indices, shard, unshard
+from thdpack.cp.partition import TE_MAX_SEQUENCES, gather_order, gather_order_of, rank_token_indices
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.meta import ThdMeta
+
+from support.thd_cases import C1_SECOND, P5, P6, S3, pack_batches
 
 # (cu_seqlens_padded, total, cp_size, per-rank indices): rows 1-8 and 10-14 of the spec's table
 GOLDEN = [

@@ -9,18 +9,21 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from placement_cases import MIXED_PACKS, batch_placements, placed_batch, placed_metadata
 
 from thdpack.attention import simulated_ring_attention
-from thdpack.cp import local_placement, partition_indices, rank_token_indices, shard, unshard
+from thdpack.cp import partition_indices, shard, unshard
+from thdpack.cp.partition import local_placement, rank_token_indices
 from thdpack.layout.entries import CpLayout
 from thdpack.layout.placement import PackPlacement
 from thdpack.layout.ranks import rank_indices
-from thdpack.packing import SampleTokens, assemble_pack, build_pack
+from thdpack.packing import build_pack
+from thdpack.packing.packer import SampleTokens, assemble_pack
 from thdpack.plan import plan_packs
 from thdpack.thd import collate, split_micro_batches, thd_collate, to_thd
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.parts import shard_parts
+
+from support.placement_cases import MIXED_PACKS, batch_placements, placed_batch, placed_metadata
 
 
 def _global_positions(thd: dict) -> torch.Tensor:

@@ -16,9 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thdpack.data import StoreBusyError, StoreError, StoreVerification, verify_store
+from thdpack.data import StoreError, verify_store
 from thdpack.data.encode import TokenizedSample
+from thdpack.data.manifest import StoreBusyError
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
+from thdpack.data.store_verify import StoreVerification
 from thdpack.data.tokenizer import load_tokenizer
 from thdpack.files.lock import FolderLock
 from thdpack.files.publish import file_digest

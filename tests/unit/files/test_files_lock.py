@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from thdpack.data import StoreBusyError
+from thdpack.data.manifest import StoreBusyError
 from thdpack.files.lock import FolderBusyError, FolderLock, lock_file_of, shared_lock
 
 

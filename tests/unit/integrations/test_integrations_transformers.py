@@ -1,13 +1,12 @@
-"""ThdpackTrainer in one process (no CP): its settings, its refusals, the pack stream's checkpoint
-file, and one exact training step with transformers' own sdpa kept on packed rows; the trainers'
-dataset at cp 2 (built without processes): an adaptive plan's placement reaches the packs and the
-CP shards. The CP runs (2 and 4 processes) are in tests/distributed/test_integrations_distributed.py."""
+"""ThdpackTrainer in one process (no CP): its refusals, the pack stream's checkpoint file, and one
+exact training step with transformers' own sdpa kept on packed rows; the trainers' dataset at cp 2
+(built without processes): an adaptive plan's placement reaches the packs and the CP shards. Its
+settings are tested in test_integrations_packing_arguments.py, the CP runs (2 and 4 processes) in
+tests/distributed/test_integrations_distributed.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import re
 from types import SimpleNamespace
 
 import pytest
@@ -15,10 +14,21 @@ import pytest
 pytest.importorskip("trl", reason="the Trainer integration is tested with thdpack[trl] (transformers, trl, accelerate)")
 
 import torch
-from _hf_cases import keep_float64
-from _trainer_cases import (
+from transformers import TrainingArguments
+
+from thdpack.cp.topology import CpTopology
+from thdpack.integrations.parallel import accelerator_topology
+from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
+from thdpack.integrations.trainer_data import HFSamples, StepSource, packed_dataset
+from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer
+from thdpack.thd.carriage import thd_meta
+from thdpack.thd.parts import shard_parts
+
+from support.hf_cases import keep_float64
+from support.trainer_cases import (
     MIXED_LENGTHS,
     RecordLosses,
+    cpu_arguments,
     max_difference,
     reference_run,
     sgd,
@@ -27,32 +37,11 @@ from _trainer_cases import (
     token_examples,
     weights,
 )
-from transformers import TrainingArguments
-
-from thdpack.attention.config import AttentionConfig
-from thdpack.cp.topology import CpTopology
-from thdpack.integrations.hf_data import HFSamples, StepSource
-from thdpack.integrations.parallel import accelerator_topology
-from thdpack.integrations.stream_state import STATE_FILE, read_stream_state, write_stream_state
-from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer, packed_dataset
-from thdpack.packing.dataset import PackedDatasetConfig
-from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
-from thdpack.thd.carriage import thd_meta
-from thdpack.thd.parts import shard_parts
 
 
 def _args(tmp_path, **overrides) -> TrainingArguments:
-    settings = dict(
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        max_grad_norm=1.0,
-    )
-    return TrainingArguments(str(tmp_path), **{**settings, **overrides})
+    steps = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, max_grad_norm=1.0)
+    return cpu_arguments(TrainingArguments, tmp_path, **{**steps, **overrides})
 
 
 def _trainer(tmp_path, model=None, packing=None, args=None, **kwargs) -> ThdpackTrainer:
@@ -63,88 +52,6 @@ def _trainer(tmp_path, model=None, packing=None, args=None, **kwargs) -> Thdpack
         packing=packing or PackingArguments(pack_size=32),
         **kwargs,
     )
-
-
-def test_packing_arguments():
-    assert PackingArguments().shuffle_packs and not PackingArguments(algorithm="sequential").shuffle_packs
-    assert PackingArguments(algorithm="window", shuffle=True).shuffle_packs
-    with pytest.raises(ValueError, match="pack_size must be >= 1, got 0"):
-        PackingArguments(pack_size=0)
-    with pytest.raises(ValueError, match="unknown overflow policy 'wrap'; valid: error, drop, truncate, split"):
-        PackingArguments(overflow="wrap")
-    assert PackingArguments().cp_placement == TRAINING_CP_PLACEMENT == "adaptive"
-    assert PackingArguments().cost_model == "tiles"
-    with pytest.raises(ValueError, match="unknown cp_placement 'ring'; valid: te, adaptive"):
-        PackingArguments(cp_placement="ring")
-    with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs"):
-        PackingArguments(cost_model="flops")
-    with pytest.raises(TypeError, match=r"cp_size must be an integer, got 2\.0"):
-        PackingArguments(cp_size=2.0)
-
-
-@pytest.mark.parametrize("value", [8.5, 8.0, "8", True, 0, 2**41])
-def test_a_bad_pack_size_raises_what_the_plan_config_raises(value):
-    """The fields are PlanConfig's, with its checks: the same class and message (ValueError before)."""
-    with pytest.raises((TypeError, ValueError)) as expected:
-        PlanConfig(pack_size=value)
-    with pytest.raises(expected.type, match=re.escape(str(expected.value))):
-        PackingArguments(pack_size=value)
-
-
-def test_every_plan_and_dataset_setting_is_a_packing_argument_with_its_help():
-    names = {f.name: f for f in dataclasses.fields(PackingArguments)}
-    wanted = {f.name for f in dataclasses.fields(PlanConfig)} | {
-        f.name for f in dataclasses.fields(PackedDatasetConfig)
-    }
-    # the seed is the Trainer's data_seed, remainder plays no part in a step stream, plan is listed flat
-    assert set(names) == wanted - {"seed", "remainder", "plan"} | {"cp_size", "attention"}
-    for f in dataclasses.fields(PlanConfig):
-        if f.name != "seed":
-            assert names[f.name].metadata["help"].startswith(f.metadata["help"])
-    assert PackingArguments(improve=False).dataset_config(pack_size=64, overflow="error", seed=0).plan.improve is False
-
-
-def test_the_attention_settings_may_be_a_mapping_as_yaml_gives_them():
-    """PackingArguments(attention={...}) (YAML, a command line) builds the AttentionConfig, whose
-    own checks apply; it failed in the trainer with "replace() should be called on dataclass instances"."""
-    assert PackingArguments(attention={"backend": "math", "cp_comm_type": "a2a"}).attention == AttentionConfig(
-        backend="math", cp_comm_type="a2a"
-    )
-    with pytest.raises(ValueError, match="unknown attention backend 'fast'"):
-        PackingArguments(attention={"backend": "fast"})
-    with pytest.raises(TypeError, match="attention: AttentionConfig has no setting 'kernel'; its settings: backend"):
-        PackingArguments(attention={"kernel": "math"})
-    with pytest.raises(TypeError, match="attention must be an instance of AttentionConfig or a mapping"):
-        PackingArguments(attention="math")
-
-
-def test_hf_argument_parser_reads_packing_arguments():
-    from transformers import HfArgumentParser
-
-    parser = HfArgumentParser(PackingArguments)
-    (args,) = parser.parse_args_into_dataclasses(["--pack_size", "64", "--cp_placement", "te", "--improve", "false"])
-    assert (args.pack_size, args.cp_placement, args.improve) == (64, "te", False)
-    (args,) = parser.parse_dict({"pack_size": 64, "attention": {"backend": "math"}})  # a YAML file's dict
-    assert args.attention.backend == "math"
-
-
-@pytest.mark.parametrize("cp_placement", ["te", "adaptive"])
-def test_the_plan_config_carries_every_packing_argument(cp_placement):
-    packing = PackingArguments(
-        algorithm="window", window=7, balance="tokens", cp_placement=cp_placement, cost_model="pairs"
-    )
-    config = packing.dataset_config(pack_size=64, overflow="split", seed=3)
-    assert config.plan.fingerprint() == {
-        "pack_size": 64,
-        "algorithm": "window",
-        "overflow": "split",
-        "window": 7,
-        "seed": 3,
-        "cp_placement": cp_placement,
-        "cost_model": "pairs",
-        "improve": True,
-    }
-    assert (config.shuffle, config.balance) == (False, "tokens")
 
 
 def _cp2_dataset(cp_placement: str):

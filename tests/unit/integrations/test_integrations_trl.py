@@ -19,24 +19,17 @@ import pytest
 pytest.importorskip("trl", reason="the TRL integration needs thdpack[trl] (transformers, trl, accelerate)")
 
 import torch
-from _trainer_cases import chat_tokenizer, chats, tiny_llama
 from datasets import Dataset
 
 from thdpack.integrations.trl import SFTConfig, SFTTrainer
 
+from support.trainer_cases import chat_tokenizer, chats, cpu_arguments, tiny_llama
+
 
 def _config(tmp_path, **overrides) -> SFTConfig:
-    settings = dict(
-        max_length=64,
-        per_device_train_batch_size=1,
-        max_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        bf16=False,
-        disable_tqdm=True,
+    return cpu_arguments(
+        SFTConfig, tmp_path, **{"max_length": 64, "per_device_train_batch_size": 1, "max_steps": 1, **overrides}
     )
-    return SFTConfig(str(tmp_path), **{**settings, **overrides})
 
 
 def _trainer(tmp_path, config=None, **kwargs) -> SFTTrainer:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from placement_cases import placements
 
 from thdpack.layout.ranks import rank_indices, rank_parts
+
+from support.placement_cases import placements
 
 
 def te_formula(slots: np.ndarray, cp: int, rank: int) -> list[int]:

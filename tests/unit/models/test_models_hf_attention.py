@@ -10,7 +10,7 @@ import torch
 
 from thdpack.attention import thd_attention
 from thdpack.cp import shard
-from thdpack.models.hf_attention import (
+from thdpack.models.hf.attention import (
     CP_GROUP_KWARG,
     THD_KWARG,
     hf_attention_forward,
@@ -71,7 +71,7 @@ class _Model(torch.nn.Module):
 
 
 def test_a_cp_shard_carries_the_group_and_no_flash_kwargs(monkeypatch):
-    import thdpack.models.hf_attention as hf
+    import thdpack.models.hf.attention as hf
 
     monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
     group = object()  # stands in for a ProcessGroup: the kwargs only carry it
@@ -100,7 +100,7 @@ def test_kwargs_need_labels_to_include_them():
 )
 def test_the_attention_checks_the_group_against_the_shard(monkeypatch, sharded, group_size, match):
     """hf_packed_kwargs carries the group; thdpack's attention checks it, with ThdMeta's one message."""
-    import thdpack.models.hf_attention as hf
+    import thdpack.models.hf.attention as hf
 
     monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
     group = None if group_size is None else object()  # stands in for a ProcessGroup of group_size ranks
@@ -229,7 +229,7 @@ def test_registration_with_transformers():
     ],
 )
 def test_attention_that_cannot_be_exact_is_refused(monkeypatch, implementation, sharded, message):
-    import thdpack.models.hf_attention as hf
+    import thdpack.models.hf.attention as hf
 
     monkeypatch.setattr(hf, "_REGISTERED", {"thdpack"})
     thd = shard(_thd(cp_multiple=4), 2, 0) if sharded else _thd()

@@ -1,4 +1,4 @@
-"""``thdpack.models.hf_causal_lm``: Hugging Face causal LMs behind thdpack's model interface."""
+"""``thdpack.models.hf.causal_lm``: Hugging Face causal LMs behind thdpack's model interface."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import torch
 import transformers
 
 from thdpack.attention import AttentionConfig
-from thdpack.models.hf_causal_lm import (
+from thdpack.models.hf.causal_lm import (
     ARCHITECTURES,
     ATTENTION_NAME,
     HFModelConfig,
     build_hf_model,
     save_hf_folder,
 )
-from thdpack.packing import pack_from_segments
+from thdpack.packing.packer import pack_from_segments
 from thdpack.thd import thd_collate, thd_to_device
 
 TINY = {"vocab_size": 101, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 48}
@@ -122,9 +122,8 @@ def test_packed_hf_model_on_cuda_in_bf16_matches_sdpa_per_sequence():
 def test_transformers_own_flash_attention_2_fed_by_hf_packed_kwargs_matches_sdpa_per_sequence():
     """Issue 26: a packed row through transformers' own ``flash_attention_2`` (``cu_seq_lens_*`` and
     ``max_length_*`` from ``hf_packed_kwargs``, no thdpack attention in the model) had no test."""
-    from transformers.utils import is_flash_attn_2_available
-
     from thdpack.models.hf_attention import hf_packed_kwargs
+    from transformers.utils import is_flash_attn_2_available
 
     if not is_flash_attn_2_available():
         pytest.skip("transformers finds no flash-attn 2 here (pip install 'thdpack[flash]')")

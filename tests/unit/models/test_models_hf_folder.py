@@ -1,4 +1,4 @@
-"""``thdpack.models.hf_folder``: a Hugging Face folder loads with its weights exactly, as a causal LM,
+"""``thdpack.models.hf.folder``: a Hugging Face folder loads with its weights exactly, as a causal LM,
 or is refused naming what is wrong (issue 17, item 5 and its unclear errors).
 
 Every folder is a real ``save_pretrained`` of a tiny transformers model built here, then changed
@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from thdpack.models.hf_causal_lm import HFModelConfig, build_hf_model
+from thdpack.models.hf.causal_lm import HFModelConfig, build_hf_model
 
 LLAMA = {
     "vocab_size": 101,

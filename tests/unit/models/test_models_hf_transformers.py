@@ -9,7 +9,11 @@ import contextlib
 
 import pytest
 import torch
-from _hf_cases import (
+
+from thdpack.cp import shard
+from thdpack.models.hf.attention import hf_packed_kwargs, register_hf_attention
+
+from support.hf_cases import (
     ARCHITECTURES,
     differences,
     hf_model,
@@ -19,9 +23,6 @@ from _hf_cases import (
     samples,
     unpacked_step,
 )
-
-from thdpack.cp import shard
-from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention
 
 TOL = 1e-10
 IMPLEMENTATIONS = ["eager", "sdpa", "thdpack"]

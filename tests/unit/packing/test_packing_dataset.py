@@ -11,13 +11,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pack_checks import check_packs, unique_samples
 
 from thdpack.packing.dataset import DATASET_SEED, PackedDataset, PackedDatasetConfig
 from thdpack.packing.dealing import epoch_seeds, plan_epoch
 from thdpack.packing.runtime import PackingRuntime
 from thdpack.plan import PlanConfig
 from thdpack.testing import assert_resumable
+
+from support.pack_checks import check_packs, unique_samples
 
 RNG = np.random.default_rng(0)
 LENGTHS = RNG.integers(1, 40, 120).tolist()

@@ -7,10 +7,11 @@ import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
-from pack_checks import check_packs, unique_samples
 
 from thdpack.packing.packer import SampleTokens, assemble_pack, build_pack, pack_from_segments, read_sample
 from thdpack.plan import plan_packs
+
+from support.pack_checks import check_packs, unique_samples
 
 N = -100
 

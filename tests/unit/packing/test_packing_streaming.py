@@ -11,11 +11,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pack_checks import check_packs, unique_samples
 
 from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.streaming import StreamingPacker, StreamingPackerConfig
 from thdpack.testing import assert_resumable
+
+from support.pack_checks import check_packs, unique_samples
 
 
 class StatefulSource:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 from hypothesis import given
-from placement_cases import placements
 
 from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import round_up_to_cp, slot_lengths
 from thdpack.plan.cp_cost import pairs_below, rank_costs, split_cost, whole_limit
+
+from support.placement_cases import placements
 
 
 @given(placements())

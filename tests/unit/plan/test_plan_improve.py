@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 from plan_reference import optimum
 
 import thdpack.plan.improve as improve_module
-from thdpack.plan import plan_histogram, plan_packs, plan_size_classes
+from thdpack.plan import plan_histogram, plan_packs
 from thdpack.plan.bounds import best_lower_bound_of_sizes, l2_lower_bound_of_sizes
 from thdpack.plan.improve import SizePool, repack
+from thdpack.plan.size_classes import plan_size_classes
 
 
 def _slots(lengths, cp_size):

@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from plan_reference import best_fit_decreasing, first_fit_decreasing
 
 import thdpack.plan.assignment as assignment
-from thdpack.plan import plan_histogram, plan_packs, plan_size_classes
+from thdpack.plan import plan_histogram, plan_packs
 from thdpack.plan.assignment import size_ranks
+from thdpack.plan.size_classes import plan_size_classes
 
 
 @st.composite

@@ -9,18 +9,12 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
-from thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 from torch.utils.data import DataLoader
 
-from thdpack.thd import (
-    collate,
-    sequence_lengths,
-    split_micro_batches,
-    thd_collate,
-    thd_to_device,
-    to_thd,
-    validate_thd,
-)
+from thdpack.thd import collate, split_micro_batches, thd_collate, thd_to_device, to_thd, validate_thd
+from thdpack.thd.batch import sequence_lengths
+
+from support.thd_cases import C1_SECOND, P1, P5, P6, make_pack, pack_batches
 
 
 def _padding_positions(thd):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from thd_cases import C1_SECOND, P5
 
 from thdpack.cp import shard
 from thdpack.thd import thd_collate
 from thdpack.thd.format import validate_thd
+
+from support.thd_cases import C1_SECOND, P5
 
 
 def test_accepts_batches_and_shards_and_returns_their_record():

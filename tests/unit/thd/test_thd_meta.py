@@ -7,14 +7,15 @@ import types
 import numpy as np
 import pytest
 import torch
-from _attention_cases import make_thd, shard_of
 from hypothesis import given
 from hypothesis import strategies as st
 
-from thdpack.cp import local_placement
+from thdpack.cp.partition import local_placement
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.meta import ThdMeta
 from thdpack.thd.tokens import global_placement, real_rows
+
+from support.attention_cases import make_thd, shard_of
 
 CPU = torch.device("cpu")
 
@@ -222,7 +223,8 @@ def test_the_record_is_built_once_where_the_batch_is_made(monkeypatch):
 def test_the_record_moves_with_the_batch_and_reads_no_tensor_there(monkeypatch):
     """On the meta device no tensor can be read back: thd_meta, shard and the placements still work,
     because the moved batch carries its record (describing the moved tensors)."""
-    from thdpack.cp import local_placement, shard
+    from thdpack.cp import shard
+    from thdpack.cp.partition import local_placement
     from thdpack.thd import thd_to_device
 
     thd = _two_packs()

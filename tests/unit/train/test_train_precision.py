@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from thdpack.models import ModelConfig, Transformer
-from thdpack.packing import pack_from_segments
+from thdpack.packing.packer import pack_from_segments
 from thdpack.thd import thd_collate, thd_to_device
 from thdpack.train.config import TrainConfig
 from thdpack.train.precision import Precision

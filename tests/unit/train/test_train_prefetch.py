@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from thdpack.packing import PackedDataset
-from thdpack.thd import thd_collate, thd_pin_memory
+from thdpack.thd import thd_collate
+from thdpack.thd.batch import thd_pin_memory
 from thdpack.train.prefetch import StepPrefetcher
 
 LENGTHS = (3, 5, 2, 6, 4, 7, 1, 8, 5, 3, 6, 2)

@@ -186,7 +186,7 @@ def test_a_model_folder_with_another_tokenizer_is_refused_naming_both(chats, tmp
 
     from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
     from thdpack.models.config import ModelConfig
-    from thdpack.models.hf_causal_lm import HFModelConfig
+    from thdpack.models.hf.causal_lm import HFModelConfig
     from thdpack.train.store_cache import check_model_tokenizer
 
     store = write_token_store(

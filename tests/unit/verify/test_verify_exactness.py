@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from _model_oracle import compare, oracle_step
 
 from thdpack.cp.topology import CpTopology
 from thdpack.models import ModelConfig, Transformer
@@ -22,6 +21,8 @@ from thdpack.verify.exactness import (
     sample_lengths,
     unpacked_step,
 )
+
+from support.model_oracle import compare, oracle_step
 
 CONFIG = ModelConfig.preset("tiny")
 ALONE = CpTopology.single()
@@ -124,9 +125,9 @@ def test_baseline_errors_of_bf16_autocast():
 
 
 def test_verify_runs_the_trainers_own_step(monkeypatch):
-    """packed_step is thdpack.train.step's prepare_micro_batches + forward_backward, not a twin."""
+    """packed_step is thdpack.train.forward_backward's prepare_micro_batches + forward_backward, not a twin."""
+    import thdpack.train.forward_backward as step
     import thdpack.verify.exactness as exactness
-    from thdpack.train import step
 
     calls = []
     for name in ("prepare_micro_batches", "forward_backward"):

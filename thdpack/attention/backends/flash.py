@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, needs_cuda_half
 from thdpack.attention.merge import no_lse_gradient, normalize_lse
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, to_1NTH, to_TNH
 from thdpack.attention.masks import flex_block_mask
 from thdpack.attention.merge import normalize_lse

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
 from thdpack.attention.backends.te_rules import TEFacts, te_problem
 from thdpack.attention.heads import kv_replication, repeat_kv_heads

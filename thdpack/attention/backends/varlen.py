@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from thdpack import _optional
+import thdpack._optional as _optional
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts, needs_cuda_half
 from thdpack.attention.config import resolve_softmax_scale
 from thdpack.attention.merge import no_lse_gradient, normalize_lse

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from thdpack.integrations.hf_data import (
+from thdpack.integrations.trainer_data import (
     MICRO_BATCH_KEY,
     STEP_KEY,
     STEP_LABELS_KEY,

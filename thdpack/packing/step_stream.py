@@ -27,7 +27,7 @@ from typing import Any
 from thdpack._settings import check_int
 from thdpack.packing.dealing import Balance, Epochs, Imbalance, deal, imbalance, pack_costs
 from thdpack.packing.packer import Pack
-from thdpack.packing.state import check_saved_settings
+from thdpack.packing.saved_settings import check_saved_settings
 
 
 @dataclass(frozen=True)

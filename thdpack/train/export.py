@@ -1,7 +1,7 @@
 """The Hugging Face folder of a ``model=hf`` run: written into checkpoints, published at the end.
 
 Each checkpoint that carries one (every one with ``train.save_hf=true``, else the last) holds
-``hf/``, a ``save_pretrained`` folder (``thdpack.models.hf_causal_lm.save_hf_folder``) written
+``hf/``, a ``save_pretrained`` folder (``thdpack.models.hf.causal_lm.save_hf_folder``) written
 before the checkpoint's checksums are taken, so it is verified and pruned with the checkpoint. At
 the end of the run the last one is copied to ``output_dir/hf`` (``publish_hf_folder``), where
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads it with transformers' own attention.
@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
 from thdpack.files.publish import replace_folder
-from thdpack.models.hf_causal_lm import save_hf_folder
+from thdpack.models.hf.causal_lm import save_hf_folder
 
 HF_FOLDER = "hf"
 """A ``model=hf`` checkpoint's Hugging Face folder (``save_pretrained``), and the run's final copy."""

@@ -1,8 +1,4 @@
-"""Shared builders for the attention tests: THD metadata from lengths, shards, the oracle's grads.
-
-Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path).
-"""
+"""Shared builders for the attention tests: THD metadata from lengths, shards, the oracle's grads."""
 
 from __future__ import annotations
 
@@ -10,6 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+import thdpack._optional as _optional
 from thdpack.attention import reference_attention
 from thdpack.cp import partition_indices
 
@@ -21,6 +18,19 @@ LENGTH_MIXES: dict[str, Callable[[int], list[int]]] = {
     "not divisible": lambda m: [5, 17, m + 1, 3],
     "identical": lambda m: [2 * m, 2 * m, 2 * m],
 }
+
+# backend -> (the _optional check of its library, why it cannot run without it); the others are pure PyTorch
+_LIBRARIES = {
+    "varlen": ("has_varlen_attn", "torch.nn.attention.varlen needs torch >= 2.10"),
+    "flash": ("has_flash_attn", "flash-attn is not installed (pip install 'thdpack[flash]')"),
+    "te": ("has_transformer_engine", "Transformer Engine is not installed (pip install 'thdpack[te]')"),
+}
+
+
+def missing_library(backend: str) -> str | None:
+    """Why ``backend`` cannot run here (its library is missing), or None when it can."""
+    check, reason = _LIBRARIES.get(backend, (None, None))
+    return reason if check is not None and not getattr(_optional, check)() else None
 
 
 def make_thd(lengths: Sequence[int], cp_size: int = 1, *, multiple: int | None = None, tail: int = 0) -> dict:

@@ -1,8 +1,5 @@
 """Shared builders for the per-sequence CP placement tests: random placements (hypothesis), fixed
 packs that mix every kind of entry, and THD batches laid out by them.
-
-Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path).
 """
 
 from __future__ import annotations
@@ -121,5 +118,5 @@ def placed_batch(packs: Sequence[PackPlacement], seed: int = 0) -> dict:
 
 
 def shard_rows(thd: dict) -> torch.Tensor:
-    """(T_local,) int64 global token indices of a shard (``thdpack.cp.rank_token_indices``)."""
+    """(T_local,) int64 global token indices of a shard (``thdpack.cp.partition.rank_token_indices``)."""
     return torch.tensor(rank_token_indices(thd["thd_meta"]))

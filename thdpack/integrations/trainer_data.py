@@ -1,5 +1,5 @@
-"""Hugging Face examples as thdpack samples, and the loader that gives a ``Trainer`` this rank's
-CP shard of every micro-batch of thdpack's step stream.
+"""Hugging Face examples as thdpack samples, the trainers' ``PackedDataset`` of them, and the loader
+that gives a ``Trainer`` this rank's CP shard of every micro-batch of thdpack's step stream.
 
 Labels. Hugging Face datasets (and TRL's prepared ones) keep ``labels`` aligned with
 ``input_ids``: ``labels[t]`` is token ``t`` itself or -100, and the model's loss shifts them, so
@@ -31,9 +31,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from thdpack.cp.partition import shard
-from thdpack.packing.layout import IGNORE_INDEX
+from thdpack.cp.topology import CpTopology
+from thdpack.layout.rules import IGNORE_INDEX
+from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
 from thdpack.packing.packer import check_token_ids
-from thdpack.packing.steps import StepStream
+from thdpack.packing.runtime import PackingRuntime
+from thdpack.packing.step_stream import StepStream
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
 
@@ -269,3 +272,20 @@ def packed_step_loader(source: StepSource, *, steps_per_epoch: int, micro_batche
         steps_per_epoch=steps_per_epoch, micro_batches=micro_batches, epoch=source.steps_done // steps_per_epoch
     )
     return PackedStepLoader(source, batch_sampler=sampler, collate_fn=_single, num_workers=0)
+
+
+def packed_dataset(
+    config: PackedDatasetConfig,
+    samples: HFSamples,
+    topology: CpTopology,
+    *,
+    pad_id: int,
+    lengths: np.ndarray,
+) -> PackedDataset:
+    """The trainers' ``PackedDataset``: ``config`` for this process's place in dp x cp.
+
+    Under CP with ``config.plan.cp_placement == "adaptive"`` its packs carry their placement
+    (``cp_group_size`` / ``cp_group_start`` per entry), which ``cp.shard`` and thdpack's attention
+    follow, over the topology's placement groups.
+    """
+    return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id), lengths=lengths)

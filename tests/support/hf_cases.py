@@ -2,9 +2,7 @@
 built here (no download), float64 kept float64 inside transformers, one packed training step
 (a whole row, or one CP rank's shard of it) and the unpacked per-sequence reference.
 
-Importable from every test directory (pytest puts tests/ on sys.path for its conftest.py) and
-from spawned ranks (spawn copies the parent's sys.path). Needs transformers (``thdpack[dev]``
-installs it).
+Needs transformers (``thdpack[dev]`` installs it).
 
 Why ``keep_float64``: transformers computes some steps in float32 whatever the model's dtype:
 RMSNorm (``hidden_states.to(torch.float32)``, Gemma's ``x.float()``), RoPE (``inv_freq`` and
@@ -40,8 +38,8 @@ from thdpack.cp.topology import CpTopology
 from thdpack.layout.placement import PackPlacement
 from thdpack.layout.rules import cp_multiple
 from thdpack.loss import count_loss_tokens
-from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
-from thdpack.packing import pack_from_segments
+from thdpack.models.hf.attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs
+from thdpack.packing.packer import pack_from_segments
 from thdpack.thd import THDBatch, thd_collate
 from thdpack.verify.exactness import make_samples
 

@@ -10,7 +10,7 @@ attention implementations.
 
 What CP (and thdpack's attention) requires of the model: no attention-logit softcapping, no
 sliding window shorter than a sequence of the batch, only full / sliding attention layers
-(``thdpack.models.hf_attention.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
+(``thdpack.models.hf.attention.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
 Mistral (window longer than the packs) and Gemma (1) qualify; Gemma 2 / 3 (softcapping,
 short windows) and Llama 4 (chunked layers) do not.
 
@@ -33,8 +33,8 @@ from thdpack._optional import require
 from thdpack.attention.config import AttentionConfig
 from thdpack.cp.topology import CpGroupLike
 from thdpack.models.config import ModelConfig, check_head_sizes
-from thdpack.models.hf_attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
-from thdpack.models.hf_folder import FOLDER_FIX, check_causal, config_json, load_hf_folder
+from thdpack.models.hf.attention import ATTENTION_CONFIG_KWARG, hf_packed_kwargs, register_hf_attention
+from thdpack.models.hf.folder import FOLDER_FIX, check_causal, config_json, load_hf_folder
 from thdpack.thd.carriage import thd_meta
 
 ATTENTION_NAME = "thdpack"
@@ -190,7 +190,7 @@ def build_hf_model(
     A random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every rank
     that builds it with the same seed holds identical weights. A folder (``config.path``) loads
     with its weights exactly and only when its model is a causal LM
-    (``thdpack.models.hf_folder.load_hf_folder`` names what is missing, damaged or bidirectional).
+    (``thdpack.models.hf.folder.load_hf_folder`` names what is missing, damaged or bidirectional).
     """
     transformers = require("transformers", "model=hf")
     register_hf_attention(ATTENTION_NAME)

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from thdpack.layout.rules import IGNORE_INDEX, cp_multiple, round_up_to_cp
-from thdpack.packing.layout import position_ids
+from thdpack.packing.pack_layout import position_ids
 from thdpack.thd.tokens import real_rows
 
 N = IGNORE_INDEX

@@ -1,4 +1,4 @@
-"""thdpack.packing.steps: optimizer steps cut from the dealer's epochs and dealt to DP ranks."""
+"""thdpack.packing.step_stream: optimizer steps cut from the dealer's epochs and dealt to DP ranks."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import logging
 import numpy as np
 import pytest
 import torch
-from pack_checks import unique_samples
 
 from thdpack.cp import shard, unshard
 from thdpack.packing import PackedDataset, PackedDatasetConfig, PackingRuntime
-from thdpack.packing.steps import StepStream
+from thdpack.packing.step_stream import StepStream
 from thdpack.plan import PlanConfig
 from thdpack.thd import thd_collate
+
+from support.pack_checks import unique_samples
 
 RNG = np.random.default_rng(1)
 LENGTHS = RNG.integers(1, 40, 90).tolist()

@@ -1,8 +1,6 @@
 """The unpacked oracle of the model-level exactness tests, written independently of thdpack's
 packer, collater and harness: each sample alone, labels shifted by hand, one hand-made THD
 batch per sequence; and the comparison of a packed step against it.
-
-Importable from every test directory and from spawned ranks (like ``_attention_cases``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ sequences with batch size 1 (transformers 5.x; research/ring_attention.md sectio
   (RMSNorm, RoPE, eager's softmax, the loss: ``.float()`` / ``.to(torch.float32)``), so a
   float64 model agrees with itself packed vs alone only to float32 rounding (measured: 4e-8 on
   logits with eager, where the float32 softmax sums rows of different lengths in a different
-  order). ``tests/_hf_cases.py`` keeps those steps in float64 for the 1e-10 exactness tests.
+  order). ``tests/support/hf_cases.py`` keeps those steps in float64 for the 1e-10 exactness tests.
 * The loss: ``labels`` are shifted inside the model unless ``shift_labels`` is given; thdpack's
   labels are already shifted, so pass both (``hf_packed_kwargs(..., include_labels=True)``),
   plus ``num_items_in_batch`` = ``thdpack.loss.count_loss_tokens(...)`` for the global token mean.
@@ -35,7 +35,7 @@ sequences with batch size 1 (transformers 5.x; research/ring_attention.md sectio
 thdpack's attention as a Hugging Face backend (adds CP, the TE / flash / math backends, real
 ``cu_seqlens`` for exact bidirectional attention)::
 
-    from thdpack.models.hf_attention import hf_packed_kwargs, register_hf_attention
+    from thdpack.models.hf.attention import hf_packed_kwargs, register_hf_attention
     register_hf_attention("thdpack")              # transformers' AttentionInterface.register
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="thdpack")
     out = model(**hf_packed_kwargs(cp.shard(thd, topology.cp_size, topology.cp_rank), cp_group=topology))

@@ -3,8 +3,7 @@ plain unpacked training: tiny random fp64 Llamas and a word-level chat tokenizer
 (nothing downloaded), and a single-process reference that runs every example alone through
 eager transformers and takes the optimizer step by hand.
 
-Importable from every test directory and from spawned ranks (spawn copies sys.path). Needs
-transformers, TRL and accelerate: import after ``pytest.importorskip("trl")``.
+Needs transformers, TRL and accelerate: import after ``pytest.importorskip("trl")``.
 
 Which examples a step trains on comes from the plan, as ``PackedDataset.step_stream`` documents
 it: the epochs' pack orders one after the other, ``packs_per_step`` packs per step.
@@ -24,9 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 import transformers
-from _hf_cases import keep_float64
 
 from thdpack.packing.dataset import PackedDataset
+
+from support.hf_cases import keep_float64
 
 LLAMA = {
     "hidden_size": 32,
@@ -55,6 +55,14 @@ def join_launch(rank: int, world: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def cpu_arguments(kind: type, output_dir: str | Path, **settings: Any) -> Any:
+    """``kind`` (``transformers.TrainingArguments`` or TRL's ``SFTConfig``) for a quiet test run on
+    the CPU in ``output_dir``: no reports, checkpoints or progress bars, no bf16 (the models are
+    fp64), then ``settings``."""
+    quiet = {"report_to": [], "save_strategy": "no", "use_cpu": True, "disable_tqdm": True, "bf16": False}
+    return kind(str(output_dir), **{**quiet, **settings})
 
 
 def tiny_llama(vocab_size: int = VOCAB, implementation: str = "eager", **extra: Any) -> transformers.PreTrainedModel:
