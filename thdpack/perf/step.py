@@ -178,8 +178,9 @@ class StepModel:
                 np.add.at(att_f, pair, f)
                 np.add.at(att_b, pair, b)
                 sent += per_group(split_slot(lengths, g) / g * self.shape.kv_bytes_per_token, mask)
-            kv = self.comm.collective("all_gather", sent, size_G, domains_G)
-            dkv = self.comm.collective("reduce_scatter", sent * self.spec.grad_itemsize / self.shape.itemsize,
+            gathered = sent * size_G  # nccl-tests' size: the all-gather's output, the reduce-scatter's input
+            kv = self.comm.collective("all_gather", gathered, size_G, domains_G)
+            dkv = self.comm.collective("reduce_scatter", gathered * self.spec.grad_itemsize / self.shape.itemsize,
                                        size_G, domains_G)  # fmt: skip
             exp_f += spread(np.where(gather & has_work, kv, 0.0))
             exp_b += spread(np.where(gather & has_work, dkv, 0.0))
