@@ -55,7 +55,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"profile of what is not measured (default: by GPU name, cpu_gloo on the CPU): "
                         f"one of {', '.join(PROFILE_NAMES)} or a file")  # fmt: skip
     parser.add_argument("--budget-s", type=float, default=50.0, help="seconds to spend (the attention lengths stop)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the median is kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (the fastest is kept)")
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
@@ -65,7 +65,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
     profile = calibrate(
         load_shape(args.model), device=device, dtype=dtype, backend=args.backend,
         rank_tokens=args.rank_tokens or (8192 if device.type == "cuda" else 2048),
-        base=load_profile(args.base or _default_base(device)), budget_s=args.budget_s, repeats=args.repeats,
+        base=load_profile(args.base or default_base(device)), budget_s=args.budget_s, repeats=args.repeats,
     )  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -237,7 +237,8 @@ def _device() -> torch.device:
     return torch.device("cuda", local)
 
 
-def _default_base(device: torch.device) -> str:
+def default_base(device: torch.device) -> str:
+    """The shipped profile a device's unmeasured numbers come from."""
     if device.type != "cuda":
         return "cpu_gloo"
     name = torch.cuda.get_device_name(device)

@@ -12,14 +12,14 @@
 - **host**: one eager op: a chain of small multiplications with autograd, forward and backward,
   seconds per op (``thdpack.perf.host``'s unit), timed on the host without waiting for the device.
 
-Times are medians of ``repeats`` after one warm-up, the device synchronised around each (on a GPU).
+Times are the fastest of ``repeats`` after one warm-up, the device synchronised around each (on a
+GPU): on a shared machine a slower run is another process's time, not the kernel's.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +34,8 @@ HOST_CHAIN = 200
 """Multiplications in the chain the host's op cost is timed on (forward and backward: twice as many ops)."""
 
 
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, synchronised on a GPU."""
+def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The fastest wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, synchronised on a GPU."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -49,7 +49,7 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int)
         fn()
         sync()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return min(samples)
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def attention_curves(
         count = max(1, tokens // n)
         case = (equal_batch(n, count, device), tensors(n * count))
         causal, full, both = (
-            median_seconds(lambda c=causal_, b=backward_: run(*case, c, b), device, repeats)  # noqa: B023
+            fastest_seconds(lambda c=causal_, b=backward_: run(*case, c, b), device, repeats)  # noqa: B023
             for causal_, backward_ in ((True, False), (False, False), (False, True))
         )
         pairs = count * n * n
@@ -118,7 +118,7 @@ def attention_curves(
         curves["backward"].append([n, ATTENTION_BACKWARD_FACTOR * per_pair * pairs / backward])
         took = time.monotonic() - began
     one = (equal_batch(1, 1, device), tensors(1))
-    overhead = median_seconds(lambda: run(*one, True, False), device, repeats)
+    overhead = fastest_seconds(lambda: run(*one, True, False), device, repeats)
     return AttentionCurves(**curves, call_overhead_s=overhead)
 
 
@@ -132,7 +132,7 @@ def matmul_flops(shape: ModelShape, *, tokens: int, device: torch.device, dtype:
     for rows, cols in gemms:
         x = torch.randn(tokens, rows, generator=g, device=device, dtype=dtype)
         w = torch.randn(rows, cols, generator=g, device=device, dtype=dtype)
-        seconds += median_seconds(lambda x=x, w=w: x @ w, device, repeats)
+        seconds += fastest_seconds(lambda x=x, w=w: x @ w, device, repeats)
         flops += 2.0 * tokens * rows * cols
     return flops / seconds
 
@@ -141,7 +141,7 @@ def memory_bandwidth(*, device: torch.device, nbytes: int, repeats: int) -> floa
     """Bytes per second of copying a ``nbytes`` buffer (read and written)."""
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return 2.0 * src.numel() * 4 / median_seconds(lambda: dst.copy_(src), device, repeats)
+    return 2.0 * src.numel() * 4 / fastest_seconds(lambda: dst.copy_(src), device, repeats)
 
 
 def host_op_seconds(*, device: torch.device, repeats: int) -> float:
@@ -163,4 +163,4 @@ def host_op_seconds(*, device: torch.device, repeats: int) -> float:
         start = time.perf_counter()
         chain()
         samples.append(time.perf_counter() - start)
-    return statistics.median(samples) / (2 * HOST_CHAIN)
+    return min(samples) / (2 * HOST_CHAIN)

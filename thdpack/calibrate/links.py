@@ -17,7 +17,6 @@ over the group.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ class LinkFit:
 
 
 def _group_seconds(fn: Callable[[], object], group: dist.ProcessGroup, device: torch.device, repeats: int) -> float:
-    """The slowest rank's median seconds of ``fn()`` (every rank of ``group`` calls it together)."""
+    """The slowest rank's fastest seconds of ``fn()`` (every rank of ``group`` calls it together)."""
 
     def sync() -> None:
         if device.type == "cuda":
@@ -61,7 +60,7 @@ def _group_seconds(fn: Callable[[], object], group: dist.ProcessGroup, device: t
         fn()
         sync()
         samples.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)
+    slowest = torch.tensor([min(samples)], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest)
 
