@@ -181,7 +181,7 @@ def _links(device: torch.device, world: int, per_node: int, repeats: int) -> tup
     """The node's link (every node at once) and, across nodes, one rank per node's."""
     if world == 1:
         return None, None
-    sizes = [1 << 16, 1 << 22, 1 << 25] if device.type == "cuda" else [1 << 12, 1 << 18, 1 << 21]
+    sizes = [1 << 16, 1 << 20, 1 << 24, 1 << 27] if device.type == "cuda" else [1 << 12, 1 << 16, 1 << 19, 1 << 22]
     rank, nodes = dist.get_rank(), world // per_node
     node_groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
     intra = measure_link(node_groups[rank // per_node], device=device, sizes=sizes, repeats=repeats)
