@@ -2,11 +2,12 @@
 
     python benchmarks/cp_model_check.py --calibrate docs/performance/calibrated_cpu.json  # 2 gloo ranks, < 1 min
     python benchmarks/cp_model_check.py --profile docs/performance/calibrated_cpu.json \\
-        --measured docs/performance/cp_throughput_cpu.json --json docs/performance/cp_model_check_cpu.json
+        --measured docs/performance/cp_throughput_cpu_rerun.json docs/performance/cp_throughput_cpu.json \\
+        --json docs/performance/cp_model_check_cpu.json
 
 ``--calibrate`` runs ``thdpack calibrate`` under ``torchrun`` with ``cp`` gloo processes for the
 model ``cp_throughput.py`` trains (fp32, ``L / cp`` tokens per rank) and writes the profile.
-The check reads a ``cp_throughput.json`` (what ``python benchmarks/train_throughput.py --cp 2``
+The check reads ``cp_throughput.json`` files (what ``python benchmarks/train_throughput.py --cp 2``
 measured: per lengths file the config, each mode's median step and its ratio to ``te``), plans
 the very packs that run trained (``cp_throughput.step_plan``: the same plan, order and
 placement), builds each mode's mesh run (one CP group of ``cp`` ranks, ``packs_per_step``
@@ -87,8 +88,9 @@ def mode_runs(cfg: CpThroughputConfig, pieces_S: np.ndarray) -> dict[str, MeshRu
     return runs
 
 
-def check(profile_path: Path, measured: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per lengths file and mode: measured and modelled step and ratio to ``te``."""
+def check(profile_path: Path, measured: list[dict[str, Any]], label: str = "") -> list[dict[str, Any]]:
+    """One row per lengths file and mode of a ``cp_throughput.json`` (``label``: which run):
+    measured and modelled step and ratio to ``te``."""
     profile = load_profile(profile_path)
     rows = []
     for result in measured:
@@ -103,7 +105,7 @@ def check(profile_path: Path, measured: list[dict[str, Any]]) -> list[dict[str, 
             mode = row["mode"]
             predicted = step["te"] / step[mode]
             rows.append({
-                "data": data, "mode": mode, "measured_step_s": row["step_s_median"], "measured_steps_s": row["step_s"],
+                "run": label, "data": data, "mode": mode, "measured_step_s": row["step_s_median"], "measured_steps_s": row["step_s"],
                 "predicted_step_s": step[mode], "measured_vs_te": row["vs_te"], "predicted_vs_te": predicted,
                 "error": predicted / row["vs_te"] - 1,
                 "parts_s": {p: float(times[mode].parts[p].mean()) for p in PARTS},
@@ -116,14 +118,14 @@ def markdown(rows: list[dict[str, Any]], profile: str) -> str:
         f"Profile {profile}; modelled with thdpack.perf (THDPACK_CPU), measured by cp_throughput.py; target: the "
         f"te / mode ratio within +-{100 * TARGET:.0f}%.",
         "",
-        "| data | mode | measured step s (median; range) | modelled step s | measured te/mode | modelled te/mode |"
-        " error | modelled linear / attention / comm / host s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| run | data | mode | measured step s (median; range) | modelled step s | measured te/mode |"
+        " modelled te/mode | error | modelled linear / attention / comm / host s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         parts = " / ".join(f"{r['parts_s'][p]:.2f}" for p in ("linear", "attention", "comm", "host"))
         lines.append(
-            f"| {r['data']} | {r['mode']} | {r['measured_step_s']:.2f} ({min(r['measured_steps_s']):.1f}-"
+            f"| {r['run']} | {r['data']} | {r['mode']} | {r['measured_step_s']:.2f} ({min(r['measured_steps_s']):.1f}-"
             f"{max(r['measured_steps_s']):.1f}) | {r['predicted_step_s']:.2f} | "
             f"{r['measured_vs_te']:.3f} | {r['predicted_vs_te']:.3f} | {100 * r['error']:+.1f}% | {parts} |"
         )
@@ -147,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", type=Path, default=None, metavar="OUT", help="write a calibrated CPU profile")
     parser.add_argument("--profile", type=Path, default=None, help="the profile to model with")
-    parser.add_argument("--measured", type=Path, default=None, help="a cp_throughput.json")
+    parser.add_argument("--measured", type=Path, nargs="+", default=None, help="cp_throughput.json files")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
     if args.calibrate:
         calibrate(args.calibrate, CpThroughputConfig())
     if args.profile and args.measured:
-        rows = check(args.profile, json.loads(args.measured.read_text()))
+        rows = [row for path in args.measured for row in check(args.profile, json.loads(path.read_text()), path.name)]
         print(markdown(rows, str(args.profile)))
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
