@@ -105,7 +105,8 @@ def check(profile_path: Path, measured: list[dict[str, Any]], label: str = "") -
             mode = row["mode"]
             predicted = step["te"] / step[mode]
             rows.append({
-                "run": label, "data": data, "mode": mode, "measured_step_s": row["step_s_median"], "measured_steps_s": row["step_s"],
+                "run": label, "data": data, "mode": mode, "measured_step_s": row["step_s_median"],
+                "measured_steps_s": row["step_s"],
                 "predicted_step_s": step[mode], "measured_vs_te": row["vs_te"], "predicted_vs_te": predicted,
                 "error": predicted / row["vs_te"] - 1,
                 "parts_s": {p: float(times[mode].parts[p].mean()) for p in PARTS},
