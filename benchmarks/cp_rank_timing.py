@@ -67,9 +67,9 @@ import numpy as np
 import thd_bench
 import torch
 
-from thdpack.attention.a2a import kv_replication
 from thdpack.attention.api import thd_attention
 from thdpack.attention.backends.base import CallFacts
+from thdpack.attention.heads import kv_replication
 from thdpack.attention.merge import differentiable_attention
 from thdpack.attention.placed import part_batch
 from thdpack.attention.ring import RingPass, TileKernel

@@ -83,26 +83,20 @@ from typing import Any, Literal, get_args
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
 
+from throughput_inputs import CPU_MODEL, DATASETS, SEED, TINY_MODEL, load_lengths, split_documents  # noqa: E402
+
+from thdpack.cp.topology import CpTopology  # noqa: E402
 from thdpack.layout.rules import IGNORE_INDEX  # noqa: E402
 from thdpack.loss import StepLoss  # noqa: E402
 from thdpack.models import ModelConfig, Transformer  # noqa: E402
 from thdpack.packing.layout import position_ids  # noqa: E402
 from thdpack.packing.packer import pack_from_segments  # noqa: E402
 from thdpack.plan import plan_packs  # noqa: E402
-from thdpack.plan.overflow import apply_overflow  # noqa: E402
 from thdpack.thd import thd_collate, thd_to_device  # noqa: E402
-
-SEED = 1234
-SHARED = Path(os.environ.get("THDPACK_SHARED_DATA", ROOT.parent / "shared" / "data"))
-DATASETS = {
-    "alpaca": SHARED / "alpaca_data.gpt2.lengths.npy",
-    "stdlib": ROOT / "thdpack" / "assets" / "examples" / "python311_stdlib.gpt2.lengths.npy",
-}
-"""Default lengths files: Alpaca (in ../shared/data, only beside the project's own checkout) and
-the standard library corpus shipped in thdpack/assets."""
 
 Mode = Literal["padding", "grouped", "packed", "concat", "ideal"]
 MODES: tuple[Mode, ...] = get_args(Mode)
@@ -124,7 +118,6 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
 GPU_MODEL = ModelConfig(vocab_size=50257, dim=1024, n_layers=20, n_heads=16, n_kv_heads=8, ffn_dim=2816)
 """287M parameters: Llama-style, GPT-2 vocabulary, tied embeddings."""
-TINY_MODEL = ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192)
 PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("H100 NVL", 835e12),
     ("H100 PCIe", 756e12),
@@ -200,9 +193,6 @@ class ThroughputConfig:
 
 TINY = ThroughputConfig(model=TINY_MODEL, pack_sizes=(128, 256), micro_tokens=256, step_tokens=512, warmup=1, steps=5)
 """``--tiny``: seconds on a CPU."""
-CPU_MODEL = ModelConfig(vocab_size=8192, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768)
-"""5.2M parameters (2.1M of them the tied embedding of a 8,192-word vocabulary): big enough that
-the layers, not the LM head alone, set the step time, small enough for a 2-core CPU."""
 CPU = ThroughputConfig(model=CPU_MODEL, pack_sizes=(1024, 2048), micro_tokens=4096, step_tokens=8192, warmup=1, steps=4)
 """``--cpu``: the same comparison sized for a CPU (about 10 minutes on 2 cores); the GPU sizes
 (287M parameters, L 4096 / 8192) would take hours there."""
@@ -210,30 +200,6 @@ CPU = ThroughputConfig(model=CPU_MODEL, pack_sizes=(1024, 2048), micro_tokens=40
 
 # ---------------------------------------------------------------------------------------------
 # Data: lengths, steps, layouts
-
-
-def load_lengths(path: Path) -> tuple[np.ndarray, int]:
-    """``(lengths_S, empty)``: (S,) int64 document lengths from a 1-D integer .npy file, without the
-    ``empty`` zero-length documents (records that tokenized to nothing: no tokens, no work)."""
-    lengths = np.load(path, allow_pickle=False)
-    if lengths.ndim != 1 or lengths.dtype.kind not in "iu":
-        raise ValueError(
-            f"{path}: expected a 1-D integer array of document lengths, got {lengths.dtype} {lengths.shape}"
-        )
-    if (lengths < 0).any():
-        i = int(np.argmax(lengths < 0))
-        raise ValueError(f"{path}: document {i} has length {int(lengths[i])}; lengths must be >= 0")
-    keep = lengths > 0
-    if not keep.any():
-        raise ValueError(f"{path}: every one of its {len(lengths)} documents is empty; nothing to train on")
-    return lengths[keep].astype(np.int64), int((~keep).sum())
-
-
-def split_documents(lengths_S: np.ndarray, pack_size: int) -> tuple[np.ndarray, int]:
-    """``(pieces, split)``: documents longer than ``pack_size`` cut into pack-size pieces (the
-    planner's ``overflow="split"`` rule), and how many documents were cut."""
-    entries = apply_overflow(lengths_S, pack_size, "split")
-    return entries.length.astype(np.int64), entries.split_sequences
 
 
 @dataclass(frozen=True)
@@ -399,7 +365,7 @@ def train_step(
     """One optimizer step over the micro-batches: copy, forward (autocast), fp32 loss, backward,
     AdamW. Returns the step's loss as a device tensor (reading it would sync the device)."""
     batches = [thd_to_device(b, device) for b in host_batches]
-    step_loss = StepLoss.begin([b["labels"] for b in batches], grad_average_size=1)
+    step_loss = StepLoss.begin([b["labels"] for b in batches], topology=CpTopology.single())
     for batch in batches:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
             logits_TV = model(batch)

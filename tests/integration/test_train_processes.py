@@ -28,7 +28,7 @@ from short_records import T, write_short_store
 from test_train import REPO, losses
 from test_train_checkpoints import config
 
-from thdpack.data._lock import lock_file_of
+from thdpack.files.lock import lock_file_of
 from thdpack.train.trainer import run
 
 pytestmark = pytest.mark.distributed
@@ -177,7 +177,7 @@ def test_a_stopped_rank_is_named_and_the_timeout_ends_the_job(tmp_path, store, j
 def test_the_lock_of_a_dead_run_does_not_block_the_next(tmp_path, store):
     """A holder killed with SIGKILL leaves its lock file; the kernel released its flock."""
     out, lock = tmp_path / "out", lock_file_of(tmp_path / "out")
-    hold = f"import os; from thdpack.data._lock import FolderLock; FolderLock({str(out)!r}).acquire(); os.kill(os.getpid(), 9)"
+    hold = f"import os; from thdpack.files.lock import FolderLock; FolderLock({str(out)!r}).acquire(); os.kill(os.getpid(), 9)"
     dead = subprocess.run([sys.executable, "-c", hold], env=ENV)
     assert dead.returncode == -signal.SIGKILL and lock.read_text().startswith("pid ")
     run(config(out, tmp_path / "unused", f"data.store={store}", "parallel.cp_size=1", "train.steps=1"))

@@ -20,12 +20,9 @@ The exchange works from where each rank's rows sit in the global batch
 inverts their rank-major concatenation), so any layout whose ranks hold equally many tokens
 works unchanged: Transformer Engine's dual-chunk layout, or a per-document placement.
 
-Heads: ``W`` must divide ``Nq`` (:func:`kv_replication` refuses otherwise, naming the counts).
-Where ``W`` does not divide ``Nkv`` (e.g. 8 KV heads at cp 16, or MQA), each KV head is repeated
-``f = lcm(Nkv, W) / Nkv`` times before the exchange. The result is GQA again (query head ``h``
-meets a copy of KV head ``h // (Nq / Nkv)``), with ``Nkv * f`` heads that ``W`` divides, so each
-rank receives just the ``Nkv * f / W`` KV heads its query heads use; autograd adds the copies'
-gradients. Transformer Engine refuses such counts itself; the ``te`` backend repeats the same way.
+Heads: ``W`` must divide ``Nq``. Where ``W`` does not divide ``Nkv`` (e.g. 8 KV heads at cp 16,
+or MQA), each KV head is repeated first (:mod:`thdpack.attention.heads`), so each rank receives
+just the KV heads its query heads use.
 
 Legend: ``T`` tokens of the whole batch, ``T_local`` of this rank, ``W`` ranks, ``N`` heads
 (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.
@@ -33,7 +30,6 @@ Legend: ``T`` tokens of the whole batch, ``T_local`` of this rank, ``W`` ranks, 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,31 +38,11 @@ import torch.distributed as dist
 
 from thdpack.attention.backends.base import AttendFn, AttentionCall, AttentionOutput
 from thdpack.attention.config import AttentionConfig, resolve_softmax_scale
+from thdpack.attention.heads import kv_replication, repeat_kv_heads
 from thdpack.cp.comm import all_to_all_blocks
 from thdpack.cp.partition import GatherOrder, gather_order
 from thdpack.thd.carriage import attach_meta, thd_meta
 from thdpack.thd.meta import ThdMeta
-
-
-def kv_replication(nq: int, nkv: int, cp_size: int) -> int:
-    """How many copies of each KV head the exchange sends: 1 when ``cp_size`` divides ``nkv``, else
-    ``lcm(nkv, cp_size) / nkv``. ``ValueError`` when ``cp_size`` does not divide ``nq``.
-
-    >>> kv_replication(32, 8, 4), kv_replication(32, 8, 16), kv_replication(4, 1, 4), kv_replication(12, 6, 4)
-    (1, 2, 4, 2)
-    >>> kv_replication(12, 4, 8)
-    Traceback (most recent call last):
-    ...
-    ValueError: cp_comm_type='a2a' gives each of the cp_size=8 ranks Nq / cp_size query heads, but q has Nq=12 ...
-    """
-    if nq % cp_size:
-        raise ValueError(
-            f"cp_comm_type='a2a' gives each of the cp_size={cp_size} ranks Nq / cp_size query heads, but q has "
-            f"Nq={nq} heads (k/v: Nkv={nkv}); use a cp_size that divides {nq}, or cp_comm_type='p2p' or "
-            "'all_gather' (any head count)"
-        )
-    # nkv | nq and cp_size | nq, so lcm(nkv, cp_size) | nq: the copies form GQA groups again
-    return math.lcm(nkv, cp_size) // nkv
 
 
 def a2a_bytes(
@@ -94,14 +70,6 @@ def a2a_bytes(
     if backward:
         per_token *= 2
     return (cp_size - 1) * local_tokens * (per_token // cp_size) * itemsize
-
-
-def repeat_kv_heads(k_TNH: torch.Tensor, v_TNH: torch.Tensor, copies: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V with each head repeated ``copies`` times in place (head ``i`` -> heads ``i*copies ..
-    i*copies + copies - 1``), differentiable; unchanged for ``copies`` 1."""
-    if copies == 1:
-        return k_TNH, v_TNH
-    return k_TNH.repeat_interleave(copies, dim=1), v_TNH.repeat_interleave(copies, dim=1)
 
 
 def _exchange(blocks_W: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:

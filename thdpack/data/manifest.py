@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from thdpack._publish import write_json_atomic
 from thdpack.data.encode import SAMPLE_FORMATS
+from thdpack.files.publish import write_json_atomic
 
 STORE_FORMAT = "thdpack-token-store"
 STORE_VERSION = 2

@@ -35,8 +35,6 @@ import numpy as np
 
 from thdpack._config_forms import add_options, from_flat
 from thdpack._optional import has_module
-from thdpack._publish import disk_full_note
-from thdpack.data._lock import FolderLock
 from thdpack.data.bad_records import ON_BAD_RECORD
 from thdpack.data.encode import CHAT_TEMPLATE_CHOICES, SAMPLE_FORMATS, TokenizeConfig
 from thdpack.data.prepared_plan import PLAN_FILE, write_prepared_plan
@@ -44,6 +42,8 @@ from thdpack.data.records import RECORD_KINDS
 from thdpack.data.sources import SOURCE_FORMATS, SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.files.lock import FolderLock
+from thdpack.files.publish import disk_full_note
 from thdpack.layout.rules import check_pack_size
 from thdpack.packing.dataset import DATASET_SEED
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from thdpack._publish import digest_problem, file_digest
 from thdpack.data.manifest import MANIFEST_FILE, StoreError, read_manifest, write_manifest
+from thdpack.files.publish import digest_problem, file_digest
 from thdpack.packing.dealing import plan_epoch
 from thdpack.plan.config import PlanConfig
 from thdpack.plan.packplan import PackPlan

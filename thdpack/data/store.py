@@ -13,10 +13,10 @@ A store folder holds:
   source, each data file's size and sha256 (hashed while it was written), the range of token
   ids, and whatever the writer's caller adds (the
   ``prepare`` command adds its arguments and the packing plan's settings, checksum and stats:
-  ``thdpack.data.prepared_plan``). Written last (``thdpack._publish``): a folder without it is
+  ``thdpack.data.prepared_plan``). Written last (``thdpack.files.publish``): a folder without it is
   an unfinished store. Fields and checks: ``thdpack.data.manifest``.
 
-One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.data._lock``) until
+One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.files.lock``) until
 the manifest is written, so two writers can never mix their files. A damaged store is a
 ``StoreError`` naming the file: ``TokenStore`` checks sizes and the offsets' order when it opens
 (cheap), ``verify_store`` (``thdpack.data.store_verify``) reads every byte against the checksums.
@@ -55,8 +55,6 @@ from typing import Any, NoReturn, overload
 import numpy as np
 
 from thdpack import __version__
-from thdpack._publish import CHUNK_BYTES, HashingWriter, retract
-from thdpack.data._lock import FolderLock
 from thdpack.data.encode import SAMPLE_FORMATS, SampleFormat, TokenizedSample
 from thdpack.data.manifest import (
     LOSS_MASK_FILE,
@@ -66,12 +64,15 @@ from thdpack.data.manifest import (
     STORE_FORMAT,
     STORE_VERSION,
     TOKENS_FILE,
+    StoreBusyError,
     StoreError,
     read_manifest,
     write_manifest,
 )
 from thdpack.data.store_verify import check_offsets_ends, check_sizes, sample_sizes
 from thdpack.data.tokenizer import TextTokenizer
+from thdpack.files.lock import FolderLock
+from thdpack.files.publish import CHUNK_BYTES, HashingWriter, retract
 
 __all__ = [
     "LOSS_MASK_FILE",
@@ -236,7 +237,7 @@ class TokenStoreWriter:
         self.path = Path(path)
         if lock is not None:
             assert lock.held and lock.file == FolderLock(self.path).file, "lock must be held, on this folder"
-        self._own_lock = FolderLock(self.path).acquire() if lock is None else None
+        self._own_lock = FolderLock(self.path, busy_error=StoreBusyError).acquire() if lock is None else None
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             present = [name for name in STORE_FILES if (self.path / name).exists()]

@@ -23,18 +23,19 @@ from typing import Any
 
 import numpy as np
 
-from thdpack._publish import digest_problem, file_digest
-from thdpack.data._lock import FolderLock, shared_lock
 from thdpack.data.manifest import (
     LOSS_MASK_FILE,
     MANIFEST_FILE,
     OFFSETS_FILE,
     TOKENS_FILE,
+    StoreBusyError,
     StoreError,
     content_files,
     has_checksums,
     read_manifest,
 )
+from thdpack.files.lock import FolderLock, shared_lock
+from thdpack.files.publish import digest_problem, file_digest
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ def verify_store(
     start = time.perf_counter()
     if lock is not None:
         assert lock.held and lock.file == FolderLock(folder).file, "lock must be held, on this folder"
-    with contextlib.nullcontext() if lock is not None else shared_lock(folder):
+    with contextlib.nullcontext() if lock is not None else shared_lock(folder, busy_error=StoreBusyError):
         manifest = read_manifest(folder)
         if not has_checksums(manifest):
             writer = manifest.get("created_by", "an older thdpack")

@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from thdpack.data._lock import FolderLock
 from thdpack.data._progress import progress_bar
 from thdpack.data.bad_records import BadRecords
 from thdpack.data.encode import SampleEncoder, TokenizeConfig, record_batches
@@ -29,6 +28,7 @@ from thdpack.data.prepared_plan import PLAN_FILE
 from thdpack.data.sources import Source, SourceConfig
 from thdpack.data.store import TokenStore, TokenStoreWriter
 from thdpack.data.tokenizer import load_tokenizer
+from thdpack.files.lock import FolderLock
 
 SKIPPED_FILE = "skipped_records.jsonl"
 

@@ -14,24 +14,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from thdpack.files.publish import write_json_atomic
 
 STATE_FILE = "thdpack_stream.json"
 """The pack stream's state in each Trainer checkpoint folder."""
 
 
 def write_stream_state(folder: Path, state: Mapping[str, Any]) -> Path:
-    """``folder/STATE_FILE``: ``state`` with its sha256, written atomically."""
-    payload = json.dumps(state, sort_keys=True)
-    record = {"state": state, "sha256": hashlib.sha256(payload.encode()).hexdigest()}
+    """``folder/STATE_FILE``: ``{"state": state, "sha256": its digest}``, written atomically (fsync, rename)."""
     path = folder / STATE_FILE
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_json_atomic(path, {"state": state, "sha256": _state_sha256(state)})
     return path
+
+
+def _state_sha256(state: Mapping[str, Any]) -> str:
+    """The digest of ``state`` as compact JSON with sorted keys: the record's layout (indentation)
+    may change without changing it."""
+    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
 
 
 def read_stream_state(folder: Path) -> dict[str, Any]:
@@ -45,7 +48,7 @@ def read_stream_state(folder: Path) -> dict[str, Any]:
     try:
         record = json.loads(path.read_text())
         state = record["state"]
-        ok = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest() == record["sha256"]
+        ok = _state_sha256(state) == record["sha256"]
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path} is damaged ({err}); resume from another checkpoint") from err
     if not ok:

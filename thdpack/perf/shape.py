@@ -152,7 +152,7 @@ class ModelShape:
 
     def kv_copies(self, cp_size: int) -> int:
         """How many copies of each KV head an all-to-all over ``cp_size`` ranks sends:
-        ``lcm(kv_heads, cp_size) / kv_heads`` (``thdpack.attention.a2a.kv_replication``)."""
+        ``lcm(kv_heads, cp_size) / kv_heads`` (``thdpack.attention.heads.kv_replication``)."""
         return math.lcm(self.kv_heads, cp_size) // self.kv_heads
 
     def parameters(self) -> int:

@@ -15,10 +15,11 @@ from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound
 from thdpack.plan.config import ALGORITHMS, CP_PLACEMENTS, DEFAULT_WINDOW, Algorithm, CpPlacementMode, PlanConfig
 from thdpack.plan.cp_cost import COST_MODELS, CostModel
-from thdpack.plan.histogram import FITS, HistogramPlan, plan_histogram, plan_size_classes
+from thdpack.plan.histogram import FITS, HistogramPlan
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 from thdpack.plan.packing_stats import PackingStats
 from thdpack.plan.packplan import PackPlan
+from thdpack.plan.size_classes import plan_histogram, plan_size_classes
 
 __all__ = [
     "ALGORITHMS",

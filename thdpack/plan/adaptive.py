@@ -59,9 +59,10 @@ from thdpack.layout.rules import cp_multiple, group_options, round_up_to_cp
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound_of_sizes
 from thdpack.plan.cp_cost import CostModel, rank_costs, whole_cost, whole_limit
-from thdpack.plan.histogram import Fit, distinct_sizes, plan_size_classes
+from thdpack.plan.histogram import Fit, distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.place import place_rows
+from thdpack.plan.size_classes import plan_size_classes
 
 ROW_CHUNK = 4096
 """Packs placed per vectorised batch when packs have no shared templates (sequential / window)."""

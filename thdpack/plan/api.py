@@ -22,11 +22,12 @@ from thdpack.layout.rules import check_cp_size, check_pack_size, cp_multiple
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
 from thdpack.plan.config import MAX_LENGTH, PlanConfig
-from thdpack.plan.histogram import distinct_sizes, plan_size_classes
+from thdpack.plan.histogram import distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.overflow import OVERFLOW_COUNTS, Entries, apply_overflow
 from thdpack.plan.packing_stats import PackingStats, build_stats
 from thdpack.plan.packplan import PackPlan
+from thdpack.plan.size_classes import plan_size_classes
 
 
 def as_lengths(lengths: object) -> np.ndarray:

@@ -8,7 +8,7 @@ size s. Items are ranked in chunks that fit the CPU cache, so 100M items cost ~1
 Nothing here is sized by the pack capacity: above 2**16 slots a pack, items are ranked by the
 rank of their size among the plan's distinct sizes instead of by the size itself.
 
->>> from thdpack.plan.histogram import plan_histogram
+>>> from thdpack.plan.size_classes import plan_histogram
 >>> sizes = np.array([3, 5, 1, 3, 4, 5])
 >>> hp = plan_histogram(np.bincount(sizes, minlength=11), capacity=10)
 >>> indices, offsets = materialize(hp, sizes)

@@ -12,10 +12,13 @@ smallest room >= s if it still fits one, so BFD fills that pack with ``floor(r /
 before moving on; FFD does the same with the first pack that fits. A group of ``m`` identical
 packs therefore takes ``min(c, m * floor(r / s))`` items, split at most into three groups.
 
+The improvement phase that may follow the fit is :mod:`thdpack.plan.improve`; the planner that
+runs both is :mod:`thdpack.plan.size_classes`.
+
 A pack's content is a path in a tree of *nodes*: node ``t`` adds ``node_reps[t]`` items of size
 ``node_size[t]`` to the content of ``node_parent[t]`` (node 0 is the empty pack).
 
->>> hp = plan_histogram(np.bincount([5, 5, 4, 3, 3, 1], minlength=11), capacity=10, fit="bfd")
+>>> hp = fit_size_classes(*distinct_sizes(np.array([5, 5, 4, 3, 3, 1])), capacity=10, fit="bfd")
 >>> hp.num_packs
 3
 >>> sorted(hp.pack_contents(g) for g in range(len(hp.group_node)))
@@ -29,9 +32,7 @@ from typing import Literal
 
 import numpy as np
 
-from thdpack.plan.bounds import best_lower_bound_of_sizes, l2_lower_bound_of_sizes
 from thdpack.plan.histogram_plan import HistogramPlan
-from thdpack.plan.improve import improve as improve_plan
 
 Fit = Literal["bfd", "ffd"]
 FITS: tuple[str, ...] = ("bfd", "ffd")
@@ -53,57 +54,28 @@ def _finish(
     )
 
 
-def plan_histogram(
-    counts: np.ndarray,
-    capacity: int,
-    *,
-    fit: Fit = "bfd",
-    rng: np.random.Generator | None = None,
-    improve: bool = True,
-) -> HistogramPlan:
-    """Pack ``counts[s]`` items of size ``s`` (slot units) into packs of ``capacity``.
-
-    Args:
-        counts: (capacity+1,) non-negative integers; ``counts[0]`` must be 0.
-        capacity: pack capacity in slot units (>= 1).
-        fit: ``"bfd"`` (best fit: the fullest pack that still fits) or ``"ffd"`` (first fit:
-            the oldest pack that fits). Sizes are visited in decreasing order.
-        rng: when given, BFD breaks ties between equally full packs of different content at
-            random (reproducibly), which reshuffles pairings.
-        improve: run the improvement phase after the fit (``thdpack.plan.improve``) unless the
-            fit already reaches the lower bound; it never adds a pack.
-
-    Returns a ``HistogramPlan``; with ``improve=False``, the same packs as item-level BFD / FFD.
-    ``plan_size_classes`` is the same plan from the distinct sizes alone (no array of
-    ``capacity + 1``: what a huge capacity needs).
-    """
-    counts = np.asarray(counts)
-    if counts.ndim != 1 or len(counts) != capacity + 1:
-        raise ValueError(f"counts must have shape ({capacity + 1},), got {counts.shape}")
-    if counts[0] != 0:
-        raise ValueError("counts[0] must be 0: every item occupies at least one slot")
-    sizes = np.flatnonzero(counts)
-    return plan_size_classes(sizes, counts[sizes], capacity, fit=fit, rng=rng, improve=improve)
-
-
-def plan_size_classes(
+def fit_size_classes(
     sizes: np.ndarray,
     counts: np.ndarray,
     capacity: int,
     *,
     fit: Fit = "bfd",
     rng: np.random.Generator | None = None,
-    improve: bool = True,
 ) -> HistogramPlan:
-    """``plan_histogram`` from the distinct sizes and their counts: memory and time follow the
-    number of distinct sizes and of pack groups, whatever ``capacity`` is.
+    """The decreasing fit of ``counts[i]`` items of size ``sizes[i]`` into packs of ``capacity``:
+    the same packs as item-level BFD / FFD, in time and memory that follow the number of distinct
+    sizes and of pack groups, whatever ``capacity`` is.
 
     Args:
         sizes: (K,) integers, strictly increasing, in ``[1, capacity]`` (slot units).
         counts: (K,) integers >= 1: items of each size.
-        capacity, fit, rng, improve: as in ``plan_histogram``.
+        capacity: pack capacity in slot units (>= 1).
+        fit: ``"bfd"`` (best fit: the fullest pack that still fits) or ``"ffd"`` (first fit:
+            the oldest pack that fits). Sizes are visited in decreasing order.
+        rng: when given, BFD breaks ties between equally full packs of different content at
+            random (reproducibly), which reshuffles pairings.
 
-    >>> hp = plan_size_classes(np.array([1, 3, 4, 5]), np.array([1, 2, 1, 2]), capacity=10**12)
+    >>> hp = fit_size_classes(np.array([1, 3, 4, 5]), np.array([1, 2, 1, 2]), capacity=10**12)
     >>> hp.num_packs, hp.pack_contents(0)
     (1, [(5, 2), (4, 1), (3, 2), (1, 1)])
     """
@@ -123,14 +95,10 @@ def plan_size_classes(
     # decreasing sizes, as plain ints: the loops below are per size class and per group
     classes = list(zip(sizes[::-1].tolist(), counts[::-1].tolist(), strict=True))
     if fit == "bfd":
-        hp = _best_fit(classes, capacity, rng)
-    elif fit == "ffd":
-        hp = _first_fit(classes, capacity)
-    else:
-        raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(FITS)}")
-    if not improve or not len(sizes) or hp.num_packs <= l2_lower_bound_of_sizes(sizes, counts, capacity):
-        return hp
-    return improve_plan(hp, target=best_lower_bound_of_sizes(sizes, counts, capacity))
+        return _best_fit(classes, capacity, rng)
+    if fit == "ffd":
+        return _first_fit(classes, capacity)
+    raise ValueError(f"unknown fit {fit!r}; valid: {', '.join(FITS)}")
 
 
 def _best_fit(classes: list[tuple[int, int]], capacity: int, rng: np.random.Generator | None) -> HistogramPlan:

@@ -30,9 +30,9 @@ The result is used only when it has fewer packs than the fit's: the phase never 
 full lack complements that full ones hold, it saved packs on some draws, lost on others and cost
 10x the fit's time, so the phase leaves full packs alone.)
 
->>> from thdpack.plan.histogram import plan_histogram
->>> counts = np.bincount([4, 4, 3, 3, 3, 3], minlength=11)   # BFD: [4,4] [3,3,3] [3]
->>> hp = improve(plan_histogram(counts, 10, improve=False), target=2)
+>>> from thdpack.plan.histogram import fit_size_classes
+>>> fit = fit_size_classes(np.array([3, 4]), np.array([4, 2]), 10)   # BFD: [4,4] [3,3,3] [3]
+>>> hp = improve(fit, target=2)
 >>> hp.num_packs, hp.fit_packs, hp.pack_contents(0), hp.group_count.tolist()   # 2 x [4,3,3]
 (2, 3, [(4, 1), (3, 2)], [2])
 """
@@ -63,7 +63,7 @@ def improve(hp: HistogramPlan, *, target: int) -> HistogramPlan:
     many ``hp`` had), else ``hp`` itself.
 
     Args:
-        hp: a plan (``plan_size_classes`` / ``plan_histogram``).
+        hp: a plan (the fit of ``thdpack.plan.histogram``).
         target: a lower bound on the packs (``thdpack.plan.bounds``): the phase does nothing
             when ``hp`` already reaches it.
     """

@@ -10,7 +10,7 @@ Layout of ``<output_dir>/checkpoints/``::
     latest                    the newest complete checkpoint's folder name
     damaged/step_000040/      a checkpoint that resume found damaged or unfinished, set aside
 
-A checkpoint is published the way every thdpack folder is (``thdpack._publish``): complete once
+A checkpoint is published the way every thdpack folder is (``thdpack.files.publish``): complete once
 its ``checksums.json`` exists; rank 0 writes it (atomically) after every rank finished writing, so
 a run killed while saving leaves a folder without it. ``latest``
 is rewritten (atomically) after each manifest and on resume; it is a pointer for people and
@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from thdpack._publish import (
+from thdpack.files.publish import (
     digest_problem,
     disk_full_note,
     file_digest,

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from thdpack._publish import replace_folder
 from thdpack.data.tokenizer import SHIPPED_TOKENIZERS
+from thdpack.files.publish import replace_folder
 from thdpack.models.hf_causal_lm import save_hf_folder
 
 HF_FOLDER = "hf"
@@ -48,5 +48,5 @@ def tokenizer_to_copy(tokenizer: str) -> str | None:
 
 def publish_hf_folder(checkpoint: Path, output_dir: Path) -> Path:
     """Copy ``checkpoint``'s HF folder to ``output_dir/hf``: a folder swapped in whole
-    (``thdpack._publish.replace_folder``), since ``from_pretrained`` reads no manifest."""
+    (``thdpack.files.publish.replace_folder``), since ``from_pretrained`` reads no manifest."""
     return replace_folder(checkpoint / HF_FOLDER, output_dir / HF_FOLDER)

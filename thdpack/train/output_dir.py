@@ -2,7 +2,7 @@
 
 Two runs writing one ``train.output_dir`` used to interleave ``metrics.jsonl`` and prune each
 other's checkpoints, both exiting 0. Now rank 0 takes the lock ``thdpack prepare`` takes for its
-folder (``thdpack.data._lock.FolderLock``: an exclusive ``flock`` on ``.<name>.lock`` beside the
+folder (``thdpack.files.lock.FolderLock``: an exclusive ``flock`` on ``.<name>.lock`` beside the
 folder) before anything is written there, and holds it until the run ends; the other ranks learn
 the outcome from rank 0, so a second run stops at once on every rank, naming the first (pid and
 host). Only rank 0 locks: the ranks of one run share the folder by design (each writes its part
@@ -22,13 +22,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from thdpack.data._lock import FolderLock
-from thdpack.data.manifest import StoreBusyError
+from thdpack.files.lock import FolderBusyError, FolderLock
 
 
 def lock_output_dir(out: Path) -> FolderLock:
     """Create ``out`` and take its lock; ``ValueError`` naming the path when it cannot be written
-    (a read-only file system, no permission, a file of that name), ``StoreBusyError`` when another
+    (a read-only file system, no permission, a file of that name), ``FolderBusyError`` when another
     process holds it."""
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -61,7 +60,7 @@ def hold_output_dir(out: Path, *, is_main: bool) -> Iterator[None]:
     if is_main:
         try:
             lock = lock_output_dir(out)
-        except StoreBusyError as err:
+        except FolderBusyError as err:
             refusal = (
                 f"train.output_dir={out} {err.problem}: another training run is using it; wait for it to "
                 "finish, or choose another train.output_dir"

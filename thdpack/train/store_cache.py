@@ -16,15 +16,15 @@ from typing import Any
 import numpy as np
 
 from thdpack import __version__
-from thdpack.data._lock import FolderLock
 from thdpack.data.encode import TokenizeConfig
-from thdpack.data.manifest import MANIFEST_FILE, STORE_FILES, StoreBusyError, StoreError
+from thdpack.data.manifest import MANIFEST_FILE, STORE_FILES, StoreError
 from thdpack.data.prepared_plan import PLAN_FILE
 from thdpack.data.sources import SourceConfig
 from thdpack.data.store import TokenStore
 from thdpack.data.store_verify import verify_store
 from thdpack.data.tokenizer import load_tokenizer
 from thdpack.data.write_store import SKIPPED_FILE, write_token_store
+from thdpack.files.lock import FolderBusyError, FolderLock
 from thdpack.models.config import ModelConfig
 from thdpack.models.hf_causal_lm import HFModelConfig
 from thdpack.models.hf_folder import folder_tokenizer
@@ -80,7 +80,7 @@ def open_token_store(data: DataConfig, *, vocab_size: int, is_local_main: bool, 
     ``StoreError`` naming the file. Otherwise the cache in ``data.cache_dir``, tokenized once: the
     local main rank builds it in place under the store's lock (a machine sharing the cache waits
     for the lock, then uses what the first built) while the other ranks wait at ``barrier``; it is
-    published as every store is, manifest last (``thdpack._publish``). A damaged cache (a file
+    published as every store is, manifest last (``thdpack.files.publish``). A damaged cache (a file
     deleted, cut short or changed, or written before checksums) is rebuilt with a warning naming
     the file. A build that fails removes its folder; one that succeeds then removes the folders
     that killed builds left unfinished in ``data.cache_dir`` (``remove_unfinished_caches``).
@@ -158,7 +158,7 @@ def remove_unfinished_caches(cache_dir: Path) -> list[Path]:
             continue
         try:
             lock = FolderLock(folder).acquire()
-        except StoreBusyError:
+        except FolderBusyError:
             continue  # being built now
         try:
             if folder.exists() and _unfinished(folder):
@@ -190,7 +190,7 @@ def _cache_damage(path: Path, vocab_size: int, lock: FolderLock | None = None) -
 
 
 def _build_cache(data: DataConfig, path: Path, lock: FolderLock) -> None:
-    """Write the store in place, published as every store is (``thdpack._publish``): the old
+    """Write the store in place, published as every store is (``thdpack.files.publish``): the old
     manifest goes first, the new one comes last, so the folder is unfinished in between."""
     write_token_store(
         data.inputs,

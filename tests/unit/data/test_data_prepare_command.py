@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from thdpack._optional import has_module
-from thdpack._publish import file_digest
 from thdpack.data import verify_store
-from thdpack.data._lock import FolderLock
 from thdpack.data.manifest import StoreError
 from thdpack.data.prepare_command import add_prepare_arguments, run_prepare
 from thdpack.data.store import TokenStore
 from thdpack.data.tokenizer import load_tokenizer
+from thdpack.files.lock import FolderLock
+from thdpack.files.publish import file_digest
 from thdpack.packing.dealing import plan_epoch
 from thdpack.plan import PackPlan, PlanConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT

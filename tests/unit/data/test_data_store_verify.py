@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from thdpack._publish import file_digest
 from thdpack.data import StoreBusyError, StoreError, StoreVerification, verify_store
-from thdpack.data._lock import FolderLock
 from thdpack.data.encode import TokenizedSample
 from thdpack.data.store import TokenStore, TokenStoreWriter, read_manifest
 from thdpack.data.tokenizer import load_tokenizer
+from thdpack.files.lock import FolderLock
+from thdpack.files.publish import file_digest
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""The bfd / ffd engine works on distinct sizes: the same packs as the old capacity-indexed engine,
-memory that follows the sequences whatever pack_size is (issue 9, item 8)."""
+"""The bfd / ffd engine works on distinct sizes: at every capacity, ``plan_packs`` packs as the
+item-by-item references of plan_reference.py do, and its memory follows the sequences whatever
+pack_size is."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
-from plan_dense_oracle import dense_plan_packs_engine
+from plan_reference import best_fit_decreasing, first_fit_decreasing
 
 import thdpack.plan.assignment as assignment
 from thdpack.plan import plan_histogram, plan_packs, plan_size_classes
@@ -19,33 +20,51 @@ from thdpack.plan.assignment import size_ranks
 
 @st.composite
 def problems(draw):
-    """Small capacities, capacities around the 2**16 switch of materialize's keys, large ones
-    (the dense oracle allocates capacity + 1 per array: up to 2**20 stays cheap); lengths drawn
-    from a few repeated values (size classes with many items) and free values."""
+    """Small capacities, capacities around the 2**16 switch of materialize's keys, large ones;
+    lengths drawn from a few repeated values (size classes with many items: small ones, many to a
+    pack; half a pack and a whole one, where the fit's rules change) and free values."""
     cp_size = draw(st.sampled_from([1, 2]))
     multiple = 2 * cp_size if cp_size > 1 else 1
     capacity = draw(st.integers(1, 64) | st.integers(2**16 - 2, 2**16 + 2) | st.integers(2**16, 2**20))
     pack_size = capacity * multiple
-    pool = draw(st.lists(st.integers(1, pack_size), min_size=1, max_size=6))
+    halves = st.sampled_from([max(1, pack_size // 2), pack_size // 2 + 1, pack_size])
+    small = st.integers(1, max(1, pack_size // 8))  # many copies to a pack
+    pool = draw(st.lists(st.integers(1, pack_size) | halves | small, min_size=1, max_size=6))
     lengths = draw(st.lists(st.sampled_from(pool) | st.integers(1, pack_size), min_size=1, max_size=120))
     return lengths, pack_size, cp_size
 
 
-@given(problems(), st.sampled_from(["bfd", "ffd"]), st.none() | st.integers(0, 1000), st.booleans())
-def test_plan_packs_equals_the_dense_engine(problem, algorithm, seed, rank_keys):
+def _plan(problem, algorithm, seed, *, rank_keys):
     lengths, pack_size, cp_size = problem
-    multiple = 2 * cp_size if cp_size > 1 else 1
     saved = assignment.SIZE_KEYS_BELOW
     assignment.SIZE_KEYS_BELOW = 0 if rank_keys else saved  # rank keys at every capacity
     try:
-        plan = plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, seed=seed, improve=False)
+        return plan_packs(lengths, pack_size, algorithm=algorithm, cp_size=cp_size, seed=seed, improve=False)
     finally:
         assignment.SIZE_KEYS_BELOW = saved
-    units = -(-np.asarray(lengths, dtype=np.int64) // multiple)
-    rng = None if seed is None else np.random.default_rng(seed)
-    ids, offsets = dense_plan_packs_engine(units, pack_size // multiple, algorithm, rng)
-    assert plan.indices.tolist() == ids.tolist()
-    assert plan.offsets.tolist() == offsets.tolist()
+
+
+@settings(max_examples=400)  # a fit that errs only where a size class spans packs needs the draws
+@given(problems(), st.sampled_from(["bfd", "ffd"]), st.none() | st.integers(0, 1000))
+def test_plan_packs_packs_as_item_level_ffd_and_bfd(problem, algorithm, seed):
+    """Every sequence in exactly one pack that holds it; FFD's packs are item-level FFD's, pack by
+    pack in order; BFD's have item-level BFD's loads (ties between equally full packs may pick
+    other packs, but the rooms evolve alike). Ranking items by their size's rank instead of by
+    their size gives the very same plan."""
+    lengths, pack_size, cp_size = problem
+    plan = _plan(problem, algorithm, seed, rank_keys=False)
+    ranked = _plan(problem, algorithm, seed, rank_keys=True)
+    assert plan.indices.tolist() == ranked.indices.tolist() and plan.offsets.tolist() == ranked.offsets.tolist()
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    units, capacity = [-(-n // multiple) for n in lengths], pack_size // multiple
+    got = [[units[i] for i in plan[p]] for p in range(len(plan))]
+    assert sorted(plan.indices.tolist()) == list(range(len(lengths)))
+    assert max(sum(pack) for pack in got) <= capacity
+    if algorithm == "ffd":
+        assert got == [[units[i] for i in pack] for pack in first_fit_decreasing(units, capacity)]
+    else:
+        want = best_fit_decreasing(units, capacity)
+        assert sorted(sum(pack) for pack in got) == sorted(sum(units[i] for i in pack) for pack in want)
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from thdpack.data._lock import FolderLock
 from thdpack.data.encode import TokenizeConfig
 from thdpack.data.write_store import write_token_store
+from thdpack.files.lock import FolderLock
 from thdpack.train.config import DataConfig
 from thdpack.train.store_cache import cache_path, open_token_store, store_fingerprint
 

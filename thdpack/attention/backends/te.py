@@ -6,7 +6,7 @@ GLOBAL ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``, ``qkv_format="th
 ``set_context_parallel_group(group, ranks, stream, cp_comm_type)``: TE runs every CP exchange
 itself (``p2p``, ``all_gather`` from TE 2.18 with THD, ``a2a`` from TE 2.10 with THD). TE's
 all-to-all needs ``cp`` to divide both head counts; where it does not divide the KV heads, they
-are repeated first, as thdpack's own all-to-all does (:func:`thdpack.attention.a2a.kv_replication`).
+are repeated first, as thdpack's own all-to-all does (:func:`thdpack.attention.heads.kv_replication`).
 ``pad_between_seqs=True`` is passed whenever slots hold padding: TE's auto-detection path without
 it drops real keys (TE issue #3331). TE returns no LSE.
 
@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from thdpack import _optional
-from thdpack.attention.a2a import kv_replication, repeat_kv_heads
 from thdpack.attention.backends.base import AttentionBackend, AttentionCall, AttentionOutput, CallFacts
+from thdpack.attention.heads import kv_replication, repeat_kv_heads
 
 # DotProductAttention modules hold no weights (vanilla softmax); one per configuration
 _MODULES: dict[tuple[Any, ...], Any] = {}

@@ -1,13 +1,16 @@
-"""One writer per store folder: an exclusive ``flock`` held from the first byte to the manifest.
+"""One writer per folder: an exclusive ``flock`` held from the first byte to the manifest.
 
-Two ``thdpack prepare --overwrite`` runs into one folder used to interleave, leaving one run's
-manifest over the other's tokens. Now the second one stops at once with a message naming the
-holder (failing beats waiting: two runs writing one folder is a mistake, and a wait could last
-hours). The lock file sits beside the folder (``.<name>.lock``), so a run that fails before
-writing leaves no folder behind; its holder removes it on release.
+A second writer stops at once with ``FolderBusyError`` naming the holder (failing beats waiting:
+two runs writing one folder is a mistake, and a wait could last hours); a builder that expects
+company (the trainer's token cache, built once by whichever machine comes first) waits instead.
+The lock file sits beside the folder (``.<name>.lock``), so a run that fails before writing leaves
+no folder behind; its holder removes it on release.
 
 ``flock`` locks are released by the kernel when the holder dies, so a killed run never leaves
 a folder locked. On NFS, Linux maps ``flock`` to byte-range locks, which NFS servers honour.
+
+Users: a token store's writer and readers (``thdpack.data``), the trainer's token cache and its
+``output_dir`` (``thdpack.train``).
 """
 
 from __future__ import annotations
@@ -16,39 +19,62 @@ import contextlib
 import fcntl
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from thdpack.data.manifest import StoreBusyError
+
+class FolderBusyError(ValueError):
+    """Another process holds the folder's lock: it is writing the folder now.
+
+    ``folder``: the locked folder; ``problem``: what is wrong, as a predicate ("is being written by
+    another process (pid 7 on node3; lock file ...)"); ``fix``: what to do. ``str()`` joins the three.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], problem: str, fix: str) -> None:
+        self.folder = Path(folder)
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"{self.folder} {problem}; {fix}")
+
+    def __reduce__(self) -> tuple[Any, ...]:  # the default would call __init__ with the message only
+        return type(self), (self.folder, self.problem, self.fix)
+
+
+BusyError = Callable[[Path, str, str], Exception]
+"""What a busy folder raises, made from (folder, problem, fix): ``FolderBusyError`` unless the
+folder's owner names its own (a token store raises ``thdpack.data.StoreBusyError``)."""
 
 
 def lock_file_of(folder: str | os.PathLike[str]) -> Path:
+    """``.<name>.lock`` beside ``folder``."""
     folder = Path(folder).resolve()
     return folder.with_name(f".{folder.name}.lock")
 
 
-def check_output_folder(folder: Path) -> None:
-    """A store is a folder of files: a path naming an existing file cannot hold one."""
+def _check_folder(folder: Path) -> None:
+    """A path naming an existing file cannot be locked as a folder (nor hold one)."""
     if folder.exists() and not folder.is_dir():
         raise ValueError(
-            f"{folder} is an existing file, not a folder: a token store is a folder of files; "
-            "choose a new or empty folder for it (--out)"
+            f"{folder} is an existing file, not a folder: it cannot hold files; choose a new or empty folder"
         )
 
 
 class FolderLock:
-    """The exclusive writer's lock of the store folder ``folder`` (a context manager).
+    """The exclusive writer's lock of the folder ``folder`` (a context manager).
 
-    ``acquire()`` raises ``StoreBusyError`` naming the holder when another process has it, or with
+    ``acquire()`` raises ``busy_error`` naming the holder when another process has it, or with
     ``wait=True`` waits until the holder is done (the trainer's token cache: several machines may
     build the same cache, and the later ones use what the first built).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], *, wait: bool = False) -> None:
+    def __init__(
+        self, folder: str | os.PathLike[str], *, wait: bool = False, busy_error: BusyError = FolderBusyError
+    ) -> None:
         self.folder = Path(folder)
         self.file = lock_file_of(folder)
         self.wait = wait
+        self.busy_error = busy_error
         self._fd: int | None = None
 
     @property
@@ -56,7 +82,7 @@ class FolderLock:
         return self._fd is not None
 
     def acquire(self) -> FolderLock:
-        check_output_folder(self.folder)
+        _check_folder(self.folder)
         self.file.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.file, os.O_RDWR | os.O_CREAT, 0o644)
@@ -65,7 +91,7 @@ class FolderLock:
             except BlockingIOError:
                 holder = _holder(fd)
                 os.close(fd)
-                raise StoreBusyError(
+                raise self.busy_error(
                     self.folder,
                     f"is being written by another process ({holder}; lock file {self.file})",
                     "wait for it to finish, or write to another folder",
@@ -95,8 +121,8 @@ class FolderLock:
 
 
 @contextlib.contextmanager
-def shared_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold a reader's lock on ``folder`` while reading it; ``StoreBusyError`` while it is written.
+def shared_lock(folder: str | os.PathLike[str], *, busy_error: BusyError = FolderBusyError) -> Iterator[None]:
+    """Hold a reader's lock on ``folder`` while reading it; ``busy_error`` while it is written.
 
     Only folders whose writer left a lock file are locked (a reader never creates one: a store
     may sit on a read-only file system).
@@ -111,7 +137,7 @@ def shared_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise StoreBusyError(
+            raise busy_error(
                 Path(folder),
                 f"is being written by another process ({_holder(fd)}; lock file {file})",
                 "wait for it to finish, then run again",

@@ -1,5 +1,6 @@
-"""All-to-all CP's head rules in one process: which KV heads travel, and that each rank's share of
-the heads is GQA on its own (the exchange itself runs on gloo: tests/distributed/test_cp_a2a.py)."""
+"""``thdpack.attention.heads``: the head rules of an all-to-all CP exchange, in one process: which
+KV heads travel, and that each rank's share of the heads is GQA on its own (the exchange itself
+runs on gloo: tests/distributed/test_cp_a2a.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 from _attention_cases import make_thd, random_case
 
 from thdpack.attention import reference_attention
-from thdpack.attention.a2a import kv_replication, repeat_kv_heads
+from thdpack.attention.heads import kv_replication, repeat_kv_heads
 
 
 @pytest.mark.parametrize(

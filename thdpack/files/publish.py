@@ -13,7 +13,7 @@ checkpoint):
 4. a reader compares each file with its entry (``digest_problem``) before trusting it.
 
 Who may write is the caller's business: a store's writer holds the folder's lock
-(``thdpack.data._lock``), the trainer's cache builder takes the same lock and waits for it, the
+(``thdpack.files.lock``), the trainer's cache builder takes the same lock and waits for it, the
 ranks writing a checkpoint meet at barriers. One case needs more than a manifest:
 ``replace_folder`` copies a finished folder to a path read by something that knows no manifest
 (transformers' ``from_pretrained`` on ``output_dir/hf``), so it swaps whole folders by rename.

@@ -1,4 +1,4 @@
-"""``thdpack._publish.disk_full_note``: a failed write is put down to a full disk when it was one
+"""``thdpack.files.publish.disk_full_note``: a failed write is put down to a full disk when it was one
 (issue 17: "[Errno 28] No space left on device" named no path; torch's "unexpected pos" said
 nothing of the disk). ``/dev/full`` answers every write with ENOSPC, as a full disk does."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from thdpack._publish import disk_full_note, wrapped_errors
+from thdpack.files.publish import disk_full_note, wrapped_errors
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full (Linux only)")
 
