@@ -35,7 +35,7 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 from cp_throughput import CpThroughputConfig, step_plan  # noqa: E402
-from train_throughput import DATASETS, load_lengths, split_documents  # noqa: E402
+from throughput_inputs import DATASETS, load_lengths, split_documents  # noqa: E402
 
 from thdpack.attention.config import AttentionConfig  # noqa: E402
 from thdpack.models import ModelConfig  # noqa: E402

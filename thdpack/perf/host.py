@@ -153,7 +153,7 @@ _THDPACK_SOURCES = (
     "exchange: thdpack/cp/comm.py RingComm.send_recv 63-76 (two receive buffers, isend / irecv pairs) and its wait: 6",
     "allgather: thdpack/attention/allgather.py and cp/comm.py all_gather_rows / reduce_scatter_rows: 6 forward, "
     "12 backward, plus one kernel call",
-    "a2a: thdpack/attention/a2a.py _to_heads / _to_sequence 120-151 and cp/comm.py all_to_all_blocks: 12 forward, "
+    "a2a: thdpack/attention/a2a.py _to_heads / _to_sequence 88-119 and cp/comm.py all_to_all_blocks: 12 forward, "
     "12 backward, plus one kernel call",
 )
 _THDPACK = {
@@ -179,7 +179,7 @@ THDPACK = HostOps(
         "step (thdpack.train on CUDA): StepLoss.begin (4), the loss read back (1), torch.optim.AdamW with foreach "
         "(one call per _foreach op of _multi_tensor_adamw: 12), clip_grad_norm (_foreach_norm, stack, norm, clamp, "
         "_foreach_mul_: 6), DDP's all-reduce of its buckets (3); per parameter: parameters_finite's isfinite and "
-        "all (thdpack/train/step.py 121-133)",
+        "all (thdpack/train/step.py 129-141)",
     ),
     **_THDPACK,
 )
