@@ -110,11 +110,26 @@ TINY = CpThroughputConfig(model=TINY_MODEL, pack_size=256, packs_per_step=2, war
 """``--tiny``: seconds."""
 
 
-def step_packs(pieces_S: np.ndarray, cfg: CpThroughputConfig, count: int) -> list[list[dict[str, Any]]]:
-    """``count`` steps of ``cfg.packs_per_step`` packs each, per mode: ``[{mode: pack}, ...]`` per
-    step, drawn at random from ONE bfd plan of ``pieces_S`` (TE slots), the adaptive mode's packs
-    placed by ``place_packs``. Random token ids; every real token bears loss."""
-    rng = np.random.default_rng(cfg.seed)
+@dataclass(frozen=True)
+class StepPlan:
+    """The packs of ``count`` steps of ``packs_per_step`` packs: pack ``k`` is ``segments[k]`` of one
+    bfd plan (TE slots), its entries ``lengths_E[offsets[k]:offsets[k + 1]]`` placed on groups
+    ``size_E`` / ``start_E`` for the adaptive mode."""
+
+    segments: list[Any]
+    lengths_E: np.ndarray
+    offsets: np.ndarray
+    size_E: np.ndarray
+    start_E: np.ndarray
+
+
+def step_plan(
+    pieces_S: np.ndarray, cfg: CpThroughputConfig, count: int, rng: np.random.Generator | None = None
+) -> StepPlan:
+    """The packs every mode trains on, drawn with ``rng`` (default: seeded by ``cfg.seed``) from ONE
+    bfd plan of ``pieces_S``, the adaptive mode's placement by ``place_packs`` (what
+    ``benchmarks/cp_model_check.py`` models)."""
+    rng = np.random.default_rng(cfg.seed) if rng is None else rng
     cp = cfg.cp_size
     plan = plan_packs(pieces_S, cfg.pack_size, cp_size=cp, algorithm="bfd")
     need = count * cfg.packs_per_step
@@ -130,14 +145,24 @@ def step_packs(pieces_S: np.ndarray, cfg: CpThroughputConfig, count: int) -> lis
     size_E, start_E = place_packs(
         lengths_E, np.arange(len(lengths_E)), offsets, cp_size=cp, pack_size=cfg.pack_size, cost_model="tiles"
     )
+    return StepPlan(segments, lengths_E, offsets, size_E, start_E)
+
+
+def step_packs(pieces_S: np.ndarray, cfg: CpThroughputConfig, count: int) -> list[list[dict[str, Any]]]:
+    """``count`` steps of ``cfg.packs_per_step`` packs each, per mode: ``[{mode: pack}, ...]`` per
+    step, the packs of ``step_plan``. Random token ids; every real token bears loss."""
+    rng = np.random.default_rng(cfg.seed)
+    planned = step_plan(pieces_S, cfg, count, rng)  # the token ids continue its stream
+    cp = cfg.cp_size
     samples = [
         {"input_ids": rng.integers(1, cfg.model.vocab_size, n), "labels": rng.integers(1, cfg.model.vocab_size, n)}
         for n in pieces_S.tolist()
     ]
     steps: list[list[dict[str, Any]]] = []
-    for k, segment in enumerate(segments):
-        a, b = int(offsets[k]), int(offsets[k + 1])
-        placement = PackPlacement(cp, cfg.pack_size, lengths_E[a:b], size_E[a:b], start_E[a:b])
+    for k, segment in enumerate(planned.segments):
+        a, b = int(planned.offsets[k]), int(planned.offsets[k + 1])
+        placement = PackPlacement(cp, cfg.pack_size, planned.lengths_E[a:b], planned.size_E[a:b],
+                                  planned.start_E[a:b])  # fmt: skip
         te = pack_from_segments(samples, segment, cfg.pack_size, cp_size=cp)
         adaptive = pack_from_segments(samples, segment, cfg.pack_size, cp_size=cp, placement=placement)
         if k % cfg.packs_per_step == 0:

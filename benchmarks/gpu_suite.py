@@ -23,13 +23,19 @@ failing section never stops the ones after it:
    cp 2 / 4 / 8, Llama-3-8B attention heads in bf16: each rank's shard timed alone with the real
    tiles (FlashAttention-2 on CUDA, exact math tiles on the CPU), its ring's peers echoed; the
    communication is not timed (``cp_rank_timing.py`` says why the tile work is exact).
-5. ``thd_timings``: ``thd_collate`` (host, one thread, as in a DataLoader worker), ``thd_to_device``
+5. ``calibrate``: ``thdpack calibrate`` in this process on the device, for ``cp_placement``'s
+   attention heads and backend: the device's profile (kernels, matmuls, memory, one eager op;
+   links come from the base profile: one process), ``profile.json``.
+6. ``model_check``: the step model on that profile predicts ``cp_placement``'s busiest-rank times
+   (``cp_rank_model.py``: the same packs, each rank's attention and the host ops of its calls, no
+   exchange); measured against modelled per CP size and mode.
+7. ``thd_timings``: ``thd_collate`` (host, one thread, as in a DataLoader worker), ``thd_to_device``
    (pinned, non-blocking), ``cp.shard`` and ``partition_indices`` (about 1M tokens) on the device.
-6. ``throughput``: ``train_throughput.py``'s table (its functions, fewer timed steps).
+8. ``throughput``: ``train_throughput.py``'s table (its functions, fewer timed steps).
 
 Writes ``results.json`` (everything, with the device, torch / CUDA versions and each section's
 status), ``results.md`` (the tables), ``throughput.png`` and ``attention_parity.png`` into
-``--out``, plus ``throughput.json`` / ``.md`` from section 6.
+``--out``, plus ``profile.json`` from section 5 and ``throughput.json`` / ``.md`` from section 8.
 """
 
 from __future__ import annotations
@@ -54,12 +60,16 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 
 import attention_bench  # noqa: E402
+import cp_rank_model  # noqa: E402
 import cp_rank_timing  # noqa: E402
 import thd_bench  # noqa: E402
 import train_throughput  # noqa: E402
 
 from thdpack.attention import reference_attention, simulated_ring_attention, thd_attention  # noqa: E402
+from thdpack.calibrate.command import calibrate, default_base  # noqa: E402
 from thdpack.cp import partition_indices, shard  # noqa: E402
+from thdpack.perf.machine import MachineProfile, load_profile  # noqa: E402
+from thdpack.perf.shape import ModelShape  # noqa: E402
 from thdpack.thd import thd_collate, thd_to_device  # noqa: E402
 
 SEED = 1234
@@ -69,7 +79,10 @@ PARITY_TARGET = 2.0
 """bf16 error of a backend / bf16 error of plain PyTorch attention, at most (DESIGN.md)."""
 BUDGET_S = 480
 """The suite's time budget on one H100 (the issue's 8 minutes)."""
-SECTIONS = ("pytest", "attention_parity", "cp_simulated", "cp_placement", "thd_timings", "throughput")
+SECTIONS = ("pytest", "attention_parity", "cp_simulated", "cp_placement", "calibrate", "model_check", "thd_timings",
+            "throughput")  # fmt: skip
+CALIBRATE_BUDGET_S = {True: 10.0, False: 45.0}
+"""Seconds ``calibrate`` may spend, ``--tiny`` and not."""
 
 
 class Skipped(Exception):
@@ -198,7 +211,45 @@ def cp_placement(device: torch.device, tiny: bool, say: Callable[[str], None]) -
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. THD batch timings
+# 5. and 6. the device's profile, and the step model against cp_placement
+
+
+def calibrate_device(device: torch.device, tiny: bool, out: Path) -> dict[str, Any]:
+    """``thdpack calibrate`` in this process for cp_placement's attention (its heads, dtype, backend
+    and pack share per rank): ``profile.json``."""
+    case = cp_rank_timing.TINY if tiny else cp_rank_timing.GPU
+    try:
+        backend, _ = cp_rank_timing.choose_backend(device, case)
+    except cp_rank_timing.Unavailable as why:
+        raise Skipped(str(why)) from why
+    shape = ModelShape(layers=1, hidden=case.heads * case.head_dim, ffn=4 * case.heads * case.head_dim,
+                       heads=case.heads, kv_heads=case.kv_heads, head_dim=case.head_dim, vocab=32000)  # fmt: skip
+    profile = calibrate(shape, device=device, dtype=case.dtype, backend=backend,
+                        rank_tokens=case.pack_size // min(case.cp_sizes), base=load_profile(default_base(device)),
+                        budget_s=CALIBRATE_BUDGET_S[tiny], repeats=max(3, case.repeats))  # fmt: skip
+    profile.to_json(out / "profile.json")
+    return {"profile": "profile.json", "backend": backend, "host_op_us": 1e6 * profile.host.op_s,
+            "peak_flops": profile.peak_flops, "memory_bandwidth": profile.memory_bandwidth,
+            "attention_forward_causal": profile.attention.forward_causal}  # fmt: skip
+
+
+def model_check(results: dict[str, Any], tiny: bool, out: Path) -> dict[str, Any]:
+    """cp_placement's busiest-rank times predicted from ``calibrate``'s profile (``cp_rank_model``)."""
+    sections = results["sections"]
+    if sections["cp_placement"]["status"] != "ran":
+        raise Skipped("cp_placement did not run: nothing measured to check against")
+    ran = sections["calibrate"]["status"] == "ran"
+    profile: MachineProfile = load_profile(out / "profile.json") if ran else load_profile(default_base(
+        torch.device(results["device"])))  # fmt: skip
+    case = cp_rank_timing.TINY if tiny else cp_rank_timing.GPU
+    _, lengths = cp_rank_timing.lengths_of_data(case)
+    predicted = cp_rank_model.predict(profile, case, lengths)
+    return {"profile": profile.name, "profile_source": "calibrated here" if ran else "shipped: calibrate did not run",
+            "rows": cp_rank_model.compare(sections["cp_placement"]["rows"], predicted)}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. THD batch timings
 
 
 def thd_timings(device: torch.device, tiny: bool) -> dict[str, Any]:
@@ -252,7 +303,7 @@ def _timing(stage: str, device: str, stats: Mapping[str, float]) -> dict[str, An
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. training throughput
+# 8. training throughput
 
 
 def throughput(device: torch.device, tiny: bool, out: Path, say: Callable[[str], None]) -> dict[str, Any]:
@@ -316,6 +367,9 @@ def markdown(results: Mapping[str, Any]) -> str:
     if s["cp_placement"]["status"] == "ran":
         lines += ["", f"## cp_placement: the busiest CP rank's attention time ({results['device']})", ""]
         lines += cp_rank_timing.markdown(s["cp_placement"])
+    if s["model_check"]["status"] == "ran":
+        lines += ["", f"## model_check: the step model against cp_placement ({results['device']})", ""]
+        lines += cp_rank_model.markdown(s["model_check"])
     if s["thd_timings"]["status"] == "ran":
         lines += ["", "## thd_timings", "", "| stage | device | median us | p10 us | p90 us |", "|---|---|---|---|---|"]
         for row in s["thd_timings"]["rows"]:
@@ -396,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         "attention_parity": lambda: attention_parity(device, args.tiny),
         "cp_simulated": lambda: cp_simulated(device, args.tiny),
         "cp_placement": lambda: cp_placement(device, args.tiny, say),
+        "calibrate": lambda: calibrate_device(device, args.tiny, args.out),
+        "model_check": lambda: model_check(results, args.tiny, args.out),
         "thd_timings": lambda: thd_timings(device, args.tiny),
         "throughput": lambda: throughput(device, args.tiny, args.out, say),
     }

@@ -4,6 +4,7 @@
     thdpack stats [INPUT] [--pack-size L ...] [--cp-size C] [--algorithm A ...] [--plot-dir DIR]
     thdpack verify --cp-size N [--dp-size M] [--dtype float64]
     thdpack plan --suggest LENGTHS --model CONFIG --profile h100_sxm --gpus N [--json out.json]
+    thdpack calibrate --model CONFIG --out machine.json     (under torchrun: the links between ranks too)
 
 A subcommand's module is imported only when that subcommand runs (``verify`` needs torch,
 ``stats`` does not).
@@ -37,6 +38,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "thdpack.perf.suggest",
         "add_plan_arguments",
         "run_plan",
+    ),
+    "calibrate": (
+        "time this machine's kernels, host and links for a model and write its step-model profile",
+        "thdpack.calibrate.command",
+        "add_calibrate_arguments",
+        "run_calibrate",
     ),
     "verify": (
         "prove on this machine that packed, CP-sharded training equals unpacked training",

@@ -58,6 +58,15 @@ def test_tiny_suite_runs_every_section_and_writes_its_files(tmp_path):
         assert row["vs_te"] == row["busiest_rank_ms"] / te[row["cp_size"]], row
     a2a = [row for row in rows if row["mode"].startswith("a2a")]
     assert all(row["busiest_rank_ms"] == row["mean_rank_ms"] for row in a2a)  # the same work on every rank
+    calibrated = sections["calibrate"]
+    assert calibrated["backend"] == "math" and 0 < calibrated["host_op_us"] < 1e3
+    assert suite.load_profile(tmp_path / "profile.json").host.asynchronous is False
+    check = sections["model_check"]
+    assert check["profile_source"] == "calibrated here"
+    assert [(r["cp_size"], r["mode"]) for r in check["rows"]] == [(cp, mode) for cp in (2, 4) for mode in modes]
+    for row in check["rows"]:
+        assert row["modelled_ms"] > 0 and row["measured_ms"] > 0, row
+        assert row["error"] == row["modelled_ms"] / row["measured_ms"] - 1, row
     stages = [row["stage"] for row in sections["thd_timings"]["rows"]]
     assert (
         stages[0] == "thd_collate (2 packs x 1024, one thread)"
@@ -67,7 +76,8 @@ def test_tiny_suite_runs_every_section_and_writes_its_files(tmp_path):
     runs = sections["throughput"]["result"]["runs"]
     assert runs and all(set(run["modes"]) == set(suite.train_throughput.MODES) for run in runs)
     text = (tmp_path / "results.md").read_text()
-    headings = ("# GPU suite on", "## attention_parity", "## cp_simulated", "## cp_placement", "## thd_timings")
+    headings = ("# GPU suite on", "## attention_parity", "## cp_simulated", "## cp_placement", "## model_check",
+                "## thd_timings")  # fmt: skip
     for heading in (*headings, "## throughput"):
         assert heading in text
     assert "| pytest | skipped |" in text and "c/a (target >= 2.5)" in text
@@ -96,6 +106,7 @@ def test_a_failing_section_is_reported_and_the_suite_goes_on(tmp_path, monkeypat
     assert results["sections"]["thd_timings"]["status"] == "ran"
     skipped = results["skipped"]
     assert skipped["cp_simulated"] == skipped["cp_placement"] == skipped["throughput"] == "planted: not here"
+    assert skipped["model_check"] == "cp_placement did not run: nothing measured to check against"
     assert results["failed"] == {"attention_parity": parity["error"]}
     text = (tmp_path / "results.md").read_text()
     assert "| attention_parity | failed |" in text and "## attention_parity failed" in text

@@ -3,6 +3,8 @@
 - ``machine``: a machine's public constants (``MachineProfile``, ``load_profile``), every number cited;
 - ``shape``: a model's FLOPs and bytes per token (``ModelShape``, ``load_shape``);
 - ``kernels`` / ``comm``: kernel times against block sizes, sends and collectives between ranks;
+- ``host``: the eager ops a training stack issues on the host (``HostOps``: thdpack's own, Megatron-LM
+  on Transformer Engine), which the profile prices per op;
 - ``costs``: per-sequence seconds on each rank (``SequenceCosts``: ``whole``, ``split(g)``), the
   pieces a planner's cost model adds up;
 - ``mesh`` / ``step``: what every rank of a dp x cp mesh runs (``MeshRun``) and the whole-step
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from thdpack.perf.comm import Comm, Topology
 from thdpack.perf.costs import SequenceCosts, split_slot
+from thdpack.perf.host import HOST_STACKS, MEGATRON_TE, THDPACK, THDPACK_CPU, HostOps
 from thdpack.perf.kernels import KernelTimes
 from thdpack.perf.machine import PROFILE_NAMES, MachineProfile, load_profile
 from thdpack.perf.megatron import MEGATRON_SPEC, SCHEDULERS, lognormal_lengths, scheduler_run
@@ -32,13 +35,18 @@ from thdpack.perf.step import PARTS, StepModel, StepTimes, TrainingSpec
 
 __all__ = [
     "COMMS",
+    "HOST_STACKS",
     "MEGATRON_SPEC",
+    "MEGATRON_TE",
     "MODES",
     "NAMED_SHAPES",
     "PARTS",
     "PROFILE_NAMES",
     "SCHEDULERS",
+    "THDPACK",
+    "THDPACK_CPU",
     "Comm",
+    "HostOps",
     "KernelTimes",
     "MachineProfile",
     "MeshRun",

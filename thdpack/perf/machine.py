@@ -19,7 +19,10 @@ The numbers, per GPU:
 - ``gpus_per_node`` and ``nvlink_domain`` (GPUs one NVLink fabric joins: a node, or a GB200 NVL72
   rack of 18 four-GPU trays);
 - ``collective_factors``: bytes a collective moves per byte of its buffer, times ``(n-1)/n``
-  (nccl-tests' bus-bandwidth factors).
+  (nccl-tests' bus-bandwidth factors);
+- ``host``: the host's seconds per eager op (``op_s``; ``thdpack.perf.host`` counts the ops) and
+  whether the device runs them ``asynchronously`` (a GPU: the host launches ahead while kernels
+  run) or the host computes them itself (a CPU: host and device time add).
 
 >>> profile = load_profile("h100_sxm")
 >>> profile.peak_flops, profile.gpus_per_node
@@ -75,6 +78,18 @@ class AttentionKernel:
 
 
 @dataclass(frozen=True)
+class HostCost:
+    """What one eager op costs the host that issues it."""
+
+    op_s: float
+    """Seconds of one eager op on the host: Python, the dispatcher, autograd's bookkeeping, the launch.
+    CPU-bound: a property of the host's CPU, not of the GPU."""
+    asynchronous: bool
+    """The device runs the ops while the host issues the next ones (a GPU), rather than the host
+    computing them itself (a CPU)."""
+
+
+@dataclass(frozen=True)
 class Source:
     """Where the numbers under ``keys`` come from."""
 
@@ -104,6 +119,7 @@ class MachineProfile:
     gpus_per_node: int
     nvlink_domain: int
     collective_factors: Mapping[str, float]
+    host: HostCost
     sources: tuple[Source, ...]
 
     @classmethod
@@ -135,6 +151,10 @@ class MachineProfile:
             collective_factors={
                 c: check.number(data["collective_factors"], f"collective_factors.{c}") for c in COLLECTIVES
             },
+            host=HostCost(
+                op_s=check.number(data["host"], "host.op_s", positive=True),
+                asynchronous=check.flag(data["host"], "host.asynchronous"),
+            ),
             sources=tuple(check.source(s, i) for i, s in enumerate(data["sources"])),
         )
         if profile.nvlink_domain % profile.gpus_per_node:
@@ -156,7 +176,7 @@ class MachineProfile:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, (Link, AttentionKernel)):
+            if isinstance(value, (Link, AttentionKernel, HostCost)):
                 value = {g.name: _plain(getattr(value, g.name)) for g in fields(value)}
             elif f.name == "sources":
                 value = [{g.name: _plain(getattr(s, g.name)) for g in fields(s)} for s in value]
@@ -220,6 +240,7 @@ _SCHEMA: dict[str, Any] = {
     "gpus_per_node": "number",
     "nvlink_domain": "number",
     "collective_factors": dict.fromkeys(COLLECTIVES, "number"),
+    "host": {"op_s": "number", "asynchronous": "flag"},
     "sources": "sources",
 }
 _SOURCE_KEYS = ("keys", "source", "url", "where")
@@ -283,6 +304,12 @@ class _Checker:
             bound = "> 0" if positive else ">= 0"
             raise ValueError(f"{self.where}: {key!r} must be a finite number {bound}, got {value!r}")
         return float(value)
+
+    def flag(self, data: Mapping[str, Any], key: str) -> bool:
+        value = data[key.rsplit(".", 1)[-1]]
+        if not isinstance(value, bool):
+            raise ValueError(f"{self.where}: {key!r} must be true or false, got {value!r}")
+        return value
 
     def fraction(self, data: Mapping[str, Any], key: str) -> float:
         value = self.number(data, key, positive=True)

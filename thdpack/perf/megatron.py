@@ -40,14 +40,16 @@ from collections import deque
 
 import numpy as np
 
+from thdpack.perf.host import MEGATRON_TE
 from thdpack.perf.mesh import COMMS, MeshRun
 from thdpack.perf.step import TrainingSpec
 from thdpack.plan.ordered import next_fit
 
 SCHEDULERS: tuple[str, ...] = ("dp_balanced", "dynamic_cp")
-MEGATRON_SPEC = TrainingSpec(grad_itemsize=2, overlap_dp=False)
+MEGATRON_SPEC = TrainingSpec(grad_itemsize=2, overlap_dp=False, host=MEGATRON_TE)
 """How ``benchmark_dcp.sh`` trains: bf16 gradients all-reduced after the backward (no
-``--overlap-grad-reduce``, no ``--accumulate-allreduce-grads-in-fp32``), Adam not distributed."""
+``--overlap-grad-reduce``, no ``--accumulate-allreduce-grads-in-fp32``), Adam not distributed,
+Megatron-LM's GPT on Transformer Engine issuing the host's ops (``thdpack.perf.host.MEGATRON_TE``)."""
 
 
 def lognormal_lengths(

@@ -12,7 +12,17 @@ Per rank, per round, forward + backward over every layer (``StepModel.run``):
   - all-gather: the K/V all-gather before the forward, the dK/dV reduce-scatter after the
     backward, both exposed;
   - a2a: two all-to-alls per layer forward (Q, K, V in; the output back) and two backward, exposed;
-  - a group inside one NVLink domain runs at NVLink speed, one spanning domains at the network's.
+  - a group inside one NVLink domain runs at NVLink speed, one spanning domains at the network's;
+- **host**: the eager ops the training stack issues (``thdpack.perf.host``: per micro-batch, per
+  layer, per attention call, ring step and exchange) at the profile's ``host.op_s`` each.
+
+The device's work (linear + attention + exposed communication) and the host's ops combine per
+round, the *segment* between two host syncs: Megatron-LM reads three ``.item()`` at the start of
+every micro-batch (``get_batch_on_this_rank_for_sequence_packing``), so the host cannot run ahead
+into the next one. Inside a round the host launches while the device runs (``host.asynchronous``:
+a GPU), so the round takes the longer of the two; on a CPU the host computes the ops itself and the
+two add. (Where a stack never syncs inside a step, the longer-of-two per round is an upper bound.)
+The **host** part of the breakdown is what the host adds beyond the device.
 
 The ranks of a group wait for each other every layer, so a round ends for a group when its slowest
 rank ends; a rank in several groups of a round (nested aligned groups) waits for the largest.
@@ -20,10 +30,11 @@ Across rounds the groups change (Megatron's dynamic CP) and the waits chain: a g
 last rank is ready. After the last round every rank waits for the slowest (**barrier**), then the
 gradients are all-reduced over the mesh (**dp**; overlapped with the last round's backward when the
 ``TrainingSpec`` says so) and the optimizer updates (memory-bound: ``optimizer_bytes_per_param``
-over HBM bandwidth).
+over HBM bandwidth), while the host issues the step's own ops (the optimizer's launches, the
+scheduler, the loss read back): the longer of the two on a GPU, their sum on a CPU.
 
-The breakdown is the mean rank's: linear + attention + comm + wait + dp + optimizer = the step;
-``wait`` is the slowest rank's time minus the rank's own (the barrier and the waits in groups).
+The breakdown is the mean rank's: linear + attention + comm + host + wait + dp + optimizer = the
+step; ``wait`` is the slowest rank's time minus the rank's own (the barrier and the waits in groups).
 
 Legend: ``S`` steps, ``M`` rounds, ``R`` ranks, ``G`` groups, ``E`` entries, ``Q`` (group, rank) pairs.
 """
@@ -36,11 +47,12 @@ import numpy as np
 
 from thdpack.perf.comm import Comm, Topology
 from thdpack.perf.costs import SequenceCosts, split_slot
+from thdpack.perf.host import THDPACK, THDPACK_CPU, HostOps
 from thdpack.perf.machine import MachineProfile
 from thdpack.perf.mesh import COMMS, MeshRun
 from thdpack.perf.shape import ModelShape
 
-PARTS: tuple[str, ...] = ("linear", "attention", "comm", "wait", "dp", "optimizer")
+PARTS: tuple[str, ...] = ("linear", "attention", "comm", "host", "wait", "dp", "optimizer")
 """The breakdown of a step, in seconds, summing to it."""
 
 
@@ -60,6 +72,9 @@ class TrainingSpec:
     overlap_dp: bool = True
     """The gradient all-reduce overlaps the last round's backward (DDP's buckets, FSDP2; Megatron-LM
     only with ``--overlap-grad-reduce``)."""
+    host: HostOps | None = None
+    """The training stack whose eager ops the host issues (``thdpack.perf.host``); None: thdpack's
+    own (``THDPACK`` where the device runs asynchronously, ``THDPACK_CPU`` on a CPU)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +107,7 @@ class StepModel:
         self.spec = spec or TrainingSpec()
         self.costs = SequenceCosts(profile, shape)
         self.comm = Comm(profile, topology)
+        self.host = self.spec.host or (THDPACK if profile.host.asynchronous else THDPACK_CPU)
 
     # -- per group ------------------------------------------------------------------------
 
@@ -162,8 +178,9 @@ class StepModel:
                 np.add.at(att_f, pair, f)
                 np.add.at(att_b, pair, b)
                 sent += per_group(split_slot(lengths, g) / g * self.shape.kv_bytes_per_token, mask)
-            kv = self.comm.collective("all_gather", sent, size_G, domains_G)
-            dkv = self.comm.collective("reduce_scatter", sent * self.spec.grad_itemsize / self.shape.itemsize,
+            gathered = sent * size_G  # nccl-tests' size: the all-gather's output, the reduce-scatter's input
+            kv = self.comm.collective("all_gather", gathered, size_G, domains_G)
+            dkv = self.comm.collective("reduce_scatter", gathered * self.spec.grad_itemsize / self.shape.itemsize,
                                        size_G, domains_G)  # fmt: skip
             exp_f += spread(np.where(gather & has_work, kv, 0.0))
             exp_b += spread(np.where(gather & has_work, dkv, 0.0))
@@ -183,8 +200,23 @@ class StepModel:
             "attention": layers * (att_f + att_b + call_f + call_b),
             "exposed": layers * (exp_f + exp_b),
             "backward": layers * (att_b + exp_b + call_b),
+            "host_ops": spread(np.where(has_work, layers * self.attention_host_ops(run), 0.0)),
             "pair_start": pair_start,
         }
+
+    def attention_host_ops(self, run: MeshRun) -> np.ndarray:
+        """(G,) eager ops of one layer's attention call of each group, forward + backward, per rank
+        (``thdpack.perf.host``: the local kernel, the ring's steps and exchanges, an all-gather or
+        all-to-all call)."""
+        host = self.host
+        size_G = run.group_size
+        ops_G = np.zeros(len(size_G))
+        for name, ops in (("whole", host.attention), ("allgather", host.allgather), ("a2a", host.a2a)):
+            ops_G[run.group_comm == COMMS.index(name)] = ops.total
+        ring = run.group_comm == COMMS.index("ring")
+        for g in np.unique(size_G[ring]).tolist():
+            ops_G[ring & (size_G == g)] = host.ring_ops(int(g)).total
+        return ops_G
 
     # -- the step -------------------------------------------------------------------------
 
@@ -201,7 +233,10 @@ class StepModel:
         attention = np.bincount(pair_cell, weights=times["attention"], minlength=n_cells)
         exposed = np.bincount(pair_cell, weights=times["exposed"], minlength=n_cells)
         backward = np.bincount(pair_cell, weights=times["backward"], minlength=n_cells) + linear * 2 / 3
-        own = (linear + attention + exposed).reshape(S, M, R)
+        device = linear + attention + exposed
+        host = self._host_seconds(run, np.bincount(pair_cell, weights=times["host_ops"], minlength=n_cells))
+        own_flat = np.maximum(device, host) if self.profile.host.asynchronous else device + host
+        own = own_flat.reshape(S, M, R)
         sync = self._sync_sets(run, pair_group, pair_cell, n_cells).reshape(S, M, R)
         ready = np.zeros((S, R))
         for m in range(M):
@@ -212,16 +247,31 @@ class StepModel:
         slowest = ready.max(axis=1) if R else np.zeros(S)
         busy = own.sum(axis=1)
         dp = self._dp_seconds(run, backward.reshape(S, M, R))
-        optimizer = np.full(S, self._optimizer_seconds())
+        optimizer = self._optimizer_seconds()
+        step_host = self.host.step_ops(self.shape.layers) * self.profile.host.op_s
+        after = max(optimizer, step_host) if self.profile.host.asynchronous else optimizer + step_host
+
+        def per_rank(values: np.ndarray) -> np.ndarray:
+            return values.reshape(S, M, R).sum(axis=1).mean(axis=1)
+
         parts = {
-            "linear": linear.reshape(S, M, R).sum(axis=1).mean(axis=1),
-            "attention": attention.reshape(S, M, R).sum(axis=1).mean(axis=1),
-            "comm": exposed.reshape(S, M, R).sum(axis=1).mean(axis=1),
+            "linear": per_rank(linear),
+            "attention": per_rank(attention),
+            "comm": per_rank(exposed),
+            "host": per_rank(own_flat - device) + (after - optimizer),
             "wait": (slowest[:, None] - busy).mean(axis=1),
             "dp": dp,
-            "optimizer": optimizer,
+            "optimizer": np.full(S, optimizer),
         }
-        return StepTimes(step=slowest + dp + optimizer, parts=parts, busy=busy, slowest=slowest)
+        return StepTimes(step=slowest + dp + after, parts=parts, busy=busy, slowest=slowest)
+
+    def _host_seconds(self, run: MeshRun, attention_ops: np.ndarray) -> np.ndarray:
+        """(S*M*R,) host seconds of each rank in each round: its micro-batch and layers when it holds
+        tokens, and its attention calls (``attention_ops``, per cell)."""
+        host = self.host
+        base = host.micro_batch.total + self.shape.layers * host.layer.total
+        working = run.tokens.reshape(-1) > 0
+        return (np.where(working, base, 0.0) + attention_ops) * self.profile.host.op_s
 
     def _sync_sets(self, run: MeshRun, pair_group: np.ndarray, pair_cell: np.ndarray, n_cells: int) -> np.ndarray:
         """(S*M*R,) int64 id of the rank set each cell waits with in its round: its largest

@@ -173,3 +173,10 @@ def test_a_node_size_override_keeps_a_fabric_that_spans_nodes():
     assert Topology.of(h100, 4) == Topology(4, 4)
     assert Topology.of(h100) == Topology(8, 8)
     assert Topology(4, 72).domains(np.array([0, 68]), np.array([71, 75])).tolist() == [1, 2]
+
+
+def test_all_gather_exchanges_every_ranks_kv_as_nccl_tests_counts_it():
+    # one sequence of 8 over 2 ranks: each holds 4 tokens' K/V (64 bytes); the all-gather's output is
+    # 128 bytes, of which (n-1)/n cross the link: 0.064 s at 1000 B/s; the dK/dV reduce-scatter the same
+    exposed = toy_model().group_times(run_of(2, [(0, 0, 2, "allgather")], [(0, 8)]))["exposed"]
+    assert exposed == pytest.approx([0.128, 0.128])

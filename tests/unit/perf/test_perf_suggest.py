@@ -8,6 +8,7 @@ import numpy as np
 
 from thdpack.cli import main
 from thdpack.perf.shape import NAMED_SHAPES
+from thdpack.perf.step import PARTS
 from thdpack.perf.suggest import options
 
 
@@ -35,7 +36,7 @@ def test_plan_suggest_prints_every_option_and_the_fastest(capsys, tmp_path):
     assert speeds == sorted(speeds, reverse=True)
     assert {r["mode"] for r in rows} == {"te", "adaptive", "a2a", "mesh"}
     for r in rows:  # the breakdown adds up to the step
-        parts = sum(r[f"{p}_ms"] for p in ("linear", "attention", "comm", "wait", "dp", "optimizer"))
+        parts = sum(r[f"{p}_ms"] for p in PARTS)
         assert abs(parts - r["step_ms"]) < 1e-6 * r["step_ms"]
 
 
