@@ -129,8 +129,10 @@ def place_packs(
             reserve_KM, reserve_KM, units_KM > 0, cp_size=cp_size, budget=budget, cost_model=cost_model,
             sizes=sizes, fill_density=fill_density,
         )[0]  # fmt: skip
+        # entry e of a pack of template k is item e - offsets[pack] of row k: one flat gather
         row_P = np.repeat(np.arange(len(group_count)), group_count)
-        option_E = option_KM[np.repeat(row_P, np.diff(offsets)), _positions(offsets)]
+        flat_E = np.repeat(row_P * option_KM.shape[1] - offsets[:-1], np.diff(offsets)) + np.arange(len(ids))
+        option_E = option_KM.reshape(-1)[flat_E]
         return size_O[option_E], start_O[option_E]
     num_packs = len(offsets) - 1
     option_E = np.empty(len(ids), dtype=np.int64)
