@@ -61,10 +61,12 @@ def epoch_seeds(seed: int | None, epoch: int) -> tuple[int | None, int]:
     return int(plan_seed), int(order_seed)
 
 
-def plan_epoch(lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int) -> PackPlan:
+def plan_epoch(
+    lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int, gpus_per_node: int | None = None
+) -> PackPlan:
     """Epoch ``epoch``'s plan: ``config`` with the plan seed derived from ``(config.seed, epoch)``."""
     plan_seed, _ = epoch_seeds(config.seed, epoch)
-    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size)
+    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size, gpus_per_node=gpus_per_node)
 
 
 @dataclass(frozen=True)
@@ -101,9 +103,11 @@ class Epochs:
         cp_size: int,
         shuffle: bool,
         first_plan: PackPlan | None = None,
+        gpus_per_node: int | None = None,
     ) -> None:
         self.lengths = lengths
         self.config, self.cp_size, self.shuffle = config, cp_size, shuffle
+        self.gpus_per_node = gpus_per_node
         self._epochs: dict[int, Epoch] = {}
         self.plans_made = 0
         """How many epoch plans were computed (each epoch once; a given first plan is not one)."""
@@ -115,7 +119,9 @@ class Epochs:
         found = self._epochs.get(epoch)
         if found is None:
             self.plans_made += 1
-            found = self._order(epoch, plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch))
+            plan = plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch,
+                              gpus_per_node=self.gpus_per_node)  # fmt: skip
+            found = self._order(epoch, plan)
             log.debug("epoch %d plan:\n%s", epoch, found.plan.stats)
             self._epochs[epoch] = found
             while len(self._epochs) > 2:
@@ -143,13 +149,16 @@ class Epochs:
             raise ValueError(f"the given plan is not what epoch 0 plans ({'; '.join(diff)}); let the epoch re-plan")
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings that decide every epoch's packs and their order."""
-        return {
+        """The settings that decide every epoch's packs and their order (a timed plan's node size too)."""
+        out = {
             **self.config.fingerprint(),
             "cp_size": self.cp_size,
             "shuffle": self.shuffle,
             "num_sequences": len(self.lengths),
         }
+        if self.config.timed:
+            out["gpus_per_node"] = self.gpus_per_node
+        return out
 
 
 # -- the map-style share -------------------------------------------------------------------

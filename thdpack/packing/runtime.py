@@ -5,10 +5,10 @@ decides the rest: the context-parallel size, this process's data-parallel rank a
 data-parallel ranks (the dp x cp topology), and the tokenizer's pad id. ``PackingRuntime`` holds
 those, checked once when it is made; ``from_topology`` reads them from the run's topology (the
 trainer's, the Trainer integrations' or ``thdpack verify``'s: any object with ``cp_size``,
-``dp_size`` and ``dp_rank``).
+``dp_size`` and ``dp_rank``; ``gpus_per_node`` where it has one, as ``CpTopology``).
 
 >>> PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=50256)
-PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=50256)
+PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=50256, gpus_per_node=None)
 >>> PackingRuntime(dp_rank=2, dp_size=2)
 Traceback (most recent call last):
 ...
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from thdpack._settings import check_fields, integer, setting
+from thdpack._settings import check_fields, integer, optional, setting
 from thdpack.packing.packer import check_pad_id
 
 
@@ -53,6 +53,12 @@ class PackingRuntime:
         default=0,
         check=lambda name, value: check_pad_id(value),
     )
+    gpus_per_node: int | None = setting(
+        "Ranks per node: which CP groups span nodes for a timed plan (cost_model='time', "
+        "cp_placement='auto'); None: the profile's.",
+        default=None,
+        check=optional(integer(1)),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -65,5 +71,6 @@ class PackingRuntime:
     @classmethod
     def from_topology(cls, topology: Topology, *, pad_id: int = 0) -> PackingRuntime:
         """The runtime of this process's place in ``topology`` (its ``cp_size``, ``dp_size``,
-        ``dp_rank``), with the tokenizer's ``pad_id``."""
-        return cls(cp_size=topology.cp_size, dp_rank=topology.dp_rank, dp_size=topology.dp_size, pad_id=pad_id)
+        ``dp_rank`` and, where it knows it, ``gpus_per_node``), with the tokenizer's ``pad_id``."""
+        return cls(cp_size=topology.cp_size, dp_rank=topology.dp_rank, dp_size=topology.dp_size, pad_id=pad_id,
+                   gpus_per_node=getattr(topology, "gpus_per_node", None))  # fmt: skip

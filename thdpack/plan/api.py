@@ -81,9 +81,11 @@ def plan_packs(lengths: object, pack_size: int, *, cp_size: int = 1, **settings:
     return plan_with(lengths, config, cp_size=cp_size)
 
 
-def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackPlan:
+def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1, gpus_per_node: int | None = None) -> PackPlan:
     """``plan_packs`` with its settings in a ``PlanConfig`` (checked when it was made) and the
-    run's context-parallel size beside it.
+    run's context-parallel size beside it; ``gpus_per_node`` (the run's topology, default the
+    profile's) tells a timed plan (``cost_model="time"``, ``cp_placement="auto"``) which CP groups
+    span nodes.
 
     >>> plan = plan_with([5, 3, 6, 2, 4], PlanConfig(pack_size=16), cp_size=2)
     >>> [p.tolist() for p in plan], plan.cp_size
@@ -109,8 +111,9 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
     fit_packs = None  # the decreasing fit's packs when the improvement phase saved some
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
-    placement = None
-    if cp_placement == "adaptive" and cp_size > 1:
+    placement = a2a_packs = None
+    if cp_placement in ("adaptive", "auto") and cp_size > 1:
+        timing = _time_model(config, gpus_per_node)
         ids, offsets, placement = plan_entries(
             entries.length,
             pack_size,
@@ -118,9 +121,13 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
             algorithm=algorithm,
             window=config.window,
             rng=rng,
-            cost_model=cost_model,
+            cost_model=timing if cost_model == "time" else cost_model,
             improve=config.improve,
         )
+        if cp_placement == "auto":
+            from thdpack.perf.auto import choose_layouts
+
+            placement, a2a_packs = choose_layouts(placement, timing.model)
     elif algorithm == "sequential":
         offsets = next_fit(units, capacity)
         ids = np.arange(len(units), dtype=np.int64)
@@ -161,7 +168,17 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
         entry_lengths=entries.length[ids] if cut else None,
         placement=placement,
         cost_model=cost_model if placement is not None else None,
+        a2a_packs=a2a_packs,
     )
+
+
+def _time_model(config: PlanConfig, gpus_per_node: int | None) -> Any:
+    """The loaded ``TimeCostModel`` of a timed plan (None otherwise): perf loads profiles and shapes."""
+    if not config.timed:
+        return None
+    from thdpack.perf.time_cost import TimeCostModel
+
+    return TimeCostModel.load(config.profile, config.model_shape, gpus_per_node)
 
 
 def _stats(

@@ -41,7 +41,7 @@ from typing import Literal
 import numpy as np
 
 from thdpack.layout.rules import group_options, slot_lengths
-from thdpack.plan.cp_cost import CostModel, split_cost, whole_cost
+from thdpack.plan.cp_cost import Costing, split_cost, uniform_split, whole_cost
 from thdpack.plan.place_compiled import compiled_search_rows, option_halves
 
 _BIG = np.iinfo(np.int64).max
@@ -58,7 +58,7 @@ def place_rows(
     *,
     cp_size: int,
     budget: int,
-    cost_model: CostModel,
+    cost_model: Costing,
     sizes: Sequence[int] | None = None,
     fill_density: float = 0.0,
     engine: Engine = "auto",
@@ -163,7 +163,7 @@ class _Search:
         count_K: np.ndarray,
         cp_size: int,
         budget: int,
-        cost_model: CostModel,
+        cost_model: Costing,
         sizes: tuple[int, ...],
         loop: Callable[..., None] | None = None,
     ) -> None:
@@ -180,7 +180,7 @@ class _Search:
         # per item and group size: the cost on each group rank and the tokens each group rank holds
         # (0 at positions without an item; a split item costs every rank of its group the same
         # under tiles: one column)
-        self.uniform = cost_model == "tiles"
+        self.uniform = uniform_split(cost_model)
         self.size_index_O = np.array([self.sizes_desc.index(g) for g in self.size_O.tolist()])
         valid_KM = np.arange(lengths_KM.shape[1]) < count_K[:, None]
         lengths_V = lengths_KM[valid_KM]
