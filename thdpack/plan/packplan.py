@@ -136,8 +136,11 @@ class PackPlan:
         return (
             f"PackPlan({len(self):,} packs of {self.pack_size:,} tokens, {len(self.indices):,} entries, "
             f"algorithm={self.algorithm!r}, cp_size={self.cp_size}"
-            + (f", cp_placement={self.cp_placement!r}, cost_model={self.cost_model!r})" if self.placement is not None
-               else ")")
+            + (
+                f", cp_placement={self.cp_placement!r}, cost_model={self.cost_model!r})"
+                if self.placement is not None
+                else ")"
+            )
         )
 
     def segments(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
