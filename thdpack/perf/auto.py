@@ -13,6 +13,10 @@ linear work, attention and exposed communication; ``StepTimes.slowest``), and ta
 ties keep the earlier of the order above. By the model, then, no pack of an ``auto`` plan is slower
 than the same pack under any of the three.
 
+The packs (``plan_auto``) are the adaptive planner's, placed by the ``time`` cost model or by
+``tiles``, whichever packing the model times faster in all after each pack's choice: an ``auto``
+epoch is never slower than the ``adaptive`` one either.
+
 Legend: ``P`` packs, ``E`` entries, ``C`` candidates.
 """
 
@@ -24,6 +28,8 @@ from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import round_up_to_cp
 from thdpack.perf.mesh import Comm, placed_run
 from thdpack.perf.step import StepModel
+from thdpack.perf.time_cost import TimeCostModel
+from thdpack.plan.adaptive import plan_entries
 
 LAYOUTS: tuple[str, ...] = ("adaptive", "te", "a2a")
 """The candidates, in the order ties are broken."""
@@ -65,14 +71,42 @@ def candidate_seconds(placement: CpPlacement, model: StepModel) -> np.ndarray:
     return seconds
 
 
-def choose_layouts(placement: CpPlacement, model: StepModel) -> tuple[CpPlacement, np.ndarray]:
-    """Per pack the fastest of ``LAYOUTS``: ``(placement, a2a_P)``, the packs that take TE's layout
-    split over all ranks, and (P,) bool the packs attended by all-to-all (their layout kept)."""
-    choice_P = np.argmin(candidate_seconds(placement, model), axis=0)
+def choose_layouts(placement: CpPlacement, model: StepModel) -> tuple[CpPlacement, np.ndarray, float]:
+    """Per pack the fastest of ``LAYOUTS``: ``(placement, a2a_P, seconds)``, the packs that take
+    TE's layout split over all ranks, (P,) bool the packs attended by all-to-all (their layout
+    kept), and the modelled seconds of all the packs."""
+    seconds_CP = candidate_seconds(placement, model)
+    choice_P = np.argmin(seconds_CP, axis=0)
     te_E = np.repeat(choice_P == LAYOUTS.index("te"), np.diff(placement.offsets))
     chosen = CpPlacement(
         cp_size=placement.cp_size, pack_size=placement.pack_size, offsets=placement.offsets,
         lengths=placement.lengths, group_size=np.where(te_E, placement.cp_size, placement.group_size),
         group_start=np.where(te_E, 0, placement.group_start),
     )  # fmt: skip
-    return chosen, choice_P == LAYOUTS.index("a2a")
+    return chosen, choice_P == LAYOUTS.index("a2a"), float(seconds_CP.min(axis=0).sum())
+
+
+def plan_auto(
+    lengths_E: np.ndarray,
+    pack_size: int,
+    cp_size: int,
+    *,
+    timing: TimeCostModel,
+    algorithm: str,
+    window: int,
+    rng: np.random.Generator | None,
+    improve: bool = True,
+) -> tuple[np.ndarray, np.ndarray, CpPlacement, np.ndarray, str]:
+    """``plan_packs(..., cp_placement="auto")``'s packs: ``(ids, offsets, placement, a2a_P,
+    cost_model)``, the adaptive packing (``plan_entries``) by ``"time"`` or ``"tiles"``, whichever
+    is faster after ``choose_layouts``, and its name."""
+    best = None
+    for name, costing in (("time", timing), ("tiles", "tiles")):
+        ids, offsets, placement = plan_entries(
+            lengths_E, pack_size, cp_size, algorithm=algorithm, window=window, rng=rng, cost_model=costing,
+            improve=improve,
+        )  # fmt: skip
+        placement, a2a_P, seconds = choose_layouts(placement, timing.model)
+        if best is None or seconds < best[0]:
+            best = (seconds, ids, offsets, placement, a2a_P, name)
+    return best[1:]

@@ -7,7 +7,8 @@ Every option the GPUs allow is planned as the trainer plans it and timed by the 
 (``thdpack.perf.step``, from the profile's public constants): CP sizes that divide the GPU count
 and hold the longest sequence whole in a pack of ``cp x rank_tokens`` tokens, each with TE's
 layout or the adaptive placement over the ring or an all-gather of K/V, the all-to-all where the
-heads divide, and the adaptive placement over every GPU (``mesh``). Options are ranked by real
+heads divide, ``auto`` (per pack the fastest of those by the model), and ``auto`` over every GPU
+(``mesh``). Options are ranked by real
 tokens per second per GPU; the table gives each one's step time and breakdown.
 """
 
@@ -62,6 +63,7 @@ def options(gpus: int, shape: ModelShape, longest: int, rank_tokens: int) -> lis
                     out += [(mode, cp, "ring"), (mode, cp, "allgather")]
                 if shape.heads % cp == 0:
                     out.append(("a2a", cp, "a2a"))
+                out.append(("auto", cp, "ring"))
         cp *= 2
     if gpus > 1 and longest <= gpus * rank_tokens:
         out += [("mesh", gpus, "ring"), ("mesh", gpus, "allgather")]
@@ -78,7 +80,7 @@ def suggest(
     for mode, cp, comm in options(gpus, model.shape, int(lengths.max()), rank_tokens):
         split_comm = "ring" if comm in ("none", "a2a") else comm
         run = mode_run(lengths, mode, world=gpus, cp=cp, rank_tokens=rank_tokens, micro_batches=micro_batches,
-                       split_comm=split_comm)  # fmt: skip
+                       split_comm=split_comm, model=model)  # fmt: skip
         times = model.run(run)
         rows.append({
             "mode": mode, "dp": gpus // cp, "cp": cp, "comm": comm, "steps": run.steps, **times.summary(),

@@ -63,8 +63,12 @@ class TimeCostModel:
         return cls(StepModel(profile, shape, Topology.of(profile, gpus_per_node)))
 
     def whole(self, lengths_S: np.ndarray) -> np.ndarray:
-        """(S,) int64 nanoseconds of each sequence whole on one rank."""
-        return _nanoseconds(self.model.costs.attention_whole(lengths_S))
+        """(S,) int64 nanoseconds of each sequence whole on one rank (0 for an empty one)."""
+        lengths_S = np.asarray(lengths_S, dtype=np.int64)
+        out = np.zeros(lengths_S.shape, dtype=np.int64)
+        some = lengths_S > 0
+        out[some] = _nanoseconds(self.model.costs.attention_whole(lengths_S[some]))
+        return out
 
     def split(self, lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int) -> np.ndarray:
         """(S, G) int64 nanoseconds on each rank of a group of ``group_size`` of each sequence split
@@ -73,10 +77,13 @@ class TimeCostModel:
             return self.whole(lengths_S)[:, None]
         model = self.model
         slots = np.asarray(slots_S, dtype=np.int64)
-        tiles = model.costs.ring_tiles(slots, group_size)
+        per_rank = np.zeros(slots.shape, dtype=np.int64)
+        some = slots > 0
+        tiles = model.costs.ring_tiles(slots[some], group_size)
+        sent = model.costs.ring_bytes(slots[some], group_size)
         domains = model.topology.domains(np.array([0]), np.array([group_size - 1]))
-        forward, backward = model.ring_seconds(tiles, model.costs.ring_bytes(slots, group_size), group_size, domains)
-        per_rank = _nanoseconds(model.shape.layers * (forward + backward))
+        forward, backward = model.ring_seconds(tiles, sent, group_size, domains)
+        per_rank[some] = _nanoseconds(model.shape.layers * (forward + backward))
         return np.repeat(per_rank[:, None], group_size, axis=1)
 
     def digest(self) -> str:

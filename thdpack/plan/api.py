@@ -112,8 +112,15 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1, gpus_per
     fit_packs = None  # the decreasing fit's packs when the improvement phase saved some
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
     placement = a2a_packs = None
-    if cp_placement in ("adaptive", "auto") and cp_size > 1:
+    if cp_placement == "auto" and cp_size > 1:
+        from thdpack.perf.auto import plan_auto
+
         timing = _time_model(config, gpus_per_node)
+        ids, offsets, placement, a2a_packs, cost_model = plan_auto(
+            entries.length, pack_size, cp_size, timing=timing, algorithm=algorithm, window=config.window, rng=rng,
+            improve=config.improve,
+        )  # fmt: skip
+    elif cp_placement == "adaptive" and cp_size > 1:
         ids, offsets, placement = plan_entries(
             entries.length,
             pack_size,
@@ -121,13 +128,9 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1, gpus_per
             algorithm=algorithm,
             window=config.window,
             rng=rng,
-            cost_model=timing if cost_model == "time" else cost_model,
+            cost_model=_time_model(config, gpus_per_node) if cost_model == "time" else cost_model,
             improve=config.improve,
         )
-        if cp_placement == "auto":
-            from thdpack.perf.auto import choose_layouts
-
-            placement, a2a_packs = choose_layouts(placement, timing.model)
     elif algorithm == "sequential":
         offsets = next_fit(units, capacity)
         ids = np.arange(len(units), dtype=np.int64)
