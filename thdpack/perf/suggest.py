@@ -125,7 +125,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     print(format_rows(rows))
     best = rows[0]
-    placement = "adaptive" if best["mode"] == "mesh" else best["mode"]
+    placement = "auto" if best["mode"] == "mesh" else best["mode"]
     print(
         f"suggested: dp={best['dp']} cp={best['cp']} cp_placement={placement} comm={best['comm']} "
         f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, step {best['step_ms']:.1f} ms)"
