@@ -81,3 +81,27 @@ def test_auto_without_a2a_heads_keeps_the_placement_or_te():
     """cp 3 does not divide Llama 3's 32 query heads: no pack is attended by all-to-all."""
     plan = plan_packs(_mixes(4)[0], 16380, cp_size=3, cp_placement="auto", overflow="split", **MODEL)
     assert not plan.a2a_packs.any()
+
+
+def test_packs_carry_the_choice_into_the_batch_record():
+    """build_pack adds cp_a2a to each pack of an auto plan; the batch's record keeps it through a
+    shard; a batch is attended by all-to-all when all its packs chose it; a pack must choose once."""
+    import torch
+
+    from thdpack.cp import shard
+    from thdpack.packing.packer import build_pack
+    from thdpack.thd.batch import thd_collate
+
+    lengths = np.random.default_rng(2).integers(1, 128, 24)
+    plan = plan_packs(lengths, 128, cp_size=4, cp_placement="auto", overflow="split", **MODEL)
+    samples = [{"input_ids": list(range(1, n + 1))} for n in lengths.tolist()]
+    a2a, placed = int(np.flatnonzero(plan.a2a_packs)[0]), int(np.flatnonzero(~plan.a2a_packs)[0])
+    packs = [build_pack(samples, plan, i) for i in (a2a, placed)]
+    assert packs[0]["cp_a2a"].tolist() == [1] * len(packs[0]["seq_lens"]) and not packs[1]["cp_a2a"].any()
+    for chosen, expect in (([packs[0]], True), ([packs[1]], False), (packs, False)):
+        record = shard(thd_collate(chosen), 4, 1)["thd_meta"]
+        assert record.groups.all_to_all is expect and record.groups.a2a_S is not None
+    assert "a2a=(1," in repr(thd_collate([packs[0]])["thd_meta"])
+    bad = dict(packs[0], cp_a2a=torch.tensor([1] + [0] * (len(packs[0]["seq_lens"]) - 1)))
+    with pytest.raises(ValueError, match="pack 0: cp_a2a differs between its entries; all-to-all is chosen per pack"):
+        thd_collate([bad])
