@@ -38,13 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cp_balance import TINY_SEQUENCES, datasets
 
 from thdpack.layout.placement import CpPlacement
-from thdpack.perf.auto import LAYOUTS, candidate_seconds, pack_seconds, plan_auto
+from thdpack.perf.auto import LAYOUTS, candidate_seconds, pack_seconds
 from thdpack.perf.machine import PROFILE_NAMES
 from thdpack.perf.megatron import lognormal_lengths
 from thdpack.perf.shape import NAMED_SHAPES
 from thdpack.perf.time_cost import TimeCostModel
 from thdpack.plan import plan_packs
 from thdpack.plan.adaptive import plan_entries
+from thdpack.plan.auto import plan_auto
 from thdpack.plan.overflow import apply_overflow
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,6 +21,7 @@ from thdpack.attention import thd_attention
 from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology
 from thdpack.packing.packer import build_pack
+from thdpack.perf.time_cost import TimeCostModel
 from thdpack.plan import plan_packs
 from thdpack.testing import run_distributed
 from thdpack.thd.batch import thd_collate
@@ -34,7 +35,8 @@ def _plan(cp_size: int):
     """An auto plan (Llama 3 8B on H100, by the model) whose packs take both ways."""
     lengths = np.random.default_rng(2).integers(1, PACK_SIZE, 24)
     plan = plan_packs(lengths, PACK_SIZE, cp_size=cp_size, cp_placement="auto", profile="h100_sxm",
-                      model_shape="llama3-8b", overflow="split")  # fmt: skip
+                      model_shape="llama3-8b", overflow="split",
+                      timing=TimeCostModel.load("h100_sxm", "llama3-8b"))  # fmt: skip
     samples = [{"input_ids": list(range(1, n + 1))} for n in lengths.tolist()]
     return plan, samples
 

@@ -72,7 +72,8 @@ def test_a_setting_added_to_the_plan_config_appears_in_a_flat_door():
 
 def test_plan_packs_takes_every_plan_setting():
     parameters = inspect.signature(plan_packs).parameters
-    assert set(parameters) == {"lengths", "cp_size"} | {f.name for f in dataclasses.fields(PlanConfig)}
+    # beside the settings, the run's values: its CP size and a timed plan's timing
+    assert set(parameters) == {"lengths", "cp_size", "timing"} | {f.name for f in dataclasses.fields(PlanConfig)}
     for f in dataclasses.fields(PlanConfig)[1:]:  # pack_size is positional
         assert parameters[f.name].default == f.default and f.name in plan_packs.__doc__
     plan = plan_packs([5, 3, 6, 2, 4], 16, cp_size=2, cp_placement="adaptive", improve=False)

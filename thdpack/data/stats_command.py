@@ -25,6 +25,7 @@ import numpy as np
 from thdpack._config_forms import add_options, from_flat
 from thdpack._optional import has_module
 from thdpack.data.store_verify import verify_store
+from thdpack.perf.time_cost import timing_of
 from thdpack.plan.api import plan_with
 from thdpack.plan.config import ALGORITHMS, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.packing_stats import PackingStats
@@ -88,7 +89,7 @@ def compare(lengths: np.ndarray, configs: list[PlanConfig], *, cp_size: int) -> 
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
-            plan = plan_with(lengths, config, cp_size=cp_size)
+            plan = plan_with(lengths, config, cp_size=cp_size, timing=timing_of(config))
             best = min(best, time.perf_counter() - start)
             if best > 0.5:
                 break

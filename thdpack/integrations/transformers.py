@@ -93,6 +93,7 @@ from thdpack.models.hf_attention import (
 from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
 from thdpack.packing.packer import pack_from_segments
 from thdpack.packing.runtime import PackingRuntime
+from thdpack.perf.time_cost import timing_of
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.overflow import Overflow
 from thdpack.thd.batch import thd_collate
@@ -431,7 +432,8 @@ def packed_dataset(
     (``cp_group_size`` / ``cp_group_start`` per entry), which ``cp.shard`` and thdpack's attention
     follow, over the topology's placement groups.
     """
-    return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id), lengths=lengths)
+    timing = timing_of(config.plan, topology.gpus_per_node)  # a timed plan's machine and model, on these nodes
+    return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id, timing=timing), lengths=lengths)
 
 
 def _pad_id(model: torch.nn.Module) -> int:

@@ -35,6 +35,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from thdpack.plan.api import plan_with
+from thdpack.plan.auto import PlanTiming
 from thdpack.plan.config import PlanConfig
 from thdpack.plan.packplan import PackPlan
 
@@ -62,11 +63,12 @@ def epoch_seeds(seed: int | None, epoch: int) -> tuple[int | None, int]:
 
 
 def plan_epoch(
-    lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int, gpus_per_node: int | None = None
+    lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int, timing: PlanTiming | None = None
 ) -> PackPlan:
-    """Epoch ``epoch``'s plan: ``config`` with the plan seed derived from ``(config.seed, epoch)``."""
+    """Epoch ``epoch``'s plan: ``config`` with the plan seed derived from ``(config.seed, epoch)``
+    (``timing``: a timed plan's, ``plan_with``)."""
     plan_seed, _ = epoch_seeds(config.seed, epoch)
-    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size, gpus_per_node=gpus_per_node)
+    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size, timing=timing)
 
 
 @dataclass(frozen=True)
@@ -103,11 +105,11 @@ class Epochs:
         cp_size: int,
         shuffle: bool,
         first_plan: PackPlan | None = None,
-        gpus_per_node: int | None = None,
+        timing: PlanTiming | None = None,
     ) -> None:
         self.lengths = lengths
         self.config, self.cp_size, self.shuffle = config, cp_size, shuffle
-        self.gpus_per_node = gpus_per_node
+        self.timing = timing
         self._epochs: dict[int, Epoch] = {}
         self.plans_made = 0
         """How many epoch plans were computed (each epoch once; a given first plan is not one)."""
@@ -119,8 +121,7 @@ class Epochs:
         found = self._epochs.get(epoch)
         if found is None:
             self.plans_made += 1
-            plan = plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch,
-                              gpus_per_node=self.gpus_per_node)  # fmt: skip
+            plan = plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch, timing=self.timing)
             found = self._order(epoch, plan)
             log.debug("epoch %d plan:\n%s", epoch, found.plan.stats)
             self._epochs[epoch] = found
@@ -149,15 +150,16 @@ class Epochs:
             raise ValueError(f"the given plan is not what epoch 0 plans ({'; '.join(diff)}); let the epoch re-plan")
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings that decide every epoch's packs and their order (a timed plan's node size too)."""
+        """The settings that decide every epoch's packs and their order (a timed plan's: the digest of
+        its timing, what the profile and model shape hold on the run's nodes)."""
         out = {
             **self.config.fingerprint(),
             "cp_size": self.cp_size,
             "shuffle": self.shuffle,
             "num_sequences": len(self.lengths),
         }
-        if self.config.timed:
-            out["gpus_per_node"] = self.gpus_per_node
+        if self.config.timed and self.timing is not None:
+            out["timing_sha256"] = self.timing.digest()
         return out
 
 

@@ -13,9 +13,10 @@ linear work, attention and exposed communication; ``StepTimes.slowest``), and ta
 ties keep the earlier of the order above. By the model, then, no pack of an ``auto`` plan is slower
 than the same pack under any of the three.
 
-The packs (``plan_auto``) are the adaptive planner's, placed by the ``time`` cost model or by
-``tiles``, whichever packing the model times faster in all after each pack's choice: an ``auto``
-epoch is never slower than the ``adaptive`` one either.
+The packs (``thdpack.plan.auto.plan_auto``, given ``TimeCostModel.choose``) are the adaptive
+planner's, placed by the ``time`` cost model or by ``tiles``, whichever packing the model times
+faster in all after each pack's choice: an ``auto`` epoch is never slower than the ``adaptive``
+one either.
 
 Legend: ``P`` packs, ``E`` entries, ``C`` candidates.
 """
@@ -28,8 +29,6 @@ from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import round_up_to_cp
 from thdpack.perf.mesh import Comm, placed_run
 from thdpack.perf.step import StepModel
-from thdpack.perf.time_cost import TimeCostModel
-from thdpack.plan.adaptive import plan_entries
 
 LAYOUTS: tuple[str, ...] = ("adaptive", "te", "a2a")
 """The candidates, in the order ties are broken."""
@@ -84,29 +83,3 @@ def choose_layouts(placement: CpPlacement, model: StepModel) -> tuple[CpPlacemen
         group_start=np.where(te_E, 0, placement.group_start),
     )  # fmt: skip
     return chosen, choice_P == LAYOUTS.index("a2a"), float(seconds_CP.min(axis=0).sum())
-
-
-def plan_auto(
-    lengths_E: np.ndarray,
-    pack_size: int,
-    cp_size: int,
-    *,
-    timing: TimeCostModel,
-    algorithm: str,
-    window: int,
-    rng: np.random.Generator | None,
-    improve: bool = True,
-) -> tuple[np.ndarray, np.ndarray, CpPlacement, np.ndarray, str]:
-    """``plan_packs(..., cp_placement="auto")``'s packs: ``(ids, offsets, placement, a2a_P,
-    cost_model)``, the adaptive packing (``plan_entries``) by ``"time"`` or ``"tiles"``, whichever
-    is faster after ``choose_layouts``, and its name."""
-    best = None
-    for name, costing in (("time", timing), ("tiles", "tiles")):
-        ids, offsets, placement = plan_entries(
-            lengths_E, pack_size, cp_size, algorithm=algorithm, window=window, rng=rng, cost_model=costing,
-            improve=improve,
-        )  # fmt: skip
-        placement, a2a_P, seconds = choose_layouts(placement, timing.model)
-        if best is None or seconds < best[0]:
-            best = (seconds, ids, offsets, placement, a2a_P, name)
-    return best[1:]

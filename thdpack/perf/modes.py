@@ -32,11 +32,11 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from thdpack.layout.placement import CpPlacement
-from thdpack.perf.auto import plan_auto
 from thdpack.perf.mesh import Comm, MeshRun, placed_run
 from thdpack.perf.step import StepModel
 from thdpack.perf.time_cost import TimeCostModel
 from thdpack.plan import plan_packs
+from thdpack.plan.auto import plan_auto
 from thdpack.plan.config import DEFAULT_WINDOW
 from thdpack.plan.overflow import apply_overflow
 

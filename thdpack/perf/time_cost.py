@@ -1,5 +1,6 @@
 """The ``time`` cost model of the CP placement: a sequence's modelled seconds on each rank of its
-group, as integer nanoseconds.
+group, as integer nanoseconds; with ``choose``, the timing a ``cp_placement="auto"`` plan is given
+(``thdpack.plan.auto.PlanTiming``).
 
 The placement search (``thdpack.plan.place``) adds up per-sequence costs per rank and keeps ties
 exact, so this model rounds each sequence's seconds to whole nanoseconds once; everything after is
@@ -35,9 +36,12 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from thdpack.layout.placement import CpPlacement
+from thdpack.perf.auto import choose_layouts
 from thdpack.perf.comm import Topology
 from thdpack.perf.machine import MachineProfile, load_profile
 from thdpack.perf.shape import ModelShape, load_shape
@@ -86,6 +90,10 @@ class TimeCostModel:
         per_rank[some] = _nanoseconds(model.shape.layers * (forward + backward))
         return np.repeat(per_rank[:, None], group_size, axis=1)
 
+    def choose(self, placement: CpPlacement) -> tuple[CpPlacement, np.ndarray, float]:
+        """Per pack of ``placement`` the fastest way by the step model (``thdpack.perf.auto.choose_layouts``)."""
+        return choose_layouts(placement, self.model)
+
     def digest(self) -> str:
         """sha256 of everything the costs depend on: the profile's numbers, the shape, the node size."""
         model = self.model
@@ -100,3 +108,11 @@ class TimeCostModel:
 
 def _nanoseconds(seconds: np.ndarray) -> np.ndarray:
     return np.rint(np.asarray(seconds, dtype=np.float64) * NANOSECONDS).astype(np.int64)
+
+
+def timing_of(config: Any, gpus_per_node: int | None = None) -> TimeCostModel | None:
+    """The timing a plan config needs (a ``PlanConfig``: its ``profile`` and ``model_shape``, on nodes
+    of ``gpus_per_node``), or None when it does not time packs (``config.timed`` is False)."""
+    if not config.timed:
+        return None
+    return TimeCostModel.load(config.profile, config.model_shape, gpus_per_node)

@@ -111,7 +111,7 @@ class PlanConfig(Settings):
     profile: str | None = setting(
         "The machine cost_model='time' and cp_placement='auto' model: a shipped profile (h100_sxm, "
         "h200_sxm, a100_sxm_80gb, gb200_nvl72, cpu_gloo) or a profile JSON path (thdpack calibrate "
-        "writes one). The plan's fingerprint holds its content's digest.",
+        "writes one). A dataset's fingerprint holds its content's digest.",
         default=None,
         check=optional(text),
     )
@@ -147,14 +147,9 @@ class PlanConfig(Settings):
         return self.cost_model == "time" or self.cp_placement == "auto"
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings the plan depends on, as plain values: ``profile`` and ``model_shape`` only
-        in a timed plan, with the digest of what they hold (a profile edited under the same name
-        plans otherwise)."""
+        """The settings the plan depends on, as plain values: ``profile`` and ``model_shape`` only in
+        a timed plan (its holder adds the digest of what they hold: ``PlanTiming.digest``)."""
         out = super().fingerprint()
         if not self.timed:
             del out["profile"], out["model_shape"]
-            return out
-        from thdpack.perf.time_cost import TimeCostModel
-
-        out["time_model_sha256"] = TimeCostModel.load(self.profile, self.model_shape).digest()
         return out

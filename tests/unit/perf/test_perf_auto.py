@@ -14,7 +14,9 @@ from thdpack.plan import PackPlan, plan_packs
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.overflow import apply_overflow
 
-MODEL = {"profile": "h100_sxm", "model_shape": "llama3-8b"}
+TIMING = TimeCostModel.load("h100_sxm", "llama3-8b")
+MODEL = {"profile": "h100_sxm", "model_shape": "llama3-8b", "timing": TIMING}
+"""The settings and the timing (the same machine and model) of an auto plan."""
 
 
 def _mixes(seed: int) -> list[np.ndarray]:
@@ -34,7 +36,7 @@ def _each_pack(placement: CpPlacement, a2a_P: np.ndarray, model) -> np.ndarray:
 @pytest.mark.parametrize("cp", [2, 4, 8, 16])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_no_pack_is_slower_than_by_its_placement_te_or_a2a(cp, seed):
-    model = TimeCostModel.load(MODEL["profile"], MODEL["model_shape"]).model
+    model = TIMING.model
     packs = 0
     for lengths in _mixes(seed):
         plan = plan_packs(lengths, 16384, cp_size=cp, cp_placement="auto", overflow="split", **MODEL)
@@ -44,7 +46,7 @@ def test_no_pack_is_slower_than_by_its_placement_te_or_a2a(cp, seed):
         mine = _each_pack(placement, a2a_P, model)
         # the same packs planned adaptive by the packing auto kept: the placement before each pack's choice
         entries = apply_overflow(lengths, 16384, "split").length
-        costing = TimeCostModel.load(MODEL["profile"], MODEL["model_shape"]) if plan.cost_model == "time" else "tiles"
+        costing = TIMING if plan.cost_model == "time" else "tiles"
         adaptive = plan_entries(entries, 16384, cp, algorithm="bfd", window=1024, rng=None, cost_model=costing)[2]
         assert np.array_equal(adaptive.offsets, placement.offsets)
         assert np.array_equal(adaptive.lengths, placement.lengths)
@@ -58,7 +60,7 @@ def test_no_pack_is_slower_than_by_its_placement_te_or_a2a(cp, seed):
 
 @pytest.mark.parametrize("cp", [2, 4, 8])
 def test_an_auto_epoch_is_never_slower_than_the_adaptive_one(cp):
-    model = TimeCostModel.load(MODEL["profile"], MODEL["model_shape"]).model
+    model = TIMING.model
     for lengths in _mixes(2):
         auto = plan_packs(lengths, 16384, cp_size=cp, cp_placement="auto", overflow="split", **MODEL)
         adaptive = plan_packs(lengths, 16384, cp_size=cp, cp_placement="adaptive", overflow="split")

@@ -10,9 +10,11 @@ import pytest
 
 from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import group_options, round_up_to_cp, slot_lengths
+from thdpack.packing.dealing import Epochs
 from thdpack.perf.mesh import placed_run
-from thdpack.perf.time_cost import TimeCostModel
+from thdpack.perf.time_cost import TimeCostModel, timing_of
 from thdpack.plan import PlanConfig, plan_packs
+from thdpack.plan.api import plan_with
 from thdpack.plan.cp_cost import rank_costs, split_cost, whole_cost, whole_limit
 from thdpack.plan.place import place_rows
 
@@ -94,19 +96,29 @@ def test_a_timed_plan_needs_its_machine_and_model_and_fingerprints_their_content
         PlanConfig(pack_size=64, profile=3)
     assert "profile" not in PlanConfig(pack_size=64).fingerprint()  # untimed plans do not depend on it
     path = tmp_path / "mine.json"
-    data = json.loads((TimeCostModel.load("h100_sxm", "llama3-8b").model.profile.to_json(path), path.read_text())[1])
-    config = PlanConfig(pack_size=64, cost_model="time", profile=str(path), model_shape="llama3-8b")
-    before = config.fingerprint()
-    assert before["profile"] == str(path) and len(before["time_model_sha256"]) == 64
+    TimeCostModel.load("h100_sxm", "llama3-8b").model.profile.to_json(path)
+    config = PlanConfig(pack_size=64, cost_model="time", cp_placement="adaptive", profile=str(path),
+                        model_shape="llama3-8b")  # fmt: skip
+    assert config.fingerprint()["profile"] == str(path)
+    with pytest.raises(ValueError, match=r"times packs, but no timing was given; pass timing=thdpack\.perf\.time_cost"):
+        plan_with(np.array([5, 9]), config, cp_size=2)
+
+    def dataset_digest() -> str:
+        epochs = Epochs(np.array([5, 9]), config, cp_size=2, shuffle=False, timing=timing_of(config))
+        return epochs.fingerprint()["timing_sha256"]
+
+    before = dataset_digest()
+    data = json.loads(path.read_text())
     data["intra_node"]["bandwidth"] /= 2
     path.write_text(json.dumps(data))
-    assert config.fingerprint()["time_model_sha256"] != before["time_model_sha256"]  # same name, new content
+    assert dataset_digest() != before  # the profile's name is the same, its content not
+    assert timing_of(PlanConfig(pack_size=64)) is None
 
 
 def test_plan_packs_plans_by_time():
     lengths = np.random.default_rng(1).integers(1, 4000, 2000)
     plan = plan_packs(lengths, 8192, cp_size=4, cp_placement="adaptive", cost_model="time", profile="h100_sxm",
-                      model_shape="llama3-8b")  # fmt: skip
+                      model_shape="llama3-8b", timing=TimeCostModel.load("h100_sxm", "llama3-8b"))  # fmt: skip
     assert plan.cost_model == "time" and plan.cp_placement == "adaptive"
     plan.placement.validate(sequence_ids=plan.indices)
     assert sorted(plan.indices.tolist()) == list(range(len(lengths)))
