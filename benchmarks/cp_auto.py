@@ -134,12 +134,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{data}, L {pack_size}, cp {cp}: {time.perf_counter() - tick:.1f} s", flush=True)
     print(f"model {args.model}, profile {args.profile}: modelled seconds of the epoch's packs, one at a time")
     print(table(rows))
+    write_record(args, rows)
+    return 0
+
+
+def write_record(args: argparse.Namespace, rows: list[dict[str, object]]) -> None:
+    """The rows, with the machine, model and profile they were modelled on, to ``args.json`` (if set)."""
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         record = {"machine": platform.platform(), "model": args.model, "profile": args.profile, "rows": rows}
         args.json.write_text(json.dumps(record, indent=1))
         print(f"wrote {args.json}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,14 +15,13 @@ placement groups, FSDP over the mesh) is worth it where that ratio reaches 1.05.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from cp_auto import write_record
 from cp_balance import datasets
 
 from thdpack.perf.comm import Topology
@@ -78,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{m['comm']} | {m['step_ms']:.0f} | {row['mesh_vs_best_fixed']:.3f} |",
                 flush=True,
             )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        record = {"machine": platform.platform(), "model": args.model, "profile": args.profile, "rows": rows}
-        args.json.write_text(json.dumps(record, indent=1))
-        print(f"wrote {args.json}")
+    write_record(args, rows)
     return 0
 
 

@@ -196,6 +196,11 @@ def placement_note(cp_size: int, cp_placement: str) -> str:
     """Which CP layout the plans assume, and how to get the other."""
     if cp_size == 1:
         return "cp placement: none (cp_size 1: every sequence on one rank)"
+    if cp_placement == "auto":
+        return (
+            f"cp placement: auto (each pack the fastest by the step model of --profile and --model-shape: adaptive, "
+            f"TE's layout over all {cp_size} CP ranks, or all-to-all)"
+        )
     if cp_placement == "adaptive":
         return (
             f"cp placement: adaptive (the trainer's default: short sequences whole on one of the {cp_size} CP ranks, "
