@@ -121,19 +121,18 @@ def place_packs(
     size_O, start_O = group_options(cp_size, sizes)
     budget = pack_size // cp_size
     unit = cp_multiple(cp_size)
-    slots_E = round_up_to_cp(lengths_E, cp_size)
     if group_count is not None:
-        units_KM = _templates(slots_E // unit, ids, group_count, offsets)
-        reserve_KM = units_KM * unit
+        # TE slots of the templates' entries only: a template stands for all its group's packs
+        reserve_KM = round_up_to_cp(_templates(lengths_E, ids, group_count, offsets), cp_size)
+        units_KM = reserve_KM // unit
         option_KM = place_rows(
             reserve_KM, reserve_KM, units_KM > 0, cp_size=cp_size, budget=budget, cost_model=cost_model,
             sizes=sizes, fill_density=fill_density,
         )[0]  # fmt: skip
-        # entry e of a pack of template k is item e - offsets[pack] of row k: one flat gather
+        # entry e of a pack of template k is item e - offsets[pack] of row k: one flat gather each
         row_P = np.repeat(np.arange(len(group_count)), group_count)
         flat_E = np.repeat(row_P * option_KM.shape[1] - offsets[:-1], np.diff(offsets)) + np.arange(len(ids))
-        option_E = option_KM.reshape(-1)[flat_E]
-        return size_O[option_E], start_O[option_E]
+        return size_O[option_KM].reshape(-1)[flat_E], start_O[option_KM].reshape(-1)[flat_E]
     num_packs = len(offsets) - 1
     option_E = np.empty(len(ids), dtype=np.int64)
     position_E = _positions(offsets)

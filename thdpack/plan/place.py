@@ -109,14 +109,17 @@ def place_rows(
         lengths_KM[order_K], reserve_KM[order_K], count_K[order_K], cp_size, budget, cost_model, sizes, loop
     )
     level_K = search.level(fill_density)
-    rows = np.arange(num_rows)
-    option_KM, tokens_KR, cost_KR, stuck_K = search.run(rows, np.full(num_rows, num_items), level_K)
-    back_off = 1
-    while (stuck_K >= 0).any():
-        rows, stuck_K = rows[stuck_K >= 0], stuck_K[stuck_K >= 0]
-        placed = search.run(rows, np.maximum(stuck_K - back_off, 0), level_K[rows])
-        option_KM[rows], tokens_KR[rows], cost_KR[rows], stuck_K = placed
-        back_off *= 4
+    if loop is None:
+        rows = np.arange(num_rows)
+        option_KM, tokens_KR, cost_KR, stuck_K = search.run(rows, np.full(num_rows, num_items), level_K)
+        back_off = 1
+        while (stuck_K >= 0).any():
+            rows, stuck_K = rows[stuck_K >= 0], stuck_K[stuck_K >= 0]
+            placed = search.run(rows, np.maximum(stuck_K - back_off, 0), level_K[rows])
+            option_KM[rows], tokens_KR[rows], cost_KR[rows], stuck_K = placed
+            back_off *= 4
+    else:  # the row loop searches a stuck row again itself
+        option_KM, tokens_KR, cost_KR = search.run_rows(level_K)
     assert (tokens_KR <= budget).all(), "a placed row holds no rank over its budget"
     te_option_KM, te_tokens_KR, te_cost_KR = search.all_split()
     # never worse than TE's layout of the same items (ties keep the search's: less work, less
@@ -238,8 +241,6 @@ class _Search:
         """``(option_KM, tokens_KR, cost_KR, stuck_K)`` of ``rows_K`` (ascending), their items from
         ``tail_K`` on reserved. ``stuck_K``: the position of the item that fit nowhere (-1 when the
         row was placed); such a row is finished with its items split over all ranks and is invalid."""
-        if self.loop is not None:
-            return self._run_rows(rows_K, tail_K, level_K)
         cp_size, budget = self.cp_size, self.budget
         num_rows, num_items = len(rows_K), self.lengths_KM.shape[1]
         count_K = self.count_K[rows_K]
@@ -300,21 +301,18 @@ class _Search:
                 cost_RK[:, :k] += add_KOR[at, chosen_K].T
         return option_KM, tokens_RK.T.copy(), cost_RK.T.copy(), stuck_K
 
-    def _run_rows(
-        self, rows_K: np.ndarray, tail_K: np.ndarray, level_K: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``run`` by the row-at-a-time loop (``thdpack.plan.place_compiled``)."""
-        num_rows, num_items = len(rows_K), self.lengths_KM.shape[1]
+    def run_rows(self, level_K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(option_KM, tokens_KR, cost_KR)`` of every row, searched again until placed, by the
+        row-at-a-time loop (``thdpack.plan.place_compiled``)."""
+        num_rows, num_items = self.lengths_KM.shape
         option_KM = np.full((num_rows, num_items), -1, dtype=np.int64)
         tokens_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
         cost_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
-        stuck_K = np.full(num_rows, -1, dtype=np.int64)
-        rows = [np.asarray(x, dtype=np.int64) for x in (rows_K, tail_K, level_K, self.count_K)]
         tables = (self.reserve_KM, self.share_GKM, self.cost_GKMJ, self.size_O, self.start_O, self.size_index_O,
                   self.halves_O)  # fmt: skip
-        self.loop(*rows, *tables, self.all_split_option, self.cp_size, self.budget, option_KM, tokens_KR, cost_KR,
-                  stuck_K)  # fmt: skip
-        return option_KM, tokens_KR, cost_KR, stuck_K
+        self.loop(np.asarray(level_K, dtype=np.int64), self.count_K.astype(np.int64), *tables, self.all_split_option,
+                  self.cp_size, self.budget, option_KM, tokens_KR, cost_KR)  # fmt: skip
+        return option_KM, tokens_KR, cost_KR
 
     def _per_rank_cost(self, rows: np.ndarray | slice, m: int) -> np.ndarray:
         """(k, O, R) cost of item ``m`` of ``rows`` on every rank of every option (pairs model)."""
