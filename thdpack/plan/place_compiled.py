@@ -81,7 +81,8 @@ def search_rows(
                 keep = after[m + 1] if in_tail else after[tail]
                 for s in range(num_sizes):
                     share_G[s] = share_GKM[s, row, m]
-                    add_GJ[s] = cost_GKMJ[s, row, m]
+                    for j in range(add_GJ.shape[1]):
+                        add_GJ[s, j] = cost_GKMJ[s, row, m, j]
                 # every option's busiest rank and fullest rank; options come largest first, so in
                 # reverse order an option's halves are done before it
                 for o in range(num_options - 1, -1, -1):
