@@ -8,7 +8,7 @@
     python benchmarks/mesh_sim.py --megatron                        # Megatron-LM's dynamic-CP table, checked
     python benchmarks/mesh_sim.py --timing                          # 1M sequences at 1,024 GPUs: seconds per mode
 
-For every GPU count and mode (``thdpack.perf.modes``: ``te``, ``adaptive``, ``a2a``, ``mesh``) the
+For every GPU count and mode (``thdpack.perf.modes``: ``te``, ``adaptive``, ``a2a``, ``auto``, ``mesh``) the
 lengths are planned as thdpack's trainer plans them (one epoch, packs of ``cp x rank_tokens``
 tokens, ``dp x micro_batches`` packs per step dealt to the data-parallel ranks), and the step
 model (``thdpack.perf.step``) gives each step's time and its breakdown: linear, attention, exposed
@@ -86,7 +86,8 @@ def simulate(
     for world in gpus:
         for mode in modes:
             tick = time.perf_counter()
-            run = mode_run(lengths, mode, world=world, cp=cp, rank_tokens=rank_tokens, micro_batches=micro_batches)
+            run = mode_run(lengths, mode, world=world, cp=cp, rank_tokens=rank_tokens, micro_batches=micro_batches,
+                           model=model)  # fmt: skip
             times = model.run(run)
             tokens = float(run.entry_length.sum())
             rows.append({
@@ -169,7 +170,7 @@ def megatron_check(steps: int = MEGATRON_STEPS, gpus: tuple[int, ...] = MEGATRON
         sequences = lognormal_lengths(MEGATRON_MICRO_BATCHES * dp * steps, seed=world) - 1  # inputs after the shift
         row = {}
         for mode in MODES:
-            run = mode_run(sequences, mode, world=world, cp=MEGATRON_CP, rank_tokens=MEGATRON_RANK_TOKENS)
+            run = mode_run(sequences, mode, world=world, cp=MEGATRON_CP, rank_tokens=MEGATRON_RANK_TOKENS, model=model)
             times = model.run(run)
             per_batch = MEGATRON_MICRO_BATCHES * dp / len(run.entry_length)  # global batches per sequence run
             row[mode] = {k: v * times.step.size * per_batch for k, v in times.summary().items()}
@@ -261,7 +262,7 @@ def timing(lengths: np.ndarray, model: StepModel, world: int, cp: int, rank_toke
     rows = []
     for mode in MODES:
         tick = time.perf_counter()
-        run = mode_run(lengths, mode, world=world, cp=cp, rank_tokens=rank_tokens)
+        run = mode_run(lengths, mode, world=world, cp=cp, rank_tokens=rank_tokens, model=model)
         planned = time.perf_counter()
         model.run(run)
         done = time.perf_counter()

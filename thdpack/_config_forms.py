@@ -15,8 +15,8 @@ Pure Python: no numpy, no torch.
 
 >>> from thdpack.packing import PackedDatasetConfig
 >>> [f.name for f, _ in flat_fields(PackedDatasetConfig, ("plan",))]  # doctest: +NORMALIZE_WHITESPACE
-['pack_size', 'algorithm', 'overflow', 'window', 'seed', 'cp_placement', 'cost_model', 'improve',
- 'shuffle', 'remainder', 'balance']
+['pack_size', 'algorithm', 'overflow', 'window', 'seed', 'cp_placement', 'cost_model', 'profile',
+ 'model_shape', 'improve', 'shuffle', 'remainder', 'balance']
 >>> config = from_flat(PackedDatasetConfig, {"pack_size": 64, "shuffle": False}, ("plan",))
 >>> config.plan.pack_size, config.shuffle, flat_values(config, ("plan",))["algorithm"]
 (64, False, 'bfd')

@@ -33,6 +33,7 @@ _EXTRA_FOR = {
     "accelerate": "trl",
     "matplotlib": "train",
     "tqdm": "train",
+    "numba": "fast",
 }
 
 

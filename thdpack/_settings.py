@@ -73,6 +73,13 @@ def flag(name: str, value: Any) -> bool:
     return value
 
 
+def text(name: str, value: Any) -> str:
+    """The check of a text field: ``TypeError`` for anything but a non-empty ``str``."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
 def optional(check: Check) -> Check:
     """``check``, letting None through."""
     return lambda name, value: None if value is None else check(name, value)

@@ -35,7 +35,7 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
     ),
     "plan": (
         "suggest dp x cp, placement and K/V exchange for a lengths file, by modelled step time",
-        "thdpack.perf.suggest",
+        "thdpack.data.plan_command",
         "add_plan_arguments",
         "run_plan",
     ),

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from _host_counting import forward_backward_ops, qkv, thd_batch
 
 from thdpack.attention.api import thd_attention
 from thdpack.cp.partition import shard
 from thdpack.perf.host import FLASH_TILE, THDPACK, Ops
 from thdpack.testing import run_distributed
+
+from support.host_counting import forward_backward_ops, qkv, thd_batch
 
 pytestmark = pytest.mark.distributed
 

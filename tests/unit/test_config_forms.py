@@ -72,7 +72,8 @@ def test_a_setting_added_to_the_plan_config_appears_in_a_flat_door():
 
 def test_plan_packs_takes_every_plan_setting():
     parameters = inspect.signature(plan_packs).parameters
-    assert set(parameters) == {"lengths", "cp_size"} | {f.name for f in dataclasses.fields(PlanConfig)}
+    # beside the settings, the run's values: its CP size and a timed plan's timing
+    assert set(parameters) == {"lengths", "cp_size", "timing"} | {f.name for f in dataclasses.fields(PlanConfig)}
     for f in dataclasses.fields(PlanConfig)[1:]:  # pack_size is positional
         assert parameters[f.name].default == f.default and f.name in plan_packs.__doc__
     plan = plan_packs([5, 3, 6, 2, 4], 16, cp_size=2, cp_placement="adaptive", improve=False)
@@ -100,3 +101,35 @@ def test_the_cp_placement_default_follows_one_rule():
         (add_verify_arguments, ["--cp-size", "2"]),
     ):
         assert _parse(add, argv)[1].cp_placement == TRAINING_CP_PLACEMENT
+
+
+def test_the_timed_plan_settings_appear_in_every_form(capsys):
+    """cost_model='time' / cp_placement='auto' and their profile / model_shape, declared once in
+    PlanConfig: in the commands' options, PackingArguments, the trainer's packing node and plan_packs."""
+    parser, args = _parse(
+        prepare_command.add_prepare_arguments,
+        ["x", "--out", "o", "--pack-size", "64", "--cp-placement", "auto", "--profile", "h100_sxm",
+         "--model-shape", "llama3-8b"],
+    )  # fmt: skip
+    config = prepare_command.plan_config_of(args)
+    assert (config.cp_placement, config.profile, config.model_shape) == ("auto", "h100_sxm", "llama3-8b")
+    parser.print_help()
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--profile PROFILE The machine cost_model='time' and cp_placement='auto' model" in shown
+    assert "--model-shape MODEL_SHAPE The model cost_model='time' and cp_placement='auto' time" in shown
+    with pytest.raises(ValueError, match="cp_placement='auto' times packs on a machine for a model"):
+        prepare_command.plan_config_of(parser.parse_args(["x", "--out", "o", "--pack-size", "64",
+                                                          "--cp-placement", "auto"]))  # fmt: skip
+    assert {"profile", "model_shape"} <= set(inspect.signature(plan_packs).parameters)
+    from thdpack.train.config import Config
+
+    node = Config().packing
+    assert (node.profile, node.model_shape, node.cost_model) == (None, None, "tiles")
+    pytest.importorskip("transformers")
+    from thdpack.integrations.transformers import PackingArguments
+
+    arguments = PackingArguments(cp_placement="auto", profile="h100_sxm", model_shape="llama3-8b")
+    plan = arguments.dataset_config(pack_size=64, overflow="error", seed=0).plan
+    assert (plan.cp_placement, plan.profile, plan.model_shape) == ("auto", "h100_sxm", "llama3-8b")
+    with pytest.raises(ValueError, match="cost_model='time' times packs on a machine for a model"):
+        PackingArguments(cost_model="time").dataset_config(pack_size=64, overflow="error", seed=0)

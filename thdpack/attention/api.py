@@ -55,7 +55,9 @@ def thd_attention(
             of a per-sequence CP placement (``cp_placement="adaptive"``; its record says) runs
             its split sequences through the CP algorithm within their group of ranks and its
             whole sequences through the backend's kernel, communicating nothing for them
-            (:mod:`thdpack.attention.placed`).
+            (:mod:`thdpack.attention.placed`); a batch whose packs a ``cp_placement="auto"`` plan
+            attends by all-to-all (its record's ``groups.all_to_all``) runs ``cp_comm_type="a2a"``
+            whatever ``config`` says (exact either way: only the speed differs).
         config: how to attend (:class:`~thdpack.attention.AttentionConfig`): ``backend``
             (``"auto"`` = fastest available, logged on ``thdpack.attention``; the environment
             variable ``THDPACK_ATTENTION_BACKEND`` forces one), ``causal``, ``softmax_scale``
@@ -104,6 +106,8 @@ def thd_attention(
     meta.check_cp_group(group)
     meta.check_token_count(q.shape[0], "q")
     cp = meta.cp_size > 1
+    if cp and meta.groups is not None and meta.groups.all_to_all and config.cp_comm_type != "a2a":
+        config = _A2A_CONFIGS.setdefault(config, dataclasses.replace(config, cp_comm_type="a2a"))
     situation = CallFacts.of(
         q, k, v, cp=cp, cp_comm_type=config.cp_comm_type, need_lse=return_lse, placed=cp and meta.groups is not None,
         cp_size=meta.cp_size, padded=meta.has_padding,
@@ -154,6 +158,9 @@ def _attention_config(config: AttentionConfig | None, keywords: Mapping[str, Any
 
 
 _DEFAULT_CONFIG = AttentionConfig()
+_A2A_CONFIGS: dict[AttentionConfig, AttentionConfig] = {}
+"""A config with ``cp_comm_type="a2a"`` per config, for batches whose packs the plan attends by
+all-to-all (made once: every layer of every step asks)."""
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -47,6 +47,7 @@ from thdpack.files.lock import FolderLock, lock_file_of
 from thdpack.files.publish import disk_full_note
 from thdpack.layout.rules import check_pack_size
 from thdpack.packing.dataset import DATASET_SEED
+from thdpack.perf.time_cost import timing_of
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
 
 
@@ -173,7 +174,7 @@ def _prepare_locked(args: argparse.Namespace, config: PlanConfig, out: Path, loc
         f"max {lengths.max():,}; over pack_size={args.pack_size:,}: {int((lengths > args.pack_size).sum()):,}"
     )
     try:
-        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size)
+        plan = write_prepared_plan(out, store.lengths, config, cp_size=args.cp_size, timing=timing_of(config))
     except ValueError as err:
         raise ValueError(f"{err}\n(the token store in {out} is complete; only planning failed)") from err
     print(f"\n{plan.stats}\n")

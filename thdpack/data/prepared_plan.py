@@ -26,6 +26,7 @@ import numpy as np
 from thdpack.data.manifest import MANIFEST_FILE, StoreError, read_manifest, write_manifest
 from thdpack.files.publish import digest_problem, file_digest
 from thdpack.packing.dealing import plan_epoch
+from thdpack.plan.auto import PlanTiming
 from thdpack.plan.config import PlanConfig
 from thdpack.plan.packplan import PackPlan
 
@@ -33,15 +34,17 @@ PLAN_FILE = "plan.npz"
 """The packing plan ``thdpack prepare`` writes beside the store (removed when a store is rewritten)."""
 
 
-def write_prepared_plan(folder: Path, lengths: np.ndarray, config: PlanConfig, *, cp_size: int) -> PackPlan:
-    """Plan epoch 0 of ``lengths`` as the trainer will, save it in ``folder`` and record it in the
-    store's manifest (rewritten atomically); returns the plan."""
-    plan = plan_epoch(lengths, config, cp_size=cp_size, epoch=0)
+def write_prepared_plan(
+    folder: Path, lengths: np.ndarray, config: PlanConfig, *, cp_size: int, timing: PlanTiming | None = None
+) -> PackPlan:
+    """Plan epoch 0 of ``lengths`` as the trainer will (a timed plan with ``timing``), save it in
+    ``folder`` and record it in the store's manifest (rewritten atomically); returns the plan."""
+    plan = plan_epoch(lengths, config, cp_size=cp_size, epoch=0, timing=timing)
     plan.save(folder / PLAN_FILE)
     manifest = read_manifest(folder)
     manifest["plan"] = {
         "file": PLAN_FILE,
-        "config": config.fingerprint(),
+        "config": _settings(config, timing),
         "cp_size": cp_size,
         "checksum": file_digest(folder / PLAN_FILE),
         "stats": plan.stats.to_dict(),
@@ -60,14 +63,17 @@ class PreparedPlan:
     """What happened, for the run's log: used, or which settings differ."""
 
 
-def read_prepared_plan(folder: Path, manifest: dict[str, Any], config: PlanConfig, *, cp_size: int) -> PreparedPlan:
-    """The store's plan when it was made with ``config`` and ``cp_size``, checked against its checksum."""
+def read_prepared_plan(
+    folder: Path, manifest: dict[str, Any], config: PlanConfig, *, cp_size: int, timing: PlanTiming | None = None
+) -> PreparedPlan:
+    """The store's plan when it was made with ``config``, ``cp_size`` (and a timed plan's ``timing``),
+    checked against its checksum."""
     record = manifest.get("plan")
     if not isinstance(record, dict) or not {"config", "cp_size", "checksum"} <= record.keys():
         why = "holds no plan" if record is None else "records a plan without its settings and checksum (older thdpack)"
         return PreparedPlan(None, f"{folder} {why}: the run plans epoch 0")
     stored = {**record["config"], "cp_size": record["cp_size"]}
-    mine = {**config.fingerprint(), "cp_size": cp_size}
+    mine = {**_settings(config, timing), "cp_size": cp_size}
     differ = [
         f"{key}: store {stored.get(key)!r}, run {value!r}" for key, value in mine.items() if stored.get(key) != value
     ]
@@ -82,3 +88,11 @@ def read_prepared_plan(folder: Path, manifest: dict[str, Any], config: PlanConfi
     return PreparedPlan(
         PackPlan.load(file), f"epoch 0 trains on {file} (planned by `thdpack prepare` with these settings)"
     )
+
+
+def _settings(config: PlanConfig, timing: PlanTiming | None) -> dict[str, Any]:
+    """What the plan depends on: the config's fingerprint, and a timed plan's timing digest."""
+    out = config.fingerprint()
+    if config.timed and timing is not None:
+        out["timing_sha256"] = timing.digest()
+    return out

@@ -28,6 +28,7 @@ from thdpack._config_forms import add_options, from_flat
 from thdpack._optional import has_module
 from thdpack.data.store_verify import verify_store
 from thdpack.files.safe_load import load_array
+from thdpack.perf.time_cost import timing_of
 from thdpack.plan.api import plan_with
 from thdpack.plan.config import ALGORITHMS, TRAINING_CP_PLACEMENT, PlanConfig
 from thdpack.plan.packing_stats import PackingStats
@@ -94,7 +95,7 @@ def compare(lengths: np.ndarray, configs: list[PlanConfig], *, cp_size: int) -> 
         best = float("inf")
         for _ in range(3):
             start = time.perf_counter()
-            plan = plan_with(lengths, config, cp_size=cp_size)
+            plan = plan_with(lengths, config, cp_size=cp_size, timing=timing_of(config))
             best = min(best, time.perf_counter() - start)
             if best > 0.5:
                 break
@@ -217,6 +218,11 @@ def placement_note(cp_size: int, cp_placement: str) -> str:
     """Which CP layout the plans assume, and how to get the other."""
     if cp_size == 1:
         return "cp placement: none (cp_size 1: every sequence on one rank)"
+    if cp_placement == "auto":
+        return (
+            f"cp placement: auto (each pack the fastest by the step model of --profile and --model-shape: adaptive, "
+            f"TE's layout over all {cp_size} CP ranks, or all-to-all)"
+        )
     if cp_placement == "adaptive":
         return (
             f"cp placement: adaptive (the trainer's default: short sequences whole on one of the {cp_size} CP ranks, "

@@ -37,6 +37,7 @@ from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
 from thdpack.packing.packer import check_token_ids
 from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.step_stream import StepStream
+from thdpack.perf.time_cost import timing_of
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
 
@@ -288,4 +289,5 @@ def packed_dataset(
     (``cp_group_size`` / ``cp_group_start`` per entry), which ``cp.shard`` and thdpack's attention
     follow, over the topology's placement groups.
     """
-    return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id), lengths=lengths)
+    timing = timing_of(config.plan, topology.gpus_per_node)  # a timed plan's machine and model, on these nodes
+    return config.build(samples, PackingRuntime.from_topology(topology, pad_id=pad_id, timing=timing), lengths=lengths)

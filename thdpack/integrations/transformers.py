@@ -123,7 +123,7 @@ class ThdpackTrainerMixin:
         self._check_arguments()
         self.packing = packing
         self.topology = accelerator_topology(
-            self.accelerator, packing.cp_size, placement_groups=packing.cp_placement == "adaptive"
+            self.accelerator, packing.cp_size, placement_groups=packing.cp_placement != "te"
         )
         # the loss is StepLoss's: counting num_items_in_batch would cost a collective for nothing
         self.model_accepts_loss_kwargs = False

@@ -158,8 +158,9 @@ class PackedDataset(torch.utils.data.Dataset):
         if len(self.lengths) != len(samples):
             raise ValueError(f"got {len(self.lengths)} lengths for {len(samples)} samples; give one per sample")
         self.epochs = Epochs(
-            self.lengths, config.plan, cp_size=runtime.cp_size, shuffle=config.shuffle, first_plan=first_plan
-        )
+            self.lengths, config.plan, cp_size=runtime.cp_size, shuffle=config.shuffle, first_plan=first_plan,
+            timing=runtime.timing,
+        )  # fmt: skip
         """Every epoch's plan and pack order (``thdpack.packing.dealing``)."""
         self.epochs[0]  # planned now: a bad setting or an over-long sequence fails here, not at the first pack
         self._epoch = 0

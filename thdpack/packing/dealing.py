@@ -35,6 +35,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from thdpack.plan.api import plan_with
+from thdpack.plan.auto import PlanTiming
 from thdpack.plan.config import PlanConfig
 from thdpack.plan.packplan import PackPlan
 
@@ -61,10 +62,13 @@ def epoch_seeds(seed: int | None, epoch: int) -> tuple[int | None, int]:
     return int(plan_seed), int(order_seed)
 
 
-def plan_epoch(lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int) -> PackPlan:
-    """Epoch ``epoch``'s plan: ``config`` with the plan seed derived from ``(config.seed, epoch)``."""
+def plan_epoch(
+    lengths: np.ndarray, config: PlanConfig, *, cp_size: int, epoch: int, timing: PlanTiming | None = None
+) -> PackPlan:
+    """Epoch ``epoch``'s plan: ``config`` with the plan seed derived from ``(config.seed, epoch)``
+    (``timing``: a timed plan's, ``plan_with``)."""
     plan_seed, _ = epoch_seeds(config.seed, epoch)
-    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size)
+    return plan_with(lengths, dataclasses.replace(config, seed=plan_seed), cp_size=cp_size, timing=timing)
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,11 @@ class Epochs:
         cp_size: int,
         shuffle: bool,
         first_plan: PackPlan | None = None,
+        timing: PlanTiming | None = None,
     ) -> None:
         self.lengths = lengths
         self.config, self.cp_size, self.shuffle = config, cp_size, shuffle
+        self.timing = timing
         self._epochs: dict[int, Epoch] = {}
         self.plans_made = 0
         """How many epoch plans were computed (each epoch once; a given first plan is not one)."""
@@ -115,7 +121,8 @@ class Epochs:
         found = self._epochs.get(epoch)
         if found is None:
             self.plans_made += 1
-            found = self._order(epoch, plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch))
+            plan = plan_epoch(self.lengths, self.config, cp_size=self.cp_size, epoch=epoch, timing=self.timing)
+            found = self._order(epoch, plan)
             log.debug("epoch %d plan:\n%s", epoch, found.plan.stats)
             self._epochs[epoch] = found
             while len(self._epochs) > 2:
@@ -143,13 +150,17 @@ class Epochs:
             raise ValueError(f"the given plan is not what epoch 0 plans ({'; '.join(diff)}); let the epoch re-plan")
 
     def fingerprint(self) -> dict[str, Any]:
-        """The settings that decide every epoch's packs and their order."""
-        return {
+        """The settings that decide every epoch's packs and their order (a timed plan's: the digest of
+        its timing, what the profile and model shape hold on the run's nodes)."""
+        out = {
             **self.config.fingerprint(),
             "cp_size": self.cp_size,
             "shuffle": self.shuffle,
             "num_sequences": len(self.lengths),
         }
+        if self.config.timed and self.timing is not None:
+            out["timing_sha256"] = self.timing.digest()
+        return out
 
 
 # -- the map-style share -------------------------------------------------------------------

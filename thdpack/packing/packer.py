@@ -56,6 +56,8 @@ class _PlacedKeys(TypedDict, total=False):
     """(S,) ranks of each entry's group: 1 = whole on one rank, g > 1 = split over g ranks."""
     cp_group_start: torch.Tensor
     """(S,) first rank of each entry's group."""
+    cp_a2a: torch.Tensor
+    """(S,) 1 on every entry when the pack is attended by all-to-all, else 0 (``cp_placement="auto"``)."""
 
 
 class Pack(_PlacedKeys):
@@ -337,7 +339,7 @@ def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int,
     >>> pack["position_ids"].tolist(), pack["seq_lens"].tolist(), pack["seq_lens_padded"].tolist()
     ([0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3], [5, 3], [8, 4])
     """
-    return pack_from_segments(
+    pack = pack_from_segments(
         samples,
         plan.segments(index),
         plan.pack_size,
@@ -346,6 +348,9 @@ def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int,
         sample_lengths=plan.sequence_lengths,
         placement=None if plan.placement is None else plan.placement.pack(index),
     )
+    if plan.a2a_packs is not None:  # cp_placement="auto": how the attention runs this pack
+        pack["cp_a2a"] = torch.full_like(pack["cp_group_size"], int(plan.a2a_packs[index]))
+    return pack
 
 
 def pack_from_segments(

@@ -5,10 +5,11 @@ decides the rest: the context-parallel size, this process's data-parallel rank a
 data-parallel ranks (the dp x cp topology), and the tokenizer's pad id. ``PackingRuntime`` holds
 those, checked once when it is made; ``from_topology`` reads them from the run's topology (the
 trainer's, the Trainer integrations' or ``thdpack verify``'s: any object with ``cp_size``,
-``dp_size`` and ``dp_rank``).
+``dp_size`` and ``dp_rank``). A timed plan's ``timing`` (its machine and model on the run's
+nodes) is a runtime value too: the planner never loads one itself.
 
 >>> PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=50256)
-PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=50256)
+PackingRuntime(cp_size=2, dp_rank=1, dp_size=2, pad_id=50256, timing=None)
 >>> PackingRuntime(dp_rank=2, dp_size=2)
 Traceback (most recent call last):
 ...
@@ -20,8 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from thdpack._settings import check_fields, integer, setting
+from thdpack._settings import check_fields, integer, optional, setting
 from thdpack.packing.packer import check_pad_id
+from thdpack.plan.auto import PlanTiming
+
+
+def _timing(name: str, value: object) -> PlanTiming:
+    """The check of ``timing``: an object with the ``PlanTiming`` methods."""
+    missing = [m for m in ("whole", "split", "choose", "digest") if not callable(getattr(value, m, None))]
+    if missing:
+        raise TypeError(
+            f"{name} must be a timing model (thdpack.perf.time_cost.timing_of(...)), got {type(value).__name__} "
+            f"without {', '.join(missing)}"
+        )
+    return value  # type: ignore[return-value]
 
 
 class Topology(Protocol):
@@ -53,6 +66,12 @@ class PackingRuntime:
         default=0,
         check=lambda name, value: check_pad_id(value),
     )
+    timing: PlanTiming | None = setting(
+        "The step-time model a timed plan (cost_model='time', cp_placement='auto') is given: "
+        "thdpack.perf.time_cost.timing_of(plan_config, gpus_per_node), the run's machine and model.",
+        default=None,
+        check=optional(_timing),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -63,7 +82,8 @@ class PackingRuntime:
             )
 
     @classmethod
-    def from_topology(cls, topology: Topology, *, pad_id: int = 0) -> PackingRuntime:
+    def from_topology(cls, topology: Topology, *, pad_id: int = 0, timing: PlanTiming | None = None) -> PackingRuntime:
         """The runtime of this process's place in ``topology`` (its ``cp_size``, ``dp_size``,
-        ``dp_rank``), with the tokenizer's ``pad_id``."""
-        return cls(cp_size=topology.cp_size, dp_rank=topology.dp_rank, dp_size=topology.dp_size, pad_id=pad_id)
+        ``dp_rank``), with the tokenizer's ``pad_id`` and a timed plan's ``timing``."""
+        return cls(cp_size=topology.cp_size, dp_rank=topology.dp_rank, dp_size=topology.dp_size, pad_id=pad_id,
+                   timing=timing)  # fmt: skip

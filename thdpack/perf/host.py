@@ -14,7 +14,7 @@ are left out (they cost a fraction of one). Counts are per rank.
 **Where the counts come from.**
 
 - ``THDPACK`` / ``THDPACK_CPU``: thdpack's own decoder (``thdpack.models``), attention
-  (``thdpack.attention``: ring, all-gather, all-to-all) and step (``thdpack.train.step``),
+  (``thdpack.attention``: ring, all-gather, all-to-all) and step (``thdpack.train.forward_backward``),
   counted by running them under a ``TorchDispatchMode`` that counts every non-view ATen op
   (``tests/unit/perf/test_perf_host.py`` recounts them, so the constants cannot drift from the
   code). The attention kernel's own ops are not counted there: a FlashAttention tile is one op
@@ -179,7 +179,7 @@ THDPACK = HostOps(
         "step (thdpack.train on CUDA): StepLoss.begin (4), the loss read back (1), torch.optim.AdamW with foreach "
         "(one call per _foreach op of _multi_tensor_adamw: 12), clip_grad_norm (_foreach_norm, stack, norm, clamp, "
         "_foreach_mul_: 6), DDP's all-reduce of its buckets (3); per parameter: parameters_finite's isfinite and "
-        "all (thdpack/train/step.py 129-141)",
+        "all (thdpack/train/forward_backward.py 129-141)",
     ),
     **_THDPACK,
 )

@@ -101,29 +101,32 @@ def placed_run(
     dp_size: int,
     pack_size: int,
     split_comm: Comm = "ring",
+    pack_a2a: np.ndarray | None = None,
 ) -> MeshRun:
     """The run of packs placed on CP groups (a ``CpPlacement``'s arrays: ``offsets`` (P+1,), per
     entry ``lengths`` / ``group_size`` / ``group_start`` within the pack's ``cp_size`` ranks), pack
     ``p`` running in step ``pack_step[p]``, round ``pack_round[p]`` on data-parallel rank
     ``pack_dp[p]`` (ranks ``dp * cp_size ..``). Split entries communicate by ``split_comm``
     (``"ring"`` or ``"allgather"``; ``"a2a"``: every pack is one all-to-all group of its raw
-    lengths, the placement's groups ignored). Every rank of a pack holds ``pack_size / cp_size``
-    tokens (thdpack pads each pack to its size)."""
+    lengths, the placement's groups ignored; ``pack_a2a`` (P,) bool: so for the packs it flags).
+    Every rank of a pack holds ``pack_size / cp_size`` tokens (thdpack pads each pack to its size)."""
     offsets = np.asarray(offsets, dtype=np.int64)
     pack_E = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     steps = int(np.max(pack_step)) + 1 if len(pack_step) else 0
     rounds = int(np.max(pack_round)) + 1 if len(pack_round) else 0
     world = dp_size * cp_size
     base_P = np.asarray(pack_dp, dtype=np.int64) * cp_size
-    if split_comm == "a2a":
-        size_E, start_E = np.full(len(pack_E), cp_size), np.zeros(len(pack_E), dtype=np.int64)
-    else:
-        size_E, start_E = np.asarray(group_size, dtype=np.int64), np.asarray(group_start, dtype=np.int64)
+    a2a_P = np.full(len(offsets) - 1, split_comm == "a2a") if pack_a2a is None or split_comm == "a2a" else (
+        np.asarray(pack_a2a, dtype=bool))  # fmt: skip
+    a2a_E = a2a_P[pack_E]
+    size_E = np.where(a2a_E, cp_size, np.asarray(group_size, dtype=np.int64))
+    start_E = np.where(a2a_E, 0, np.asarray(group_start, dtype=np.int64))
     key = (pack_E * (cp_size + 1) + size_E) * cp_size + start_E
     unique, entry_group = np.unique(key, return_inverse=True)
     pack_G, rest = np.divmod(unique, (cp_size + 1) * cp_size)
     size_G, start_G = np.divmod(rest, cp_size)
-    comm_G = np.where(size_G == 1, COMMS.index("whole"), COMMS.index(split_comm))
+    split_G = np.where(a2a_P[pack_G], COMMS.index("a2a"), COMMS.index("ring" if split_comm == "a2a" else split_comm))
+    comm_G = np.where(size_G == 1, COMMS.index("whole"), split_G)
     tokens = np.zeros((steps, rounds, world))
     packs = np.arange(len(offsets) - 1)
     cells = (np.asarray(pack_step)[packs] * rounds + np.asarray(pack_round)[packs]) * world + base_P[packs]

@@ -7,11 +7,14 @@ A mode is how sequences reach the ranks of a ``world = dp x cp`` mesh:
 - ``adaptive``: the same packs planned with ``cp_placement="adaptive"`` (short sequences whole on
   one rank, longer ones over a group; ``thdpack.plan.adaptive``);
 - ``a2a``: packs of raw lengths, Ulysses all-to-all over the ``cp`` ranks;
-- ``mesh``: ``cp = world``, one adaptive placement over every rank of the mesh (Megatron's dynamic
-  CP, ByteScale's hybrid DP): packs of ``world x rank_tokens`` tokens.
+- ``auto``: ``cp_placement="auto"``: the adaptive packs (placed by the ``time`` or the ``tiles``
+  cost model, whichever the step model times faster), each pack attended by its placement, TE's
+  layout or all-to-all, whichever the step model says is fastest (``thdpack.perf.auto``);
+- ``mesh``: ``cp = world``, ``auto`` over every rank of the mesh (Megatron's dynamic CP, ByteScale's
+  hybrid DP, with groups inside a node preferred by the time model): packs of ``world x
+  rank_tokens`` tokens.
 
-``MODES`` is the closed set; ``auto`` (per pack the fastest of te / adaptive / a2a by modelled
-time) joins it with the ``time`` cost model: it plugs in as one more ``_plan`` branch.
+``MODES`` is the closed set; ``auto`` and ``mesh`` need the ``StepModel`` that times them.
 
 Steps are cut as thdpack's trainer cuts them (``thdpack.packing.step_stream``): the epoch's packs in a
 seeded shuffled order, ``dp x micro_batches`` per step, dealt to the data-parallel ranks by
@@ -30,14 +33,20 @@ import numpy as np
 
 from thdpack.layout.placement import CpPlacement
 from thdpack.perf.mesh import Comm, MeshRun, placed_run
+from thdpack.perf.step import StepModel
+from thdpack.perf.time_cost import TimeCostModel
 from thdpack.plan import plan_packs
+from thdpack.plan.auto import plan_auto
+from thdpack.plan.config import DEFAULT_WINDOW
+from thdpack.plan.overflow import apply_overflow
 
-Mode = Literal["te", "adaptive", "a2a", "mesh"]
-MODES: tuple[Mode, ...] = ("te", "adaptive", "a2a", "mesh")
+Mode = Literal["te", "adaptive", "a2a", "auto", "mesh"]
+MODES: tuple[Mode, ...] = ("te", "adaptive", "a2a", "auto", "mesh")
 
 
 class Packs(NamedTuple):
-    """Packs and every entry's group (a ``CpPlacement``'s arrays) on ``cp_size`` ranks."""
+    """Packs and every entry's group (a ``CpPlacement``'s arrays) on ``cp_size`` ranks; ``a2a``:
+    (P,) bool, the packs attended by all-to-all (``auto``), or None."""
 
     offsets: np.ndarray
     lengths: np.ndarray
@@ -45,6 +54,7 @@ class Packs(NamedTuple):
     group_start: np.ndarray
     cp_size: int
     pack_size: int
+    a2a: np.ndarray | None = None
 
 
 def mesh_shape(mode: Mode, world: int, cp: int) -> tuple[int, int]:
@@ -63,9 +73,18 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
 
 
-def plan_mode(lengths: np.ndarray, mode: Mode, *, cp: int, pack_size: int) -> Packs:
-    """The packs of ``mode`` for ``lengths`` (sequences longer than ``pack_size`` split)."""
+def plan_mode(lengths: np.ndarray, mode: Mode, *, cp: int, pack_size: int, model: StepModel | None = None) -> Packs:
+    """The packs of ``mode`` for ``lengths`` (sequences longer than ``pack_size`` split); ``auto``
+    and ``mesh`` are timed by ``model``."""
     check_mode(mode)
+    if mode in ("auto", "mesh") and cp > 1:
+        if model is None:
+            raise ValueError(f"mode {mode!r} chooses each pack's layout by modelled time: pass the StepModel")
+        entries = apply_overflow(np.asarray(lengths, dtype=np.int64), pack_size, "split").length
+        _, _, placement, a2a, _ = plan_auto(entries, pack_size, cp, timing=TimeCostModel(model), algorithm="bfd",
+                                            window=DEFAULT_WINDOW, rng=None)  # fmt: skip
+        return Packs(placement.offsets, placement.lengths, placement.group_size, placement.group_start, cp, pack_size,
+                     a2a)  # fmt: skip
     if mode == "a2a" or cp == 1:
         plan = plan_packs(lengths, pack_size, overflow="split")
         entries = plan.entry_lengths_flat()
@@ -91,16 +110,17 @@ def mode_run(
     batch_size: int | None = None,
     split_comm: Comm = "ring",
     seed: int = 0,
+    model: StepModel | None = None,
 ) -> MeshRun:
     """The mesh run of ``mode`` on ``world`` ranks (``cp`` per group; ``mesh`` uses all), packs of
     ``cp x rank_tokens`` tokens; steps as the module docstring says. ``split_comm``: how split
-    sequences exchange K/V (``"ring"`` or ``"allgather"``)."""
+    sequences exchange K/V (``"ring"`` or ``"allgather"``); ``model`` times ``auto`` / ``mesh``."""
     dp, cp = mesh_shape(mode, world, cp)
     pack_size = cp * rank_tokens
     comm: Comm = "a2a" if mode == "a2a" else split_comm
     lengths = np.asarray(lengths, dtype=np.int64)
     if batch_size is None:
-        packs = plan_mode(lengths, mode, cp=cp, pack_size=pack_size)
+        packs = plan_mode(lengths, mode, cp=cp, pack_size=pack_size, model=model)
         order = np.random.default_rng(seed).permutation(len(packs.offsets) - 1)
         per_step = dp * micro_batches
         steps = len(order) // per_step
@@ -117,7 +137,8 @@ def mode_run(
             raise ValueError(f"{len(lengths)} sequences do not fill one global batch of {batch_size}")
         parts = []
         for s in range(steps):
-            packs = plan_mode(lengths[s * batch_size : (s + 1) * batch_size], mode, cp=cp, pack_size=pack_size)
+            chunk = lengths[s * batch_size : (s + 1) * batch_size]
+            packs = plan_mode(chunk, mode, cp=cp, pack_size=pack_size, model=model)
             parts.append((packs, [np.arange(len(packs.offsets) - 1)]))
     return _dealt_run(parts, dp=dp, cp=cp, pack_size=pack_size, comm=comm)
 
@@ -128,7 +149,7 @@ def _dealt_run(parts: list[tuple[Packs, list[np.ndarray]]], *, dp: int, cp: int,
     # the dealer lives with the packing code (it imports torch through its package): load it here
     from thdpack.packing.dealing import deal, pack_costs
 
-    offsets, lengths, size, start, steps, rounds, ranks = [np.zeros(1, np.int64)], [], [], [], [], [], []
+    offsets, lengths, size, start, steps, rounds, ranks, a2a = [np.zeros(1, np.int64)], [], [], [], [], [], [], []
     step = 0
     for packs, step_packs in parts:
         for chosen in step_packs:
@@ -145,6 +166,7 @@ def _dealt_run(parts: list[tuple[Packs, list[np.ndarray]]], *, dp: int, cp: int,
                     steps.append(step)
                     rounds.append(m)
                     ranks.append(d)
+                    a2a.append(packs.a2a is not None and bool(packs.a2a[p]))
             step += 1
     return placed_run(
         offsets=np.concatenate(offsets),
@@ -158,4 +180,5 @@ def _dealt_run(parts: list[tuple[Packs, list[np.ndarray]]], *, dp: int, cp: int,
         dp_size=dp,
         pack_size=pack_size,
         split_comm=comm,
+        pack_a2a=np.array(a2a, dtype=bool),
     )

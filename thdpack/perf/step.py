@@ -155,12 +155,9 @@ class StepModel:
                 for total, part in zip((t0f, t0b, t1f, t1b, sent), parts, strict=True):
                     total += per_group(part, mask)
             g = size_G.astype(np.float64)
-            send = self.comm.send(sent, domains_G)
-            grad_send = self.comm.send(sent * self.spec.grad_itemsize / self.shape.itemsize, domains_G)
             compute_f = t0f + (g - 1) * t1f
             compute_b = t0b + (g - 1) * t1b
-            ring_f = np.maximum(t0f, send) + (g - 2) * np.maximum(t1f, send) + t1f
-            ring_b = np.maximum(t0b, send + grad_send) + (g - 2) * np.maximum(t1b, send + grad_send) + t1b + grad_send
+            ring_f, ring_b = self.ring_seconds((t0f, t0b, t1f, t1b), sent, g, domains_G)
             ring_f, ring_b = np.where(ring & has_work, ring_f, 0.0), np.where(ring & has_work, ring_b, 0.0)
             att_f += spread(np.where(ring, compute_f, 0.0))
             att_b += spread(np.where(ring, compute_b, 0.0))
@@ -217,6 +214,19 @@ class StepModel:
         for g in np.unique(size_G[ring]).tolist():
             ops_G[ring & (size_G == g)] = host.ring_ops(int(g)).total
         return ops_G
+
+    def ring_seconds(
+        self, tiles: tuple[np.ndarray, ...], sent: np.ndarray, g: np.ndarray, domains: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds of one layer's ring over groups of ``g`` ranks touching
+        ``domains`` NVLink domains: ``tiles`` (``SequenceCosts.ring_tiles``, summed over each group's
+        sequences) and the bytes each step sends, TE's overlap (the module docstring)."""
+        t0f, t0b, t1f, t1b = tiles
+        send = self.comm.send(sent, domains)
+        grad_send = self.comm.send(sent * self.spec.grad_itemsize / self.shape.itemsize, domains)
+        ring_f = np.maximum(t0f, send) + (g - 2) * np.maximum(t1f, send) + t1f
+        ring_b = np.maximum(t0b, send + grad_send) + (g - 2) * np.maximum(t1b, send + grad_send) + t1b + grad_send
+        return ring_f, ring_b
 
     # -- the step -------------------------------------------------------------------------
 

@@ -1,46 +1,21 @@
-"""``thdpack plan --suggest``: the dp x cp, placement and K/V exchange to train a lengths file with.
-
-    thdpack plan --suggest LENGTHS --model CONFIG_JSON|llama3-8b|114m|... --profile h100_sxm --gpus 64
-        [--gpus-per-node 8] [--rank-tokens 8192] [--micro-batches 1] [--json out.json]
+"""``thdpack plan --suggest``'s options and their modelled step times (the command is
+``thdpack.data.plan_command``): the dp x cp, placement and K/V exchange to train a lengths file with.
 
 Every option the GPUs allow is planned as the trainer plans it and timed by the step model
 (``thdpack.perf.step``, from the profile's public constants): CP sizes that divide the GPU count
 and hold the longest sequence whole in a pack of ``cp x rank_tokens`` tokens, each with TE's
 layout or the adaptive placement over the ring or an all-gather of K/V, the all-to-all where the
-heads divide, and the adaptive placement over every GPU (``mesh``). Options are ranked by real
-tokens per second per GPU; the table gives each one's step time and breakdown.
+heads divide, ``auto`` (per pack the fastest of those by the model), and ``auto`` over every GPU
+(``mesh``). Options are ranked by real tokens per second per GPU.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import numpy as np
 
-from thdpack.data.stats_command import load_lengths
-from thdpack.perf.comm import Topology
-from thdpack.perf.machine import PROFILE_NAMES, load_profile
 from thdpack.perf.modes import mode_run
-from thdpack.perf.shape import NAMED_SHAPES, ModelShape, load_shape
-from thdpack.perf.step import PARTS, StepModel, TrainingSpec
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--suggest", type=Path, required=True, metavar="LENGTHS",
-                        help="sequence lengths: a .npy, a text file (one per line) or a token store")  # fmt: skip
-    parser.add_argument("--model", default="llama3-8b",
-                        help=f"a config.json (Hugging Face or ModelShape fields), one of {', '.join(NAMED_SHAPES)}, "
-                        "or a thdpack preset (tiny, small, 114m)")  # fmt: skip
-    parser.add_argument("--profile", default="h100_sxm", help=f"a profile JSON or one of {', '.join(PROFILE_NAMES)}")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs of the run (dp x cp)")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the profile's")
-    parser.add_argument("--rank-tokens", type=int, default=8192, help="tokens per GPU per micro-batch")
-    parser.add_argument("--micro-batches", type=int, default=1, help="packs per data-parallel rank per step")
-    parser.add_argument("--overlap-dp", action=argparse.BooleanOptionalAction, default=True,
-                        help="the gradient all-reduce overlaps the last backward (thdpack's trainer: yes)")  # fmt: skip
-    parser.add_argument("--json", type=Path, default=None, help="write every option's numbers here")
+from thdpack.perf.shape import ModelShape
+from thdpack.perf.step import PARTS, StepModel
 
 
 def options(gpus: int, shape: ModelShape, longest: int, rank_tokens: int) -> list[tuple[str, int, str]]:
@@ -62,6 +37,7 @@ def options(gpus: int, shape: ModelShape, longest: int, rank_tokens: int) -> lis
                     out += [(mode, cp, "ring"), (mode, cp, "allgather")]
                 if shape.heads % cp == 0:
                     out.append(("a2a", cp, "a2a"))
+                out.append(("auto", cp, "ring"))
         cp *= 2
     if gpus > 1 and longest <= gpus * rank_tokens:
         out += [("mesh", gpus, "ring"), ("mesh", gpus, "allgather")]
@@ -78,7 +54,7 @@ def suggest(
     for mode, cp, comm in options(gpus, model.shape, int(lengths.max()), rank_tokens):
         split_comm = "ring" if comm in ("none", "a2a") else comm
         run = mode_run(lengths, mode, world=gpus, cp=cp, rank_tokens=rank_tokens, micro_batches=micro_batches,
-                       split_comm=split_comm)  # fmt: skip
+                       split_comm=split_comm, model=model)  # fmt: skip
         times = model.run(run)
         rows.append({
             "mode": mode, "dp": gpus // cp, "cp": cp, "comm": comm, "steps": run.steps, **times.summary(),
@@ -98,37 +74,3 @@ def format_rows(rows: list[dict[str, object]]) -> str:
             f"{r['tokens_per_s_per_gpu']:,.0f} |"
         )
     return "\n".join(lines)
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    path = args.suggest
-    lengths = load_lengths(path)
-    lengths = lengths[lengths > 0]  # records that tokenized to nothing have no work
-    if not len(lengths):
-        raise ValueError(f"{path} holds no sequence of at least one token")
-    profile = load_profile(args.profile)
-    shape = load_shape(args.model)
-    model = StepModel(
-        profile, shape, Topology.of(profile, args.gpus_per_node), TrainingSpec(overlap_dp=args.overlap_dp)
-    )
-    rows = suggest(lengths, model, gpus=args.gpus, rank_tokens=args.rank_tokens, micro_batches=args.micro_batches)
-    if not rows:
-        raise ValueError(
-            f"no option fits: the longest sequence has {int(lengths.max()):,} tokens, over {args.gpus} GPUs x "
-            f"--rank-tokens {args.rank_tokens}; raise --rank-tokens or --gpus"
-        )
-    print(
-        f"{path.name}: {len(lengths):,} sequences; model {args.model}; profile {profile.name}; {args.gpus} GPUs "
-        f"({model.topology.gpus_per_node} per node); packs of cp x {args.rank_tokens} tokens; modelled, ms per step"
-    )
-    print(format_rows(rows))
-    best = rows[0]
-    placement = "adaptive" if best["mode"] == "mesh" else best["mode"]
-    print(
-        f"suggested: dp={best['dp']} cp={best['cp']} cp_placement={placement} comm={best['comm']} "
-        f"({best['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, step {best['step_ms']:.1f} ms)"
-    )
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-        print(f"wrote {args.json}")
-    return 0

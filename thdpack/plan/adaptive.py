@@ -58,7 +58,7 @@ from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import cp_multiple, group_options, round_up_to_cp
 from thdpack.plan.assignment import materialize
 from thdpack.plan.bounds import l2_lower_bound_of_sizes
-from thdpack.plan.cp_cost import CostModel, rank_costs, whole_cost, whole_limit
+from thdpack.plan.cp_cost import Costing, rank_costs, whole_cost, whole_limit
 from thdpack.plan.decreasing_fit import Fit, distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
 from thdpack.plan.place import place_rows
@@ -109,7 +109,7 @@ def place_packs(
     *,
     cp_size: int,
     pack_size: int,
-    cost_model: CostModel,
+    cost_model: Costing,
     sizes: Sequence[int] | None = None,
     group_count: np.ndarray | None = None,
     fill_density: float = 0.0,
@@ -122,17 +122,18 @@ def place_packs(
     size_O, start_O = group_options(cp_size, sizes)
     budget = pack_size // cp_size
     unit = cp_multiple(cp_size)
-    slots_E = round_up_to_cp(lengths_E, cp_size)
     if group_count is not None:
-        units_KM = _templates(slots_E // unit, ids, group_count, offsets)
-        reserve_KM = units_KM * unit
+        # TE slots of the templates' entries only: a template stands for all its group's packs
+        reserve_KM = round_up_to_cp(_templates(lengths_E, ids, group_count, offsets), cp_size)
+        units_KM = reserve_KM // unit
         option_KM = place_rows(
             reserve_KM, reserve_KM, units_KM > 0, cp_size=cp_size, budget=budget, cost_model=cost_model,
             sizes=sizes, fill_density=fill_density,
         )[0]  # fmt: skip
+        # entry e of a pack of template k is item e - offsets[pack] of row k: one flat gather each
         row_P = np.repeat(np.arange(len(group_count)), group_count)
-        option_E = option_KM[np.repeat(row_P, np.diff(offsets)), _positions(offsets)]
-        return size_O[option_E], start_O[option_E]
+        flat_E = np.repeat(row_P * option_KM.shape[1] - offsets[:-1], np.diff(offsets)) + np.arange(len(ids))
+        return size_O[option_KM].reshape(-1)[flat_E], start_O[option_KM].reshape(-1)[flat_E]
     num_packs = len(offsets) - 1
     option_E = np.empty(len(ids), dtype=np.int64)
     position_E = _positions(offsets)
@@ -226,7 +227,7 @@ def plan_adaptive(
     fit: Fit,
     rng: np.random.Generator | None,
     improve: bool = True,
-    cost_model: CostModel,
+    cost_model: Costing,
     sizes: Sequence[int] | None = None,
 ) -> AdaptivePlan:
     """The two-level plan of the module docstring for entries of the given lengths (each in
@@ -278,13 +279,13 @@ def plan_adaptive(
     group_size[pos[: len(ids1)]] = size1
     group_start[pos] = np.concatenate((start1, rank_W))
     plan = AdaptivePlan(ids=ids, offsets=offsets, group_size=group_size, group_start=group_start)
-    if cost_model == "pairs":  # the templates' TE slots overestimate real pairs: check every long pack
+    if not _bounded_by_slots(cost_model):  # placed on TE slots, not the real lengths: check every long pack
         plan = _repair(plan, lengths_E, pack_size, cp_size, cost_model, packs=num_long)
     return _no_more_than_te(plan, lengths_E, pack_size, cp_size, cost_model, sizes, fit=fit, rng=rng, improve=improve)
 
 
 def _repair(
-    plan: AdaptivePlan, lengths_E: np.ndarray, pack_size: int, cp_size: int, cost_model: CostModel, *, packs: int
+    plan: AdaptivePlan, lengths_E: np.ndarray, pack_size: int, cp_size: int, cost_model: Costing, *, packs: int
 ) -> AdaptivePlan:
     """The first ``packs`` packs (whose entries all reserve their TE slots) get TE's layout where
     their busiest rank costs more than under it."""
@@ -308,7 +309,14 @@ def _repair(
     )
 
 
-def _short_limit(cp_size: int, pack_size: int, cost_model: CostModel) -> int:
+def _bounded_by_slots(cost_model: Costing) -> bool:
+    """True when a placement computed on TE slots bounds the real lengths' costs from above (tiles:
+    a longer sequence never runs fewer tiles); pairs and the time model are checked on the real
+    lengths after placement."""
+    return isinstance(cost_model, str) and cost_model == "tiles"
+
+
+def _short_limit(cp_size: int, pack_size: int, cost_model: Costing) -> int:
     """Entries this short are placed whole without CP padding (the module docstring's classes)."""
     return min(whole_limit(cp_size, cost_model), pack_size // cp_size)
 
@@ -318,7 +326,7 @@ def _no_more_than_te(
     lengths_E: np.ndarray,
     pack_size: int,
     cp_size: int,
-    cost_model: CostModel,
+    cost_model: Costing,
     sizes: Sequence[int] | None,
     *,
     fit: Fit,
@@ -341,9 +349,9 @@ def _no_more_than_te(
         group_count=hp.group_count,
     )  # fmt: skip
     te_plan = AdaptivePlan(ids=ids, offsets=offsets, group_size=group_size, group_start=group_start, te_packs=True)
-    if cost_model == "tiles":  # the TE slots the templates were placed on bound every cost from above
+    if _bounded_by_slots(cost_model):
         return te_plan
-    # pairs count real tokens, which the TE slots overestimate: check per pack
+    # pairs count real tokens, which the TE slots overestimate: check per pack (the time model too)
     return _repair(te_plan, lengths_E, pack_size, cp_size, cost_model, packs=len(offsets) - 1)
 
 
@@ -355,7 +363,7 @@ def plan_entries(
     algorithm: str,
     window: int,
     rng: np.random.Generator | None,
-    cost_model: CostModel,
+    cost_model: Costing,
     sizes: Sequence[int] | None = None,
     improve: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, CpPlacement]:

@@ -21,6 +21,7 @@ from thdpack._config_forms import FlatKeywords, Part
 from thdpack.layout.rules import check_cp_size, check_pack_size, cp_multiple
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.assignment import materialize
+from thdpack.plan.auto import PlanTiming, plan_auto
 from thdpack.plan.config import MAX_LENGTH, PlanConfig
 from thdpack.plan.decreasing_fit import distinct_sizes
 from thdpack.plan.ordered import next_fit, window_best_fit
@@ -68,9 +69,11 @@ PLAN_KEYWORDS = FlatKeywords("plan_packs", [Part(PlanConfig)])
 
 
 @PLAN_KEYWORDS.document
-def plan_packs(lengths: object, pack_size: int, *, cp_size: int = 1, **settings: Any) -> PackPlan:
+def plan_packs(
+    lengths: object, pack_size: int, *, cp_size: int = 1, timing: PlanTiming | None = None, **settings: Any
+) -> PackPlan:
     """Plan packs of ``pack_size`` tokens for sequences of the given lengths: ``plan_with`` with
-    the settings by keyword (every field of ``PlanConfig``, below).
+    the settings by keyword (every field of ``PlanConfig``, below) and ``timing`` beside them.
 
     ``lengths``: 1-D integers >= 1, one per sequence (list, numpy or CPU torch). ``cp_size``: the
     context-parallel size; each sequence occupies its length rounded up to a multiple of
@@ -79,12 +82,15 @@ def plan_packs(lengths: object, pack_size: int, *, cp_size: int = 1, **settings:
     ``cp_placement="adaptive"``, ``plan.placement`` is the ``CpPlacement``).
     """
     (config,) = PLAN_KEYWORDS.build(pack_size=pack_size, **settings)
-    return plan_with(lengths, config, cp_size=cp_size)
+    return plan_with(lengths, config, cp_size=cp_size, timing=timing)
 
 
-def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackPlan:
+def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1, timing: PlanTiming | None = None) -> PackPlan:
     """``plan_packs`` with its settings in a ``PlanConfig`` (checked when it was made) and the
-    run's context-parallel size beside it.
+    run's context-parallel size beside it. A timed plan (``cost_model="time"``,
+    ``cp_placement="auto"``) is given its ``timing``: the step-time model of the config's profile
+    and model shape on the run's nodes, ``thdpack.perf.time_cost.timing_of(config, gpus_per_node)``
+    (the planner does not load machines; the trainer, the Trainer integrations and the commands do).
 
     >>> plan = plan_with([5, 3, 6, 2, 4], PlanConfig(pack_size=16), cp_size=2)
     >>> [p.tolist() for p in plan], plan.cp_size
@@ -110,8 +116,19 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
     pack_loads = None  # (values, weights) of per-pack real tokens when cheaper than per item
     fit_packs = None  # the decreasing fit's packs when the improvement phase saved some
     distinct = None  # (sizes, counts) of the slots, when the planner already counted them
-    placement = None
-    if cp_placement == "adaptive" and cp_size > 1:
+    if config.timed and cp_size > 1 and timing is None:
+        raise ValueError(
+            f"cost_model={cost_model!r}, cp_placement={cp_placement!r} times packs, but no timing was given; pass "
+            f"timing=thdpack.perf.time_cost.timing_of(config, gpus_per_node) (the model of profile={config.profile!r} "
+            f"and model_shape={config.model_shape!r})"
+        )
+    placement = a2a_packs = None
+    if cp_placement == "auto" and cp_size > 1:
+        ids, offsets, placement, a2a_packs, cost_model = plan_auto(
+            entries.length, pack_size, cp_size, timing=timing, algorithm=algorithm, window=config.window, rng=rng,
+            improve=config.improve,
+        )  # fmt: skip
+    elif cp_placement == "adaptive" and cp_size > 1:
         ids, offsets, placement = plan_entries(
             entries.length,
             pack_size,
@@ -119,7 +136,7 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
             algorithm=algorithm,
             window=config.window,
             rng=rng,
-            cost_model=cost_model,
+            cost_model=timing if cost_model == "time" else cost_model,
             improve=config.improve,
         )
     elif algorithm == "sequential":
@@ -162,6 +179,7 @@ def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1) -> PackP
         entry_lengths=entries.length[ids] if cut else None,
         placement=placement,
         cost_model=cost_model if placement is not None else None,
+        a2a_packs=a2a_packs,
     )
 
 

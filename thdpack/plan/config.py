@@ -25,16 +25,17 @@ TypeError: pack_size must be an integer, got 2048.0
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from thdpack._settings import Settings, check_int, flag, integer, one_of, optional, setting
+from thdpack._settings import Settings, check_int, flag, integer, one_of, optional, setting, text
 from thdpack.plan.cp_cost import COST_MODELS, CostModel
 from thdpack.plan.overflow import OVERFLOWS, Overflow
 
 Algorithm = Literal["bfd", "ffd", "sequential", "window"]
 ALGORITHMS: tuple[str, ...] = ("bfd", "ffd", "sequential", "window")
-CpPlacementMode = Literal["te", "adaptive"]
-CP_PLACEMENTS: tuple[str, ...] = ("te", "adaptive")
+CpPlacementMode = Literal["te", "adaptive", "auto"]
+CP_PLACEMENTS: tuple[str, ...] = ("te", "adaptive", "auto")
+
 LIBRARY_CP_PLACEMENT: CpPlacementMode = "te"
 """The default of the library API that plans for other tools (``PlanConfig``, ``plan_packs``,
 ``PackedDataset``): Transformer Engine's layout, what TE's ``thd_get_partitioned_indices`` and
@@ -93,16 +94,33 @@ class PlanConfig(Settings):
     )
     cp_placement: CpPlacementMode = setting(
         "Under context parallelism: 'te' (every sequence split over all CP ranks, Transformer Engine's "
-        "layout) or 'adaptive' (short sequences whole on one rank, long ones split over an aligned group "
-        "of ranks, chosen per pack; the plan carries the placement). Ignored when cp_size == 1.",
+        "layout), 'adaptive' (short sequences whole on one rank, long ones split over an aligned group "
+        "of ranks, chosen per pack; the plan carries the placement) or 'auto' (the adaptive packs, each "
+        "laid out adaptive, as TE's layout or attended by all-to-all, whichever the step-time model of "
+        "profile and model_shape says is fastest). Ignored when cp_size == 1.",
         default=LIBRARY_CP_PLACEMENT,
         check=one_of(CP_PLACEMENTS),
     )
     cost_model: CostModel = setting(
         "What the adaptive placement minimises on each pack's busiest CP rank: 'tiles' (128 x 128 kernel "
-        "tiles) or 'pairs' (causal query-key pairs).",
+        "tiles), 'pairs' (causal query-key pairs) or 'time' (modelled nanoseconds of profile and "
+        "model_shape, communication included; groups inside one node preferred).",
         default="tiles",
         check=one_of(COST_MODELS),
+    )
+    profile: str | None = setting(
+        "The machine cost_model='time' and cp_placement='auto' model: a shipped profile (h100_sxm, "
+        "h200_sxm, a100_sxm_80gb, gb200_nvl72, cpu_gloo) or a profile JSON path (thdpack calibrate "
+        "writes one). A dataset's fingerprint holds its content's digest.",
+        default=None,
+        check=optional(text),
+    )
+    model_shape: str | None = setting(
+        "The model cost_model='time' and cp_placement='auto' time: a named shape (llama3-8b, "
+        "megatron-dcp-gpt), a thdpack preset (tiny, small, 114m) or a config.json path (Hugging Face "
+        "or ModelShape fields).",
+        default=None,
+        check=optional(text),
     )
     improve: bool = setting(
         "After 'bfd' / 'ffd': re-pack the packs that are not full with exact fills unless the fit already "
@@ -110,3 +128,28 @@ class PlanConfig(Settings):
         default=True,
         check=flag,
     )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        timed = [f"{name}={value!r}" for name, value in (("cost_model", self.cost_model),
+                 ("cp_placement", self.cp_placement)) if value in ("time", "auto")]  # fmt: skip
+        missing = [name for name in ("profile", "model_shape") if getattr(self, name) is None]
+        if timed and missing:
+            raise ValueError(
+                f"{' and '.join(timed)} times packs on a machine for a model, but {' and '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not set; set profile (e.g. 'h100_sxm' or a profile JSON) "
+                "and model_shape (e.g. 'llama3-8b' or a config.json)"
+            )
+
+    @property
+    def timed(self) -> bool:
+        """True when the plan times packs (``cost_model='time'`` or ``cp_placement='auto'``)."""
+        return self.cost_model == "time" or self.cp_placement == "auto"
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The settings the plan depends on, as plain values: ``profile`` and ``model_shape`` only in
+        a timed plan (its holder adds the digest of what they hold: ``PlanTiming.digest``)."""
+        out = super().fingerprint()
+        if not self.timed:
+            del out["profile"], out["model_shape"]
+        return out

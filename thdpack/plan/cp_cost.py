@@ -1,7 +1,7 @@
 """Attention cost of a sequence on its context-parallel ranks: the cost models the CP placement
 minimises (numpy only).
 
-Two models, a closed set:
+Three models, a closed set:
 
 - ``"tiles"`` (the default): FlashAttention-style kernel tiles of ``TILE x TILE`` (128 x 128)
   that a rank's kernels launch for a sequence, padding rows included (varlen kernels tile each
@@ -11,7 +11,10 @@ Two models, a closed set:
   schedule (``thdpack.attention.ring``) on every rank of the group: at step 0 a causal
   ``2c x 2c`` tile, at each of the ``g - 1`` later steps a full ``2c x c`` or ``c x 2c`` tile;
 - ``"pairs"``: causal (query, key) pairs of real tokens whose query the rank owns, the work an
-  ideal kernel does.
+  ideal kernel does;
+- ``"time"``: modelled nanoseconds on a machine profile for a model shape, communication included
+  (``thdpack.perf.time_cost.TimeCostModel``); the planner is handed the loaded model (any
+  ``SequenceCostModel``) in place of the name.
 
 >>> whole_cost(np.array([100, 300]), "tiles").tolist()     # 1 block; 3 blocks: 6 tiles
 [1, 6]
@@ -26,7 +29,7 @@ Legend: ``S`` sequences (or entries), ``G`` ranks of a group, ``E`` entries of a
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 
@@ -34,10 +37,32 @@ from thdpack.layout.entries import rank_sums
 from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import cp_multiple, round_up_to_cp, slot_multiple
 
-CostModel = Literal["tiles", "pairs"]
-COST_MODELS: tuple[str, ...] = ("tiles", "pairs")
+CostModel = Literal["tiles", "pairs", "time"]
+COST_MODELS: tuple[str, ...] = ("tiles", "pairs", "time")
 TILE = 128
 """Rows and columns of one kernel tile (FlashAttention-2's block on current GPUs)."""
+
+
+class SequenceCostModel(Protocol):
+    """A cost model given as an object (the loaded ``time`` model): integer costs per sequence,
+    every rank of a split sequence's group charged the same."""
+
+    def whole(self, lengths_S: np.ndarray) -> np.ndarray:
+        """(S,) int64 cost of each sequence whole on one rank."""
+        ...
+
+    def split(self, lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int) -> np.ndarray:
+        """(S, G) int64 cost on each rank of a group of ``group_size`` of each sequence split over it."""
+        ...
+
+
+Costing = CostModel | SequenceCostModel
+"""What the planner minimises: a model's name (``"tiles"``, ``"pairs"``) or a loaded model."""
+
+
+def uniform_split(cost_model: Costing) -> bool:
+    """True when a split sequence costs every rank of its group the same (all but ``"pairs"``)."""
+    return not (isinstance(cost_model, str) and cost_model == "pairs")
 
 
 def check_cost_model(cost_model: str) -> None:
@@ -63,14 +88,16 @@ def pairs_below(x: np.ndarray) -> np.ndarray:
     return x * (x + 1) // 2
 
 
-def whole_cost(lengths_S: np.ndarray, cost_model: CostModel) -> np.ndarray:
+def whole_cost(lengths_S: np.ndarray, cost_model: Costing) -> np.ndarray:
     """(S,) int64 cost of each sequence placed whole on one rank (no CP padding)."""
+    if not isinstance(cost_model, str):
+        return cost_model.whole(np.asarray(lengths_S, dtype=np.int64))
     if cost_model == "tiles":
         return causal_tiles(lengths_S)
     return pairs_below(lengths_S)
 
 
-def split_cost(lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int, cost_model: CostModel) -> np.ndarray:
+def split_cost(lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int, cost_model: Costing) -> np.ndarray:
     """(S, G) int64 cost on each rank ``j`` of a group of ``G = group_size`` ranks of every
     sequence split over it in the dual-chunk layout: rank ``j`` holds chunks ``j`` and
     ``2G-1-j`` of the sequence's slot.
@@ -79,9 +106,11 @@ def split_cost(lengths_S: np.ndarray, slots_S: np.ndarray, group_size: int, cost
         lengths_S: (S,) real tokens of each sequence.
         slots_S: (S,) padded slot of each sequence, a multiple of ``2 * group_size``, ``>= lengths_S``.
         group_size: ranks of the group (>= 1).
-        cost_model: ``"tiles"`` (the same on every rank of the group) or ``"pairs"``.
+        cost_model: ``"tiles"`` (the same on every rank of the group), ``"pairs"`` or a loaded model.
     """
     lengths_S = np.asarray(lengths_S, dtype=np.int64)
+    if not isinstance(cost_model, str):
+        return cost_model.split(lengths_S, np.asarray(slots_S, dtype=np.int64), group_size)
     if cost_model == "tiles":
         return np.repeat(split_tiles(slots_S, group_size)[:, None], group_size, axis=1)
     chunks = slot_multiple(group_size)
@@ -104,7 +133,7 @@ def split_tiles(slots_S: np.ndarray, group_size_S: np.ndarray | int) -> np.ndarr
     return causal_tiles(2 * chunk_S) + (group_size_S - 1) * full_tiles(2 * chunk_S, chunk_S)
 
 
-def rank_costs(placement: CpPlacement, cost_model: CostModel = "tiles") -> np.ndarray:
+def rank_costs(placement: CpPlacement, cost_model: Costing = "tiles") -> np.ndarray:
     """(P, R) int64 attention cost of each rank in each pack of ``placement`` under ``cost_model``.
 
     >>> te = CpPlacement.all_split(np.array([0, 1]), np.array([1024]), cp_size=2, pack_size=1024)
@@ -118,6 +147,12 @@ def rank_costs(placement: CpPlacement, cost_model: CostModel = "tiles") -> np.nd
     if cost_model == "tiles":  # a split sequence costs every rank of its group the same
         value = np.where(whole, causal_tiles(lengths), split_tiles(slots, group_size))
         return rank_sums(pack_E, value, group_start, group_size, num_packs, cp_size)
+    if uniform_split(cost_model):
+        value = whole_cost(lengths, cost_model)
+        for g in np.unique(group_size[~whole]).tolist():
+            of_g = group_size == g
+            value[of_g] = split_cost(lengths[of_g], slots[of_g], g, cost_model)[:, 0]
+        return rank_sums(pack_E, value, group_start, group_size, num_packs, cp_size)
     one = np.ones(len(lengths), dtype=np.int64)
     cost_PR = rank_sums(
         pack_E[whole], whole_cost(lengths[whole], cost_model), group_start[whole], one[whole], num_packs, cp_size
@@ -130,7 +165,7 @@ def rank_costs(placement: CpPlacement, cost_model: CostModel = "tiles") -> np.nd
     return cost_PR
 
 
-def whole_limit(cp_size: int, cost_model: CostModel) -> int:
+def whole_limit(cp_size: int, cost_model: Costing) -> int:
     """The longest length ``m`` such that every sequence of at most ``m`` tokens costs no more
     placed whole on one rank than on ANY rank under Transformer Engine's layout over ``cp_size``
     ranks (0 when no length qualifies).

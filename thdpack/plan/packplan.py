@@ -57,6 +57,7 @@ class PackPlan:
         entry_lengths: np.ndarray | None = None,
         placement: CpPlacement | None = None,
         cost_model: str | None = None,
+        a2a_packs: np.ndarray | None = None,
     ) -> None:
         self.indices = np.asarray(indices, dtype=np.int64)
         """(E,) sequence index of every entry, pack by pack."""
@@ -78,6 +79,11 @@ class PackPlan:
         every entry split over all ``cp_size`` ranks."""
         self.cost_model = cost_model
         """The cost model the placement minimised, or None without a placement."""
+        self.a2a_packs = None if a2a_packs is None else np.asarray(a2a_packs, dtype=bool)
+        """(P,) bool under ``cp_placement="auto"``: the packs whose attention the step-time model
+        runs fastest by all-to-all (the others by their placement's groups); None otherwise."""
+        if self.a2a_packs is not None and (placement is None or self.a2a_packs.shape != (len(self.offsets) - 1,)):
+            raise ValueError("a2a_packs needs a placement and one flag per pack")
         if len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.indices):
             raise ValueError("offsets must start at 0 and end at len(indices)")
         if placement is not None and (
@@ -92,8 +98,11 @@ class PackPlan:
 
     @property
     def cp_placement(self) -> str:
-        """``"adaptive"`` when the plan carries a placement, else ``"te"``."""
-        return "te" if self.placement is None else "adaptive"
+        """``"auto"`` when the plan chose each pack's attention, ``"adaptive"`` when it carries a
+        placement, else ``"te"``."""
+        if self.placement is None:
+            return "te"
+        return "adaptive" if self.a2a_packs is None else "auto"
 
     def placement_summary(self) -> str | None:
         """One line on the plan's CP placement (None in TE's layout): how many of its entries run
@@ -101,10 +110,13 @@ class PackPlan:
         if self.placement is None:
             return None
         whole, entries = int((self.placement.group_size == 1).sum()), len(self.placement.lengths)
-        return (
-            f"cp placement: adaptive ({self.cost_model}): {whole:,} of {entries:,} sequences whole on one CP rank, "
-            f"{entries - whole:,} split over a group of ranks"
+        line = (
+            f"cp placement: {self.cp_placement} ({self.cost_model}): {whole:,} of {entries:,} sequences whole on one "
+            f"CP rank, {entries - whole:,} split over a group of ranks"
         )
+        if self.a2a_packs is not None:
+            line += f"; {int(self.a2a_packs.sum()):,} of {len(self):,} packs attended by all-to-all"
+        return line
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -124,7 +136,11 @@ class PackPlan:
         return (
             f"PackPlan({len(self):,} packs of {self.pack_size:,} tokens, {len(self.indices):,} entries, "
             f"algorithm={self.algorithm!r}, cp_size={self.cp_size}"
-            + (f", cp_placement='adaptive', cost_model={self.cost_model!r})" if self.placement is not None else ")")
+            + (
+                f", cp_placement={self.cp_placement!r}, cost_model={self.cost_model!r})"
+                if self.placement is not None
+                else ")"
+            )
         )
 
     def segments(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -161,6 +177,8 @@ class PackPlan:
             arrays["entry_lengths"] = _compact(self.entry_lengths)
         if self.placement is not None:
             arrays.update({key: _compact(value) for key, value in self.placement.to_arrays().items()})
+        if self.a2a_packs is not None:
+            arrays["cp_a2a_packs"] = self.a2a_packs
         with open(path, "wb") as f:  # a file object keeps np.savez from appending ".npz"
             np.savez(f, **arrays)
 
@@ -188,12 +206,17 @@ class PackPlan:
                 entry_starts=data.get("entry_starts"),
                 entry_lengths=data.get("entry_lengths"),
             )
-            if meta.get("cp_placement", "te") == "adaptive":
+            if meta.get("cp_placement", "te") in ("adaptive", "auto"):
                 plan.placement = CpPlacement.from_arrays(
                     data, offsets=plan.offsets, lengths=plan.entry_lengths_flat(), cp_size=plan.cp_size,
                     pack_size=plan.pack_size,
                 )  # fmt: skip
                 plan.cost_model = meta["cost_model"]
+            if meta.get("cp_placement") == "auto":
+                a2a = np.asarray(data["cp_a2a_packs"], dtype=bool)
+                if a2a.shape != (len(plan),):
+                    raise ValueError(f"{path}: cp_a2a_packs has shape {a2a.shape}, not one flag per pack ({len(plan)})")
+                plan.a2a_packs = a2a
             return plan
 
     def entry_lengths_flat(self) -> np.ndarray:

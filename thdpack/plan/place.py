@@ -25,20 +25,30 @@ result is deterministic. With the tiles model a split item costs every rank of i
 so a step works on ``(rows, options)`` arrays (per-group maxima of the rank loads); with pairs, on
 ``(rows, options, ranks)``.
 
+The loop over item positions is numpy's: a few dozen calls per position, whose overhead is the
+cost for a few hundred rows. With numba installed (``thdpack[fast]``), large searches run the same
+greedy compiled, a row at a time (``thdpack.plan.place_compiled``), with equal results.
+
 Legend: ``K`` rows (packs or pack templates), ``M`` item positions, ``O`` group options,
-``R`` ranks, ``C`` columns of a cost table.
+``R`` ranks, ``C`` columns of a cost table, ``G`` group sizes, ``J`` ranks of a group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Literal
 
 import numpy as np
 
-from thdpack.layout.rules import group_options, round_up_to_cp, slot_lengths
-from thdpack.plan.cp_cost import CostModel, split_cost, whole_cost
+from thdpack.layout.rules import group_options, slot_lengths
+from thdpack.plan.cp_cost import Costing, split_cost, uniform_split, whole_cost
+from thdpack.plan.place_compiled import compiled_search_rows, option_halves
 
 _BIG = np.iinfo(np.int64).max
+Engine = Literal["auto", "numpy", "compiled"]
+COMPILED_FROM = 4096
+"""Rows x item positions from which ``engine="auto"`` runs the compiled loop when numba is installed:
+below it numpy's loop is about as fast, and a small plan does not load numba (a third of a second)."""
 
 
 def place_rows(
@@ -48,9 +58,10 @@ def place_rows(
     *,
     cp_size: int,
     budget: int,
-    cost_model: CostModel,
+    cost_model: Costing,
     sizes: Sequence[int] | None = None,
     fill_density: float = 0.0,
+    engine: Engine = "auto",
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Place every row's items; return ``(option_KM, tokens_KR, cost_KR, te_cost_KR)``.
 
@@ -68,6 +79,9 @@ def place_rows(
         fill_density: cost per token of the work that will fill each row's free room
             (``cp_size * budget`` minus its reserves) after this placement: it raises the level
             the search treats as free.
+        engine: ``"numpy"`` (the vectorised loop), ``"compiled"`` (numba's; ``ImportError`` without
+            it) or ``"auto"`` (compiled from ``COMPILED_FROM`` positions when numba is installed).
+            The results are equal.
 
     Returns:
         option_KM: (K, M) int64 index into ``group_options(cp_size, sizes)``; -1 where invalid.
@@ -90,16 +104,22 @@ def place_rows(
     num_rows, num_items = lengths_KM.shape
     # rows with more items first: at item position m only a prefix of the rows is active
     order_K = np.argsort(-count_K, kind="stable")
-    search = _Search(lengths_KM[order_K], reserve_KM[order_K], count_K[order_K], cp_size, budget, cost_model, sizes)
+    loop = _loop(engine, num_rows * num_items)
+    search = _Search(
+        lengths_KM[order_K], reserve_KM[order_K], count_K[order_K], cp_size, budget, cost_model, sizes, loop
+    )
     level_K = search.level(fill_density)
-    rows = np.arange(num_rows)
-    option_KM, tokens_KR, cost_KR, stuck_K = search.run(rows, np.full(num_rows, num_items), level_K)
-    back_off = 1
-    while (stuck_K >= 0).any():
-        rows, stuck_K = rows[stuck_K >= 0], stuck_K[stuck_K >= 0]
-        placed = search.run(rows, np.maximum(stuck_K - back_off, 0), level_K[rows])
-        option_KM[rows], tokens_KR[rows], cost_KR[rows], stuck_K = placed
-        back_off *= 4
+    if loop is None:
+        rows = np.arange(num_rows)
+        option_KM, tokens_KR, cost_KR, stuck_K = search.run(rows, np.full(num_rows, num_items), level_K)
+        back_off = 1
+        while (stuck_K >= 0).any():
+            rows, stuck_K = rows[stuck_K >= 0], stuck_K[stuck_K >= 0]
+            placed = search.run(rows, np.maximum(stuck_K - back_off, 0), level_K[rows])
+            option_KM[rows], tokens_KR[rows], cost_KR[rows], stuck_K = placed
+            back_off *= 4
+    else:  # the row loop searches a stuck row again itself
+        option_KM, tokens_KR, cost_KR = search.run_rows(level_K)
     assert (tokens_KR <= budget).all(), "a placed row holds no rank over its budget"
     te_option_KM, te_tokens_KR, te_cost_KR = search.all_split()
     # never worse than TE's layout of the same items (ties keep the search's: less work, less
@@ -113,6 +133,21 @@ def place_rows(
     back_K = np.empty_like(order_K)
     back_K[order_K] = np.arange(num_rows)
     return option_KM[back_K], tokens_KR[back_K], cost_KR[back_K], te_cost_KR[back_K]
+
+
+def _loop(engine: Engine, positions: int) -> Callable[..., None] | None:
+    """The row-at-a-time loop ``engine`` asks for (None: numpy's)."""
+    if engine == "numpy":
+        return None
+    compiled = compiled_search_rows()
+    if engine == "compiled":
+        if compiled is None:
+            raise ImportError("place_rows(engine='compiled') needs numba, which is not installed; "
+                              "pip install 'thdpack[fast]'")  # fmt: skip
+        return compiled
+    if engine != "auto":
+        raise ValueError(f"unknown engine {engine!r}; valid: auto, numpy, compiled")
+    return compiled if positions >= COMPILED_FROM else None
 
 
 def _first_min(key_OK: np.ndarray, allowed_OK: np.ndarray) -> np.ndarray:
@@ -131,10 +166,12 @@ class _Search:
         count_K: np.ndarray,
         cp_size: int,
         budget: int,
-        cost_model: CostModel,
+        cost_model: Costing,
         sizes: tuple[int, ...],
+        loop: Callable[..., None] | None = None,
     ) -> None:
         self.lengths_KM, self.reserve_KM, self.count_K = lengths_KM, reserve_KM, count_K
+        self.loop = loop
         self.cp_size, self.budget, self.cost_model = cp_size, budget, cost_model
         self.size_O, start_O = group_options(cp_size, sizes)
         self.sizes_desc = tuple(dict.fromkeys(self.size_O.tolist()))
@@ -144,22 +181,37 @@ class _Search:
         self.member_RO = np.ascontiguousarray(self.member_OR.T)
         self.local_OR = np.where(self.member_OR, ranks_R - start_O[:, None], 0)
         # per item and group size: the cost on each group rank and the tokens each group rank holds
+        # (0 at positions without an item; a split item costs every rank of its group the same
+        # under tiles: one column)
+        self.uniform = uniform_split(cost_model)
         self.size_index_O = np.array([self.sizes_desc.index(g) for g in self.size_O.tolist()])
+        valid_KM = np.arange(lengths_KM.shape[1]) < count_K[:, None]
+        lengths_V = lengths_KM[valid_KM]
         costs, shares = [], []
         for g in self.sizes_desc:
             if g == 1:
-                cost_KMJ, share_KM = whole_cost(lengths_KM, cost_model)[..., None], lengths_KM
+                cost_VJ, share_V = whole_cost(lengths_V, cost_model)[:, None], lengths_V
             else:
-                slot_KM = slot_lengths(lengths_KM, g)
-                cost_KMJ = split_cost(lengths_KM.reshape(-1), slot_KM.reshape(-1), g, cost_model)
-                cost_KMJ, share_KM = cost_KMJ.reshape(*lengths_KM.shape, g), slot_KM // g
+                slot_V = slot_lengths(lengths_V, g)
+                cost_VJ, share_V = split_cost(lengths_V, slot_V, g, cost_model), slot_V // g
+            cost_KMJ = np.zeros((*lengths_KM.shape, 1 if self.uniform else g), dtype=np.int64)
+            cost_KMJ[valid_KM] = cost_VJ[:, : cost_KMJ.shape[2]]
+            share_KM = np.zeros(lengths_KM.shape, dtype=np.int64)
+            share_KM[valid_KM] = share_V
             costs.append(cost_KMJ)
             shares.append(share_KM)
-        self.uniform = cost_model == "tiles"  # a split item costs every rank of its group the same
-        # (G, M, K): a step reads one item position of every row, contiguous per group size
-        self.cost_GMK = np.ascontiguousarray(np.stack([c[..., 0] for c in costs]).transpose(0, 2, 1))
-        self.share_GMK = np.ascontiguousarray(np.stack(shares).transpose(0, 2, 1))
-        self.cost_per_rank = costs  # [(K, M, g)] per size, for the pairs model
+        self.cost_per_rank = costs  # [(K, M, g)] per size: the pairs model, TE's layout
+        self.start_O = start_O
+        if loop is None:  # (G, M, K): a numpy step reads one item position of every row
+            self.cost_GMK = np.ascontiguousarray(np.stack([c[..., 0] for c in costs]).transpose(0, 2, 1))
+            self.share_GMK = np.ascontiguousarray(np.stack(shares).transpose(0, 2, 1))
+        else:  # (G, K, M): the row-at-a-time loop reads one row's items, a rank axis J last
+            self.share_GKM = np.ascontiguousarray(np.stack(shares))
+            self.halves_O = option_halves(self.size_O, start_O)
+            width = 1 if self.uniform else cp_size
+            self.cost_GKMJ = np.zeros((len(costs), *lengths_KM.shape, width), dtype=np.int64)
+            for i, cost_KMJ in enumerate(costs):
+                self.cost_GKMJ[i, ..., : min(width, cost_KMJ.shape[2])] = cost_KMJ[..., :width]
 
     def level(self, fill_density: float) -> np.ndarray:
         """(K,) a lower bound of each row's busiest rank: every item whole and the work filling the
@@ -249,6 +301,19 @@ class _Search:
                 cost_RK[:, :k] += add_KOR[at, chosen_K].T
         return option_KM, tokens_RK.T.copy(), cost_RK.T.copy(), stuck_K
 
+    def run_rows(self, level_K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(option_KM, tokens_KR, cost_KR)`` of every row, searched again until placed, by the
+        row-at-a-time loop (``thdpack.plan.place_compiled``)."""
+        num_rows, num_items = self.lengths_KM.shape
+        option_KM = np.full((num_rows, num_items), -1, dtype=np.int64)
+        tokens_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
+        cost_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
+        tables = (self.reserve_KM, self.share_GKM, self.cost_GKMJ, self.size_O, self.start_O, self.size_index_O,
+                  self.halves_O)  # fmt: skip
+        self.loop(np.asarray(level_K, dtype=np.int64), self.count_K.astype(np.int64), *tables, self.all_split_option,
+                  self.cp_size, self.budget, option_KM, tokens_KR, cost_KR)  # fmt: skip
+        return option_KM, tokens_KR, cost_KR
+
     def _per_rank_cost(self, rows: np.ndarray | slice, m: int) -> np.ndarray:
         """(k, O, R) cost of item ``m`` of ``rows`` on every rank of every option (pairs model)."""
         cost_per_size = [cost_KMJ[rows, m] for cost_KMJ in self.cost_per_rank]  # (k, g) per group size
@@ -265,9 +330,7 @@ class _Search:
         valid_KM = np.arange(num_items) < self.count_K[:, None]
         option_KM = np.where(valid_KM, self.all_split_option, -1)
         tokens_KR = np.repeat((self.reserve_KM.sum(axis=1) // cp_size)[:, None], cp_size, axis=1)
-        rows, items = np.nonzero(valid_KM)
-        lengths = self.lengths_KM[rows, items]
-        cost_IR = split_cost(lengths, round_up_to_cp(lengths, cp_size), cp_size, self.cost_model)
-        cost_KR = np.zeros((num_rows, cp_size), dtype=np.int64)
-        np.add.at(cost_KR, rows, cost_IR)
+        # the cost table of all ranks: each item's slot is its TE slot (invalid positions cost 0)
+        cost_KMJ = self.cost_per_rank[self.sizes_desc.index(cp_size)]
+        cost_KR = np.broadcast_to(cost_KMJ.sum(axis=1), (num_rows, cp_size)).copy()
         return option_KM, tokens_KR, cost_KR

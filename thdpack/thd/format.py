@@ -7,7 +7,8 @@ Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences i
 BSHD batch (``thdpack.collate``): ``input_ids``, ``labels``, ``position_ids`` (B, L) int64;
 ``seq_lens`` (real lengths) and ``seq_lens_padded`` (slot widths) (B, S) int64, each row
 right-padded with ``SEQ_LENS_SENTINEL``; packs of a per-sequence CP placement also
-``cp_group_size`` / ``cp_group_start`` (B, S) int64 alike (:data:`PLACEMENT_KEYS`); extra
+``cp_group_size`` / ``cp_group_start`` (B, S) int64 alike (:data:`PLACEMENT_KEYS`), and those of
+a ``cp_placement="auto"`` plan ``cp_a2a`` (:data:`A2A_KEY`); extra
 per-token keys (B, L, ...). (``to_thd`` also takes
 (B, L, H) input embeddings as ``input_ids``, as NeMo AutoModel's pipeline stages pass them.)
 
@@ -66,7 +67,10 @@ LENGTH_KEYS = ("seq_lens", "seq_lens_padded")
 PLACEMENT_KEYS = ("cp_group_size", "cp_group_start")
 """Per-entry keys of the packs of a per-sequence CP placement (``thdpack.layout.placement``): each
 entry's group size (1 = whole on one rank) and first rank; the batch's record takes them."""
-ENTRY_KEYS = LENGTH_KEYS + PLACEMENT_KEYS
+A2A_KEY = "cp_a2a"
+"""Per-entry key of the packs of a ``cp_placement="auto"`` plan: 1 on every entry of a pack the
+attention runs by all-to-all, 0 on the others' (with the placement's keys; the record takes it)."""
+ENTRY_KEYS = (*LENGTH_KEYS, *PLACEMENT_KEYS, A2A_KEY)
 """Keys with one value per entry of a pack (a pack's ``(S,)``, a BSHD batch's ``(B, S)``)."""
 
 THDBatch = dict[str, Any]
@@ -169,7 +173,7 @@ def bshd_meta(batch: Mapping[str, Any]) -> ThdMeta:
     real_BS = _host(batch["seq_lens"])
     padded_BS = _host(batch["seq_lens_padded"])
     present_BS = padded_BS != SEQ_LENS_SENTINEL
-    placed = {key: _host(batch[key]) for key in PLACEMENT_KEYS if key in batch}
+    placed = {key: _host(batch[key]) for key in (*PLACEMENT_KEYS, A2A_KEY) if key in batch}
     for key, matrix_BS in [("seq_lens", real_BS), *placed.items()]:
         mismatch = present_BS != (matrix_BS != SEQ_LENS_SENTINEL)
         if mismatch.any():
@@ -233,4 +237,6 @@ def _placement_groups(
             "pack 0 carries a CP placement (cp_group_size / cp_group_start) but no padding entry (real length 0, "
             "one per CP rank); lay placed packs out with build_pack / assemble_pack(..., placement=...)"
         )
-    return EntryGroups(size_BS[present_BS], start_BS[present_BS], cp_size), np.nonzero(present_BS)[0]
+    a2a_BS = placed.get(A2A_KEY)
+    a2a_S = None if a2a_BS is None else a2a_BS[present_BS]
+    return EntryGroups(size_BS[present_BS], start_BS[present_BS], cp_size, a2a_S), np.nonzero(present_BS)[0]

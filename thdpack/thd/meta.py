@@ -43,9 +43,18 @@ class EntryGroups(NamedTuple):
     """(S,) int64 first rank of each entry's group (aligned: a multiple of its size)."""
     cp_size: int
     """The context-parallel size the placement is for (a shard's ``cp_size`` must equal it)."""
+    a2a_S: np.ndarray | None = None
+    """(S,) bool, the entries of packs attended by all-to-all (``cp_placement="auto"``, one value
+    per pack); None: the placement's groups attend every pack."""
 
     def key(self) -> tuple[Any, ...]:
-        return (tuple(self.size_S.tolist()), tuple(self.start_S.tolist()), self.cp_size)
+        a2a = None if self.a2a_S is None else tuple(self.a2a_S.tolist())
+        return (tuple(self.size_S.tolist()), tuple(self.start_S.tolist()), self.cp_size, a2a)
+
+    @property
+    def all_to_all(self) -> bool:
+        """True when every pack of the batch is attended by all-to-all (``cp_placement="auto"``)."""
+        return self.a2a_S is not None and bool(self.a2a_S.all())
 
 
 class ThdMeta:
@@ -127,8 +136,10 @@ class ThdMeta:
     def __repr__(self) -> str:
         placed = ""
         if self._groups is not None:
-            size, start, cp = self._groups.key()
+            size, start, cp, a2a = self._groups.key()
             placed = f", group_size={size}, group_start={start}, placed for cp_size={cp}"
+            if a2a is not None:
+                placed += f", a2a={tuple(int(x) for x in a2a)}"
         return (
             f"ThdMeta(lengths={self.lengths}, lengths_padded={self.lengths_padded}, cp_size={self.cp_size}, "
             f"cp_rank={self.cp_rank}, max_seqlen={self.max_seqlen}{placed})"
@@ -376,7 +387,21 @@ def _checked_groups(
     if cp_size != 1 and cp_size != placed_for:
         raise ValueError(f"the shard has cp_size={cp_size} but its CP placement is for cp_size={placed_for}")
     CpLayout(real_S, padded_S, size_S, start_S).check(placed_for, where, pack_S)
-    return EntryGroups(size_S, start_S, placed_for)
+    a2a_S = None
+    if groups.a2a_S is not None:
+        a2a_S = make(groups.a2a_S).reshape(-1)
+        if a2a_S.shape != real_S.shape or not np.isin(a2a_S, (0, 1)).all():
+            raise ValueError(f"cp_a2a must hold 0 or 1 for each of the {real_S.size} entries, got {a2a_S.tolist()}")
+        a2a_S = a2a_S.astype(bool)
+        if pack_S is not None and len(a2a_S):
+            mixed = np.bincount(pack_S, weights=a2a_S) % np.maximum(np.bincount(pack_S), 1)
+            if mixed.any():
+                raise ValueError(
+                    f"pack {int(np.flatnonzero(mixed)[0])}: cp_a2a differs between its entries; all-to-all is "
+                    "chosen per pack (the same value on every entry)"
+                )
+        a2a_S.flags.writeable = False
+    return EntryGroups(size_S, start_S, placed_for, a2a_S)
 
 
 def _unpickle(

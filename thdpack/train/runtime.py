@@ -93,7 +93,7 @@ def init_runtime(parallel: ParallelConfig, *, cp_placement: CpPlacementMode) -> 
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kwargs
             )
     topology = CpTopology.create(
-        parallel.cp_size, device_type=device.type, timeout=timeout, placement_groups=cp_placement == "adaptive"
+        parallel.cp_size, device_type=device.type, timeout=timeout, placement_groups=cp_placement != "te"
     )
     return Runtime(
         topology=topology,

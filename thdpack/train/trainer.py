@@ -34,6 +34,7 @@ from thdpack.packing.dataset import PackedDataset
 from thdpack.packing.packer import Pack
 from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.step_stream import Step, StepStream
+from thdpack.perf.time_cost import timing_of
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
@@ -192,11 +193,13 @@ def open_run_data(cfg: Config, runtime: Runtime) -> RunData:
     packing = cfg.packing_config
     topology = runtime.topology
     first_plan = None
+    timing = timing_of(packing.plan, topology.gpus_per_node)  # a timed plan's machine and model, on these nodes
     if cfg.data.store is not None:
-        prepared = read_prepared_plan(store.path, store.manifest, packing.plan, cp_size=topology.cp_size)
+        prepared = read_prepared_plan(store.path, store.manifest, packing.plan, cp_size=topology.cp_size,
+                                      timing=timing)  # fmt: skip
         _say(runtime, prepared.note)
         first_plan = prepared.plan
-    context = PackingRuntime.from_topology(topology, pad_id=pad_id_of(store))
+    context = PackingRuntime.from_topology(topology, pad_id=pad_id_of(store), timing=timing)
     dataset = packing.build(store, context, lengths=store.lengths, first_plan=first_plan)
     _say(runtime, f"packing plan (epoch 0):\n{dataset.stats}\n{padding_comparison(store.lengths, dataset.stats)}")
     placement = dataset.plan.placement_summary()

@@ -161,7 +161,7 @@ def _rank_check(rank: int, world: int, job: VerifyJob) -> dict[str, Any]:
     device = torch.device(job.device_type, rank if job.device_type == "cuda" else 0)
     backend_log = _capture_backend_choice()
     topology = CpTopology.create(
-        spread.cp_size, device_type=job.device_type, placement_groups=spread.cp_placement == "adaptive"
+        spread.cp_size, device_type=job.device_type, placement_groups=spread.cp_placement != "te"
     )
     lengths = sample_lengths(spread)
     samples = make_samples(lengths, config.vocab_size, job.seed)

@@ -26,9 +26,9 @@ def test_packing_arguments():
         PackingArguments(overflow="wrap")
     assert PackingArguments().cp_placement == TRAINING_CP_PLACEMENT == "adaptive"
     assert PackingArguments().cost_model == "tiles"
-    with pytest.raises(ValueError, match="unknown cp_placement 'ring'; valid: te, adaptive"):
+    with pytest.raises(ValueError, match="unknown cp_placement 'ring'; valid: te, adaptive, auto"):
         PackingArguments(cp_placement="ring")
-    with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs"):
+    with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs, time"):
         PackingArguments(cost_model="flops")
     with pytest.raises(TypeError, match=r"cp_size must be an integer, got 2\.0"):
         PackingArguments(cp_size=2.0)

@@ -122,8 +122,9 @@ def test_packed_hf_model_on_cuda_in_bf16_matches_sdpa_per_sequence():
 def test_transformers_own_flash_attention_2_fed_by_hf_packed_kwargs_matches_sdpa_per_sequence():
     """Issue 26: a packed row through transformers' own ``flash_attention_2`` (``cu_seq_lens_*`` and
     ``max_length_*`` from ``hf_packed_kwargs``, no thdpack attention in the model) had no test."""
-    from thdpack.models.hf_attention import hf_packed_kwargs
     from transformers.utils import is_flash_attn_2_available
+
+    from thdpack.models.hf.attention import hf_packed_kwargs
 
     if not is_flash_attn_2_available():
         pytest.skip("transformers finds no flash-attn 2 here (pip install 'thdpack[flash]')")

@@ -8,7 +8,6 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from _host_counting import count, forward_backward_ops, qkv, thd_batch
 
 from thdpack.attention.merge import differentiable_attention
 from thdpack.attention.ring import RingPass
@@ -23,7 +22,9 @@ from thdpack.perf.mesh import COMMS, MeshRun
 from thdpack.perf.shape import ModelShape
 from thdpack.perf.step import StepModel, TrainingSpec
 from thdpack.thd.carriage import thd_meta
-from thdpack.train.step import prepare_micro_batches
+from thdpack.train.forward_backward import prepare_micro_batches
+
+from support.host_counting import count, forward_backward_ops, qkv, thd_batch
 
 
 def _model_ops(layers: int) -> tuple[int, int]:

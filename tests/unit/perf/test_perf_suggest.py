@@ -17,6 +17,7 @@ def test_options_hold_the_longest_sequence_and_respect_the_heads():
     found = options(16, llama, longest=20_000, rank_tokens=8192)
     assert {cp for _, cp, _ in found} == {4, 8, 16}  # cp 1 and 2 cannot hold 20,000 tokens
     assert ("a2a", 8, "a2a") in found and ("mesh", 16, "ring") in found and ("a2a", 16, "a2a") in found
+    assert ("auto", 8, "ring") in found
     gpt = NAMED_SHAPES["megatron-dcp-gpt"]  # 16 heads: no all-to-all over 32 ranks
     assert ("a2a", 32, "a2a") not in options(32, gpt, longest=100, rank_tokens=8192)
     assert ("te", 1, "none") in options(32, gpt, longest=100, rank_tokens=8192)
@@ -34,7 +35,7 @@ def test_plan_suggest_prints_every_option_and_the_fastest(capsys, tmp_path):
     rows = json.loads(out_json.read_text())
     speeds = [r["tokens_per_s_per_gpu"] for r in rows]
     assert speeds == sorted(speeds, reverse=True)
-    assert {r["mode"] for r in rows} == {"te", "adaptive", "a2a", "mesh"}
+    assert {r["mode"] for r in rows} == {"te", "adaptive", "a2a", "auto", "mesh"}
     for r in rows:  # the breakdown adds up to the step
         parts = sum(r[f"{p}_ms"] for p in PARTS)
         assert abs(parts - r["step_ms"]) < 1e-6 * r["step_ms"]

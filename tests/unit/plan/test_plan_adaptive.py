@@ -139,9 +139,9 @@ def test_te_mode_and_cp_1_carry_no_placement():
     assert plan_packs([5, 3, 6], 16, cp_size=2).placement is None
     plan = plan_packs([5, 3, 6], 16, cp_placement="adaptive")
     assert plan.placement is None and plan.cp_placement == "te"
-    with pytest.raises(ValueError, match="unknown cp_placement 'ring'; valid: te, adaptive"):
+    with pytest.raises(ValueError, match="unknown cp_placement 'ring'; valid: te, adaptive, auto"):
         plan_packs([5], 16, cp_placement="ring")
-    with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs"):
+    with pytest.raises(ValueError, match="unknown cost_model 'flops'; valid: tiles, pairs, time"):
         plan_packs([5], 16, cost_model="flops")
 
 

@@ -1,0 +1,124 @@
+"""The ``time`` cost model: a sequence's nanoseconds are the step model's for it alone in its group,
+groups across nodes cost the network, and the placement search prefers groups inside one node."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from thdpack.layout.placement import CpPlacement
+from thdpack.layout.rules import group_options, round_up_to_cp, slot_lengths
+from thdpack.packing.dealing import Epochs
+from thdpack.perf.mesh import placed_run
+from thdpack.perf.time_cost import TimeCostModel, timing_of
+from thdpack.plan import PlanConfig, plan_packs
+from thdpack.plan.api import plan_with
+from thdpack.plan.cp_cost import rank_costs, split_cost, whole_cost, whole_limit
+from thdpack.plan.place import place_rows
+
+
+def _alone(cost: TimeCostModel, length: int, g: int) -> np.ndarray:
+    """(g,) the step model's attention + exposed seconds per rank of one sequence alone in a group
+    of ``g`` (whole for ``g == 1``), less the fixed kernel-call costs."""
+    run = placed_run(offsets=np.array([0, 1]), lengths=np.array([length]), group_size=np.array([g]),
+                     group_start=np.array([0]), pack_step=np.array([0]), pack_round=np.array([0]),
+                     pack_dp=np.array([0]), cp_size=g, dp_size=1, pack_size=g * 2 * length)  # fmt: skip
+    model = cost.model
+    times = model.group_times(run)
+    calls = 1 if g == 1 else g
+    forward, backward = model.costs.kernels.calls(calls)
+    return times["attention"] + times["exposed"] - model.shape.layers * (forward + backward)
+
+
+@pytest.mark.parametrize(("profile", "shape"), [("h100_sxm", "llama3-8b"), ("gb200_nvl72", "megatron-dcp-gpt")])
+@pytest.mark.parametrize("gpus_per_node", [2, 8])
+def test_per_sequence_costs_are_the_step_model_of_the_sequence_alone(profile, shape, gpus_per_node):
+    cost = TimeCostModel.load(profile, shape, gpus_per_node)
+    for length in (1, 77, 128, 1000, 4096, 30000):
+        assert abs(int(whole_cost(np.array([length]), cost)[0]) - _alone(cost, length, 1)[0] * 1e9) <= 1
+        for g in (2, 4, 8):
+            slot = slot_lengths(np.array([length]), g)
+            per_rank = split_cost(np.array([length]), slot, g, cost)[0]
+            assert per_rank.dtype == np.int64 and len(set(per_rank.tolist())) == 1  # every rank the same
+            np.testing.assert_allclose(per_rank, _alone(cost, length, g) * 1e9, atol=1)
+
+
+def test_a_group_across_nodes_costs_the_network():
+    inside, across = (TimeCostModel.load("h100_sxm", "llama3-8b", n) for n in (8, 4))
+    lengths = np.array([2048, 16384])
+    slots = slot_lengths(lengths, 8)
+    assert (split_cost(lengths, slots, 8, across) > split_cost(lengths, slots, 8, inside)).all()
+    slots = slot_lengths(lengths, 4)  # a group of 4 fits a node of 4: the same links
+    np.testing.assert_array_equal(split_cost(lengths, slots, 4, across), split_cost(lengths, slots, 4, inside))
+
+
+def test_rank_costs_add_each_sequences_time_on_its_ranks():
+    cost = TimeCostModel.load("h100_sxm", "llama3-8b")
+    placement = CpPlacement(cp_size=4, pack_size=64, offsets=np.array([0, 3]), lengths=np.array([30, 9, 7]),
+                            group_size=np.array([2, 1, 1]), group_start=np.array([2, 0, 1]))  # fmt: skip
+    split = int(split_cost(np.array([30]), np.array([32]), 2, cost)[0, 0])
+    whole = whole_cost(np.array([9, 7]), cost).tolist()
+    assert rank_costs(placement, cost).tolist() == [[whole[0], whole[1], split, split]]
+
+
+def test_short_sequences_stay_whole_under_time():
+    """Splitting a short sequence pays a send per ring step: the time model keeps far longer
+    sequences whole than the tile count does."""
+    cost = TimeCostModel.load("h100_sxm", "llama3-8b")
+    assert whole_limit(8, cost) > whole_limit(8, "tiles")
+
+
+def test_the_placement_prefers_groups_inside_one_node():
+    """cp 8 on nodes of 4 GPUs: a group of all 8 crosses the network, so the time placement splits
+    mid-length sequences over groups inside a node; on nodes of 8 it also uses all 8. (Rows with
+    room to place: a full row fits only every sequence split over all ranks.)"""
+    lengths = -np.sort(-np.random.default_rng(0).integers(4000, 12000, size=(200, 5)), axis=1)
+    reserve = round_up_to_cp(lengths, 8)
+    size_O, _ = group_options(8)
+    used = {}
+    for gpus_per_node in (8, 4):
+        cost = TimeCostModel.load("h100_sxm", "llama3-8b", gpus_per_node)
+        option, tokens, _, _ = place_rows(lengths, reserve, lengths > 0, cp_size=8, budget=8192, cost_model=cost)
+        assert (tokens <= 8192).all()
+        used[gpus_per_node] = np.bincount(size_O[option].ravel(), minlength=9)
+    assert used[8][8] > 0 and used[4][8] == 0
+    assert used[4][2] + used[4][4] > used[8][2] + used[8][4]  # split inside a node instead
+
+
+def test_a_timed_plan_needs_its_machine_and_model_and_fingerprints_their_content(tmp_path):
+    with pytest.raises(ValueError, match=r"cost_model='time' times packs .* but profile and model_shape are not set"):
+        PlanConfig(pack_size=64, cost_model="time")
+    with pytest.raises(ValueError, match=r"cp_placement='auto' times packs .* but model_shape is not set"):
+        PlanConfig(pack_size=64, cp_placement="auto", profile="h100_sxm")
+    with pytest.raises(TypeError, match="profile must be a non-empty string, got 3"):
+        PlanConfig(pack_size=64, profile=3)
+    assert "profile" not in PlanConfig(pack_size=64).fingerprint()  # untimed plans do not depend on it
+    path = tmp_path / "mine.json"
+    TimeCostModel.load("h100_sxm", "llama3-8b").model.profile.to_json(path)
+    config = PlanConfig(pack_size=64, cost_model="time", cp_placement="adaptive", profile=str(path),
+                        model_shape="llama3-8b")  # fmt: skip
+    assert config.fingerprint()["profile"] == str(path)
+    with pytest.raises(ValueError, match=r"times packs, but no timing was given; pass timing=thdpack\.perf\.time_cost"):
+        plan_with(np.array([5, 9]), config, cp_size=2)
+
+    def dataset_digest() -> str:
+        epochs = Epochs(np.array([5, 9]), config, cp_size=2, shuffle=False, timing=timing_of(config))
+        return epochs.fingerprint()["timing_sha256"]
+
+    before = dataset_digest()
+    data = json.loads(path.read_text())
+    data["intra_node"]["bandwidth"] /= 2
+    path.write_text(json.dumps(data))
+    assert dataset_digest() != before  # the profile's name is the same, its content not
+    assert timing_of(PlanConfig(pack_size=64)) is None
+
+
+def test_plan_packs_plans_by_time():
+    lengths = np.random.default_rng(1).integers(1, 4000, 2000)
+    plan = plan_packs(lengths, 8192, cp_size=4, cp_placement="adaptive", cost_model="time", profile="h100_sxm",
+                      model_shape="llama3-8b", timing=TimeCostModel.load("h100_sxm", "llama3-8b"))  # fmt: skip
+    assert plan.cost_model == "time" and plan.cp_placement == "adaptive"
+    plan.placement.validate(sequence_ids=plan.indices)
+    assert sorted(plan.indices.tolist()) == list(range(len(lengths)))
