@@ -225,10 +225,18 @@ class _Search:
 
     def level(self, fill_density: float) -> np.ndarray:
         """(K,) a lower bound of each row's busiest rank: every item whole and the work filling the
-        free room (``fill_density`` per token), perfectly balanced."""
+        free room (``fill_density`` per token), perfectly balanced, and each rank's cheapest call."""
         whole_K = whole_cost(self.lengths_KM, self.cost_model).sum(axis=1)
         free_K = self.cp_size * self.budget - self.reserve_KM.sum(axis=1)
-        return (whole_K + np.floor(fill_density * free_K).astype(np.int64)) // self.cp_size
+        level_K = (whole_K + np.floor(fill_density * free_K).astype(np.int64)) // self.cp_size
+        if self.calls is None:
+            return level_K
+        # with calls every rank also makes one call at least, its cheapest (the local call), on the
+        # device and, where it launches ahead, on the host
+        level_K = level_K + int(self.open_device_O.min())
+        if self.two_streams:
+            level_K = np.maximum(level_K, int(self.open_host_O.min()) + self.calls.lead)
+        return level_K
 
     def _group_max(self, x_RK: np.ndarray) -> np.ndarray:
         """(O, K) the largest of ``x_RK`` (R, K) over each option's ranks."""
