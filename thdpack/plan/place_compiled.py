@@ -66,9 +66,9 @@ def search_rows(
     num_options, num_sizes = len(size_O), share_GKM.shape[0]
     num_items = reserve_KM.shape[1]
     uniform = cost_GKMJ.shape[3] == 1
-    device_max = np.zeros(num_options, dtype=np.int64)
+    calls = two_streams or open_device_O.any()
+    lightest = np.zeros(num_options, dtype=np.int64)  # the device's (host and device combined: below)
     host_max = np.zeros(num_options, dtype=np.int64)
-    lightest = np.zeros(num_options, dtype=np.int64)
     held = np.zeros(num_options, dtype=np.int64)
     opened = np.zeros(num_options, dtype=np.bool_)
     share_G = np.zeros(num_sizes, dtype=np.int64)
@@ -99,19 +99,23 @@ def search_rows(
                 # reverse order an option's halves are done before it
                 for o in range(num_options - 1, -1, -1):
                     if halves_O[o, 0] >= 0:
-                        device_max[o] = max(device_max[halves_O[o, 0]], device_max[halves_O[o, 1]])
-                        host_max[o] = max(host_max[halves_O[o, 0]], host_max[halves_O[o, 1]])
+                        lightest[o] = max(lightest[halves_O[o, 0]], lightest[halves_O[o, 1]])
                         held[o] = max(held[halves_O[o, 0]], held[halves_O[o, 1]])
+                        if two_streams:
+                            host_max[o] = max(host_max[halves_O[o, 0]], host_max[halves_O[o, 1]])
                     else:
                         a = start_O[o]
-                        device_max[o], host_max[o], held[o] = cost[a], host[a], tokens[a]
+                        lightest[o], held[o] = cost[a], tokens[a]
                         for r in range(a + 1, a + size_O[o]):
-                            device_max[o] = max(device_max[o], cost[r])
-                            host_max[o] = max(host_max[o], host[r])
+                            lightest[o] = max(lightest[o], cost[r])
                             held[o] = max(held[o], tokens[r])
-                    # the option's costliest rank: max over it of max(device, host + lead), the maxima apart
-                    lightest[o] = max(device_max[o], host_max[o] + lead) if two_streams else device_max[o]
+                        if two_streams:
+                            host_max[o] = host[a]
+                            for r in range(a + 1, a + size_O[o]):
+                                host_max[o] = max(host_max[o], host[r])
                 held_all, busiest_all = held[split], lightest[split]
+                if two_streams:  # a rank costs max(device, host + lead): over a group, the two maxima apart
+                    busiest_all = max(busiest_all, host_max[split] + lead)
                 # an option fits when every rank keeps room for the reserved items; a stuck row fits
                 # nothing more and finishes with its items split over all ranks
                 free = stuck < 0
@@ -141,15 +145,19 @@ def search_rows(
                     if not ((free and max(peak, held_all) + keep <= budget) or (o == split and (in_tail or stuck_now))):
                         continue  # the reserved items split (over all ranks) always fit
                     g, a = size_O[o], start_O[o]
-                    if uniform:
+                    light = max(lightest[o], host_max[o] + lead) if two_streams else lightest[o]
+                    if uniform and calls:
                         closed = not opened[o]  # the row's first use of this group pays its call
                         add = add_GJ[size_index, 0] + (open_device_O[o] if closed else 0)
                         host_add = open_host_O[o] if closed else 0
                         total = (add + host_add) * g
+                        busiest = max(lightest[o] + add, busiest_all)
                         if two_streams:
-                            busiest = max(device_max[o] + add, host_max[o] + host_add + lead, busiest_all)
-                        else:
-                            busiest = max(lightest[o] + add, busiest_all)
+                            busiest = max(busiest, host_max[o] + host_add + lead)
+                    elif uniform:
+                        add = add_GJ[size_index, 0]
+                        total = add * g
+                        busiest = max(lightest[o] + add, busiest_all)
                     else:
                         total = 0
                         busiest = busiest_all
@@ -169,20 +177,22 @@ def search_rows(
                         elif g != k2:
                             if g > k2:
                                 continue
-                        elif lightest[o] != k3:
-                            if lightest[o] > k3:
+                        elif light != k3:
+                            if light > k3:
                                 continue
                         elif peak >= k4:
                             continue
-                    best, k0, k1, k2, k3, k4 = o, key0, total, g, lightest[o], peak
+                    best, k0, k1, k2, k3, k4 = o, key0, total, g, light, peak
                 option_KM[row, m] = best
                 g, a, size_index = size_O[best], start_O[best], size_index_O[best]
-                call_device, call_host = (0, 0) if opened[best] else (open_device_O[best], open_host_O[best])
-                opened[best] = True
                 for j in range(g):
                     tokens[a + j] += share_G[size_index]
-                    cost[a + j] += add_GJ[size_index, 0 if uniform else j] + call_device
-                    host[a + j] += call_host
+                    cost[a + j] += add_GJ[size_index, 0 if uniform else j]
+                if calls and not opened[best]:  # the group's call, paid once
+                    opened[best] = True
+                    for j in range(g):
+                        cost[a + j] += open_device_O[best]
+                        host[a + j] += open_host_O[best]
             if stuck < 0:
                 break
             # search again with the items from a little before the stuck one reserved
