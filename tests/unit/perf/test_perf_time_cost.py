@@ -1,5 +1,7 @@
-"""The ``time`` cost model: a sequence's nanoseconds are the step model's for it alone in its group,
-groups across nodes cost the network, and the placement search prefers groups inside one node."""
+"""The ``time`` cost model: a pack's time cost is the step model's attention + comm + host part of
+it (each sequence alone in its group, each group's call once, device and host combined as the step
+model combines them), groups across nodes cost the network, and the placement search prefers
+groups inside one node and, where the host is the bottleneck, sees its ops."""
 
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ import pytest
 from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import group_options, round_up_to_cp, slot_lengths
 from thdpack.packing.dealing import Epochs
+from thdpack.perf.auto import pack_seconds
+from thdpack.perf.comm import Topology
+from thdpack.perf.machine import load_profile
+from thdpack.perf.megatron import MEGATRON_SPEC, lognormal_lengths
 from thdpack.perf.mesh import placed_run
+from thdpack.perf.shape import load_shape
+from thdpack.perf.step import StepModel
 from thdpack.perf.time_cost import TimeCostModel, timing_of
 from thdpack.plan import PlanConfig, plan_packs
+from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.api import plan_with
 from thdpack.plan.cp_cost import rank_costs, split_cost, whole_cost, whole_limit
 from thdpack.plan.place import place_rows
@@ -113,6 +122,43 @@ def test_a_group_s_call_costs_its_ring_steps_launches_and_host_ops():
         assert abs(host - model.host.ring_ops(g).total * op_ns) <= 1
     assert cost.host_lead(8192) < 0 < cost.host_lead(256)  # 8k tokens of an 8B model outlast the host's ops
     assert TimeCostModel.load("docs/performance/calibrated_cpu.json", "llama3-8b").host_lead(8192) is None
+
+
+class _SequencesAlone:
+    """A time cost model's per-sequence costs without its calls: what the search would see blind to
+    the launches and the host's ops of each group."""
+
+    def __init__(self, cost: TimeCostModel) -> None:
+        self.cost = cost
+
+    def whole(self, lengths_S):
+        return self.cost.whole(lengths_S)
+
+    def split(self, lengths_S, slots_S, group_size):
+        return self.cost.split(lengths_S, slots_S, group_size)
+
+    def call(self, group_size):
+        return 0, 0
+
+    def host_lead(self, budget):
+        return None
+
+
+@pytest.mark.parametrize("cp", [4, 8, 16])
+def test_the_search_sees_the_host_where_it_is_the_bottleneck(cp):
+    """Megatron-LM's GPT on GB200's Grace host, 2,048 tokens per rank: the host's ops outlast the
+    kernels, so each group a rank joins costs it a call's ops. Placed with them, the packs run
+    faster by the step model than placed by the sequences' own costs alone."""
+    profile = load_profile("gb200_nvl72")
+    model = StepModel(profile, load_shape("megatron-dcp-gpt"), Topology.of(profile, 4), MEGATRON_SPEC)
+    cost = TimeCostModel(model)
+    assert cost.host_lead(2048) > 0  # host-bound
+    lengths = lognormal_lengths(200 * cp, seed=cp) - 1
+
+    def placed(costing):
+        return plan_entries(lengths, cp * 2048, cp, algorithm="bfd", window=1024, rng=None, cost_model=costing)[2]
+
+    assert pack_seconds(placed(cost), model).sum() < pack_seconds(placed(_SequencesAlone(cost)), model).sum()
 
 
 def test_short_sequences_stay_whole_under_time():
