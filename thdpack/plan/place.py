@@ -19,6 +19,13 @@ reserved item over all ranks keeps that invariant, so a row only gets stuck befo
 items; the reserved part grows until the row is placed (at worst from the first item: then the
 search always completes).
 
+A loaded cost model (``time``) also prices each group's attention call
+(``thdpack.plan.cp_cost.CallCosts``): an option adds its group's call to its ranks the first time
+the row uses that group, and a rank's load is its device part and its host part combined (the
+longer of the two where the host launches ahead, a GPU; on a CPU the host's part joins the
+device's). Over a group the two maxima are taken apart, so an option's busiest rank stays two
+reductions.
+
 The rows are processed together, one item position at a time; rows are sorted by item count so a
 step only touches the rows that still have items. Costs are integers, so ties are exact and the
 result is deterministic. With the tiles model a split item costs every rank of its group the same,
@@ -86,7 +93,7 @@ def place_rows(
     Returns:
         option_KM: (K, M) int64 index into ``group_options(cp_size, sizes)``; -1 where invalid.
         tokens_KR: (K, R) int64 tokens each rank holds.
-        cost_KR: (K, R) int64 each rank's cost.
+        cost_KR: (K, R) int64 each rank's cost (device and host combined, with call costs).
         te_cost_KR: (K, R) int64 each rank's cost under TE's layout of the row's items.
 
     >>> opt, tok, cost, te = place_rows(np.array([[200, 100, 100, 50]]), np.array([[200, 104, 104, 56]]),
