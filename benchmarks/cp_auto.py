@@ -3,11 +3,12 @@
     python benchmarks/cp_auto.py                      # Alpaca L 8192, stdlib, long-tail mix, lognormal; cp 2-16
     python benchmarks/cp_auto.py --tiny               # the first 3,000 sequences of each (seconds; the test)
     python benchmarks/cp_auto.py --model megatron-dcp-gpt --profile gb200_nvl72 --cp-sizes 4 8
+    python benchmarks/cp_auto.py --model 114m --cp-sizes 2 4 8 --json docs/performance/cp_auto_114m.json  # GPU preset
 
 Each mode plans one epoch of the data set as the trainer does (packs of ``L`` tokens on ``cp``
 ranks); every pack is timed alone by the step model (``thdpack.perf.auto.pack_seconds``: its
-slowest rank's linear work, attention and exposed communication), and the epoch's time is their
-sum (one data-parallel rank, one pack per step):
+slowest rank's linear work, attention, exposed communication and host), and the epoch's time is
+their sum (one data-parallel rank, one pack per step):
 
 - ``te``: TE's packs and layout, the ring;
 - ``adaptive``: the adaptive planner's packs and placement (tiles, the trainer's default);

@@ -1,10 +1,12 @@
 """``cp_placement="auto"`` switches the attention per pack, exactly, in real processes (gloo).
 
 One launch of 4 ranks covers cp 2 (both pairs, side by side) and cp 4. An ``auto`` plan whose packs
-mix all-to-all and placed (adaptive, TE's layout) ones is built by thdpack's packer, each pack
+mix all-to-all and placed ones (lengths the model splits the choice on:
+``support.placement_cases.mixed_auto_plan``) is built by thdpack's packer, each pack
 collated, sharded by its placement and attended by ``thd_attention`` with the run's configured
 ``cp_comm_type="p2p"``: a pack the plan attends by all-to-all must run the all-to-all (and only it),
-the others their placement's ring; a batch of two packs with different choices runs its placement.
+the others their placement; a batch of two packs with different choices runs its placement (the
+long sequence's ring over all ranks beside the short ones whole).
 Every result, forward and backward in fp64, is compared with the single-rank per-sequence oracle.
 """
 
@@ -19,32 +21,20 @@ from thdpack.attention import thd_attention
 from thdpack.cp import shard
 from thdpack.cp.topology import CpTopology
 from thdpack.packing.packer import build_pack
-from thdpack.perf.time_cost import TimeCostModel
-from thdpack.plan import plan_packs
 from thdpack.testing import run_distributed
 from thdpack.thd.batch import thd_collate
 
 from support.attention_cases import random_case, reference_results, worst_errors
-from support.placement_cases import shard_rows
+from support.placement_cases import mixed_auto_plan, shard_rows
 
 pytestmark = pytest.mark.distributed
 
 PACK_SIZE, HEADS = 128, 4
 
 
-def _plan(cp_size: int):
-    """An auto plan (Llama 3 8B on H100, by the model) whose packs take both ways."""
-    lengths = np.random.default_rng(2).integers(1, PACK_SIZE, 24)
-    plan = plan_packs(lengths, PACK_SIZE, cp_size=cp_size, cp_placement="auto", profile="h100_sxm",
-                      model_shape="llama3-8b", overflow="split",
-                      timing=TimeCostModel.load("h100_sxm", "llama3-8b"))  # fmt: skip
-    samples = [{"input_ids": list(range(1, n + 1))} for n in lengths.tolist()]
-    return plan, samples
-
-
 def _batches(cp_size: int) -> list[tuple[str, dict, bool]]:
     """(name, global THD batch, whether all its packs are attended by all-to-all)."""
-    plan, samples = _plan(cp_size)
+    plan, samples = mixed_auto_plan(cp_size, PACK_SIZE)
     packs = [build_pack(samples, plan, i) for i in range(len(plan))]
     out = [(f"pack {i}", thd_collate([p]), bool(plan.a2a_packs[i])) for i, p in enumerate(packs)]
     mixed = [int(np.flatnonzero(plan.a2a_packs)[0]), int(np.flatnonzero(~plan.a2a_packs)[0])]
@@ -97,7 +87,7 @@ def auto_runs() -> dict:
 
 @pytest.mark.parametrize("cp_size", [2, 4])
 def test_each_pack_runs_its_choice_exactly(auto_runs, cp_size):
-    plan, _ = _plan(cp_size)
+    plan, _ = mixed_auto_plan(cp_size, PACK_SIZE)
     assert plan.a2a_packs.any() and not plan.a2a_packs.all()  # the plan mixes both ways
     batches = _batches(cp_size)
     for n, (name, thd, a2a) in enumerate(batches):

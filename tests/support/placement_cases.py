@@ -16,6 +16,8 @@ from thdpack.layout.entries import CpLayout
 from thdpack.layout.placement import PackPlacement
 from thdpack.layout.rules import group_options
 from thdpack.packing.packer import SampleTokens, assemble_pack
+from thdpack.perf.time_cost import TimeCostModel
+from thdpack.plan import PackPlan, plan_packs
 from thdpack.thd.batch import thd_collate
 from thdpack.thd.carriage import attach_meta
 from thdpack.thd.cu import cu_from_lengths
@@ -120,3 +122,21 @@ def placed_batch(packs: Sequence[PackPlacement], seed: int = 0) -> dict:
 def shard_rows(thd: dict) -> torch.Tensor:
     """(T_local,) int64 global token indices of a shard (``thdpack.cp.partition.rank_token_indices``)."""
     return torch.tensor(rank_token_indices(thd["thd_meta"]))
+
+
+def mixed_auto_plan(cp_size: int, pack_size: int) -> tuple[PackPlan, list[dict]]:
+    """An ``auto`` plan (Llama 3 8B on H100) whose packs take both ways, and its samples.
+
+    The lengths make the model split the choice: two sequences of about a whole pack, which only
+    all ``cp_size`` ranks hold, and short ones under a rank's budget. With ``pack_size / cp_size``
+    tokens per rank the host's eager ops outlast the kernels, so a pack of one long sequence takes
+    the way with fewer ops: one all-to-all call rather than a ring of ``cp_size`` steps
+    (``thdpack.perf.host``); a pack of short sequences runs them whole, exchanging nothing, which
+    beats any all-to-all. Callers assert that the plan mixes: a model that decides otherwise fails.
+    """
+    timing = TimeCostModel.load("h100_sxm", "llama3-8b")
+    short = np.random.default_rng(2).integers(1, pack_size // cp_size, 24)
+    lengths = np.concatenate(([pack_size, pack_size - 3], short))
+    plan = plan_packs(lengths, pack_size, cp_size=cp_size, cp_placement="auto", profile="h100_sxm",
+                      model_shape="llama3-8b", overflow="split", timing=timing)  # fmt: skip
+    return plan, [{"input_ids": list(range(1, n + 1))} for n in lengths.tolist()]

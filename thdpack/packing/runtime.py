@@ -28,7 +28,8 @@ from thdpack.plan.auto import PlanTiming
 
 def _timing(name: str, value: object) -> PlanTiming:
     """The check of ``timing``: an object with the ``PlanTiming`` methods."""
-    missing = [m for m in ("whole", "split", "choose", "digest") if not callable(getattr(value, m, None))]
+    methods = ("whole", "split", "call", "host_lead", "choose", "digest")
+    missing = [m for m in methods if not callable(getattr(value, m, None))]
     if missing:
         raise TypeError(
             f"{name} must be a timing model (thdpack.perf.time_cost.timing_of(...)), got {type(value).__name__} "

@@ -9,7 +9,8 @@ A pack of the adaptive planner can be attended three ways, all exact:
   size divides the query heads.
 
 Each pack is timed alone as one step of one data-parallel rank (``StepModel``: the slowest rank's
-linear work, attention and exposed communication; ``StepTimes.slowest``), and takes the fastest;
+linear work, attention, exposed communication and the host's ops of its calls, combined per round
+as the step model combines them; ``StepTimes.slowest``), and takes the fastest;
 ties keep the earlier of the order above. By the model, then, no pack of an ``auto`` plan is slower
 than the same pack under any of the three.
 
@@ -36,7 +37,7 @@ LAYOUTS: tuple[str, ...] = ("adaptive", "te", "a2a")
 
 def pack_seconds(placement: CpPlacement, model: StepModel, comm: Comm = "ring") -> np.ndarray:
     """(P,) modelled seconds of each pack of ``placement`` run alone (its slowest rank: linear,
-    attention, exposed communication), split sequences exchanging K/V by ``comm`` (``"a2a"``:
+    attention, exposed communication, host), split sequences exchanging K/V by ``comm`` (``"a2a"``:
     the whole pack by all-to-all)."""
     packs = len(placement)
     run = placed_run(

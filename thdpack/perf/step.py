@@ -215,6 +215,15 @@ class StepModel:
             ops_G[ring & (size_G == g)] = host.ring_ops(int(g)).total
         return ops_G
 
+    def call_seconds(self, group_size: int) -> tuple[float, float]:
+        """``(device, host)`` seconds, every layer forward + backward, that one attention call of a
+        group of ``group_size`` ranks (1: the local kernel on whole sequences) costs each of its
+        ranks beside its sequences' work: its kernel launches (one per ring step) and the host's
+        eager ops (``HostOps.ring_ops``)."""
+        forward, backward = self.costs.kernels.calls(group_size)
+        host = self.host.ring_ops(group_size).total * self.profile.host.op_s
+        return self.shape.layers * float(forward + backward), self.shape.layers * host
+
     def ring_seconds(
         self, tiles: tuple[np.ndarray, ...], sent: np.ndarray, g: np.ndarray, domains: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -275,13 +284,16 @@ class StepModel:
         }
         return StepTimes(step=slowest + dp + after, parts=parts, busy=busy, slowest=slowest)
 
+    def round_host_ops(self) -> float:
+        """Eager ops a working rank issues in a round beside its attention calls: its micro-batch and
+        every layer."""
+        return self.host.micro_batch.total + self.shape.layers * self.host.layer.total
+
     def _host_seconds(self, run: MeshRun, attention_ops: np.ndarray) -> np.ndarray:
         """(S*M*R,) host seconds of each rank in each round: its micro-batch and layers when it holds
         tokens, and its attention calls (``attention_ops``, per cell)."""
-        host = self.host
-        base = host.micro_batch.total + self.shape.layers * host.layer.total
         working = run.tokens.reshape(-1) > 0
-        return (np.where(working, base, 0.0) + attention_ops) * self.profile.host.op_s
+        return (np.where(working, self.round_host_ops(), 0.0) + attention_ops) * self.profile.host.op_s
 
     def _sync_sets(self, run: MeshRun, pair_group: np.ndarray, pair_cell: np.ndarray, n_cells: int) -> np.ndarray:
         """(S*M*R,) int64 id of the rank set each cell waits with in its round: its largest

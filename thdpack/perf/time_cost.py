@@ -1,23 +1,35 @@
 """The ``time`` cost model of the CP placement: a sequence's modelled seconds on each rank of its
-group, as integer nanoseconds; with ``choose``, the timing a ``cp_placement="auto"`` plan is given
-(``thdpack.plan.auto.PlanTiming``).
+group and each attention call's, as integer nanoseconds; with ``choose``, the timing a
+``cp_placement="auto"`` plan is given (``thdpack.plan.auto.PlanTiming``).
 
 The placement search (``thdpack.plan.place``) adds up per-sequence costs per rank and keeps ties
-exact, so this model rounds each sequence's seconds to whole nanoseconds once; everything after is
-integer arithmetic. Per sequence, forward + backward over every layer, from the step-time model
+exact, so this model rounds each cost to whole nanoseconds once; everything after is integer
+arithmetic. Forward + backward over every layer, from the step-time model
 (``thdpack.perf.step``):
 
-- ``whole(n)``: its causal attention on one rank;
+- ``whole(n)``: a sequence's causal attention on one rank;
 - ``split(n, slot, g)``: its ring over a group of ``g`` ranks as if it were alone in the group:
   per step the longer of its tile and its K/V (backward also dK/dV) send, the send at the group's
-  link (NVLink inside a node, the network per GPU across nodes) with its latency.
+  link (NVLink inside a node, the network per GPU across nodes) with its latency;
+- ``call(g)``: what one attention call of a group of ``g`` ranks (1: a rank's local call) costs
+  each of its ranks once, however many sequences it attends: on the device its kernel launches
+  (one per ring step), on the host its eager ops (``thdpack.perf.host``: per ring step its tile,
+  merge and exchanges), ``StepModel.call_seconds``;
+- ``host_lead(budget)``: how the device and the host combine on a rank holding ``budget`` tokens.
+  A GPU's host launches ahead, so a rank takes the longer of its device work (linear + attention +
+  exposed sends) and its host's ops (micro-batch and layers + attention calls); the linear work and
+  the micro-batch's and layers' ops are the same on every rank in every placement, so a rank costs
+  ``max(device, host + lead)`` of the rest, ``lead`` the host's fixed ops less the linear work. On a
+  CPU the two add (``None``).
 
-What the search leaves out is the same for every placement of a pack or shared by a group: the
-linear layers (every rank holds ``pack_size / cp`` tokens, padding included) and the fixed cost of
-each kernel call. Sequences that share a group share its sends, so the sum over a group's
-sequences bounds the group's ring from above. A group of ``g`` ranks spans nodes when ``g >
-gpus_per_node`` (a CP group starts on a node boundary): its sends run at the network's bandwidth,
-so the search prefers sub-groups inside one node wherever they balance the pack as well.
+A rank's time cost (``thdpack.plan.cp_cost.rank_costs``) is then exactly the step model's
+attention + exposed communication + host part of that rank for the pack run alone, where each ring
+group attends one sequence; sequences that share a group share its sends, so the sum of their
+rings bounds the group's from above. Where the host is the bottleneck (short chunks, many ring
+steps, groups over the whole mesh) the search sees it and keeps groups small; where the device is,
+the host's ops cost nothing. A group of ``g`` ranks spans nodes when ``g > gpus_per_node`` (a CP
+group starts on a node boundary): its sends run at the network's bandwidth, so the search prefers
+sub-groups inside one node wherever they balance the pack as well.
 
 Legend: ``S`` sequences, ``G`` ranks of a group.
 
@@ -89,6 +101,22 @@ class TimeCostModel:
         forward, backward = model.ring_seconds(tiles, sent, group_size, domains)
         per_rank[some] = _nanoseconds(model.shape.layers * (forward + backward))
         return np.repeat(per_rank[:, None], group_size, axis=1)
+
+    def call(self, group_size: int) -> tuple[int, int]:
+        """``(device, host)`` int64 nanoseconds on each rank of one attention call of a group of
+        ``group_size`` ranks (``StepModel.call_seconds``)."""
+        device, host = self.model.call_seconds(group_size)
+        return int(_nanoseconds(device)), int(_nanoseconds(host))
+
+    def host_lead(self, budget: int) -> int | None:
+        """Nanoseconds by which a rank's host work beside its attention calls (its micro-batch and
+        layers) outlasts its linear work on ``budget`` tokens, where the host launches ahead of the
+        device (negative where the device is the longer); None on a host that computes (a CPU)."""
+        model = self.model
+        if not model.profile.host.asynchronous:
+            return None
+        host = model.round_host_ops() * model.profile.host.op_s
+        return int(_nanoseconds(host - float(model.costs.kernels.linear(budget))))
 
     def choose(self, placement: CpPlacement) -> tuple[CpPlacement, np.ndarray, float]:
         """Per pack of ``placement`` the fastest way by the step model (``thdpack.perf.auto.choose_layouts``)."""

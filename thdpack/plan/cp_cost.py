@@ -12,9 +12,16 @@ Three models, a closed set:
   ``2c x 2c`` tile, at each of the ``g - 1`` later steps a full ``2c x c`` or ``c x 2c`` tile;
 - ``"pairs"``: causal (query, key) pairs of real tokens whose query the rank owns, the work an
   ideal kernel does;
-- ``"time"``: modelled nanoseconds on a machine profile for a model shape, communication included
-  (``thdpack.perf.time_cost.TimeCostModel``); the planner is handed the loaded model (any
-  ``SequenceCostModel``) in place of the name.
+- ``"time"``: modelled nanoseconds on a machine profile for a model shape, communication and the
+  host's eager ops included (``thdpack.perf.time_cost.TimeCostModel``); the planner is handed the
+  loaded model (any ``SequenceCostModel``) in place of the name.
+
+A loaded model also prices each attention *call* (``SequenceCostModel.call``): what a rank pays
+once per group it attends in, whatever the sequences in it (the kernel launches of a ring's steps,
+the host's ops), on the device and on the host. A rank's cost is then its device time and its host
+time combined as the step model combines them (``CallCosts.combine``): the longer of the two where
+the host launches ahead of the device (a GPU), their sum where it computes (a CPU). Tiles and pairs
+have no call costs.
 
 >>> whole_cost(np.array([100, 300]), "tiles").tolist()     # 1 block; 3 blocks: 6 tiles
 [1, 6]
@@ -29,6 +36,8 @@ Legend: ``S`` sequences (or entries), ``G`` ranks of a group, ``E`` entries of a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import numpy as np
@@ -55,9 +64,49 @@ class SequenceCostModel(Protocol):
         """(S, G) int64 cost on each rank of a group of ``group_size`` of each sequence split over it."""
         ...
 
+    def call(self, group_size: int) -> tuple[int, int]:
+        """``(device, host)`` int64 cost on each rank of one attention call of a group of
+        ``group_size`` ranks (1: a rank's local call on its whole sequences)."""
+        ...
+
+    def host_lead(self, budget: int) -> int | None:
+        """How much longer the host's own part of a round (beside its attention calls) takes than
+        the device's (the linear work of ``budget`` tokens), where the host launches ahead of the
+        device; None where host and device time add."""
+        ...
+
 
 Costing = CostModel | SequenceCostModel
 """What the planner minimises: a model's name (``"tiles"``, ``"pairs"``) or a loaded model."""
+
+
+@dataclass(frozen=True)
+class CallCosts:
+    """A loaded model's per-call costs for one rank budget, and how a rank's device and host time
+    combine (``SequenceCostModel.call``, ``.host_lead``)."""
+
+    device: dict[int, int]
+    """Group size -> device cost on each rank of one call of a group of that size."""
+    host: dict[int, int]
+    """Group size -> host cost on each rank of one call."""
+    lead: int | None
+    """The host's lead over the device beside the calls; None: device and host add."""
+
+    def combine(self, device: np.ndarray, host: np.ndarray) -> np.ndarray:
+        """A rank's cost from its device and host costs: ``max(device, host + lead)``, or their sum."""
+        if self.lead is None:
+            return device + host
+        return np.maximum(device, host + self.lead)
+
+
+def call_costs(cost_model: Costing, sizes: Sequence[int], budget: int) -> CallCosts | None:
+    """The call costs of ``cost_model`` for groups of ``sizes`` on ranks of ``budget`` tokens (None
+    for tiles and pairs, which count no calls)."""
+    if isinstance(cost_model, str):
+        return None
+    calls = {int(g): cost_model.call(int(g)) for g in sizes}
+    return CallCosts(device={g: d for g, (d, _) in calls.items()}, host={g: h for g, (_, h) in calls.items()},
+                     lead=cost_model.host_lead(budget))  # fmt: skip
 
 
 def uniform_split(cost_model: Costing) -> bool:
@@ -152,7 +201,18 @@ def rank_costs(placement: CpPlacement, cost_model: Costing = "tiles") -> np.ndar
         for g in np.unique(group_size[~whole]).tolist():
             of_g = group_size == g
             value[of_g] = split_cost(lengths[of_g], slots[of_g], g, cost_model)[:, 0]
-        return rank_sums(pack_E, value, group_start, group_size, num_packs, cp_size)
+        cost_PR = rank_sums(pack_E, value, group_start, group_size, num_packs, cp_size)
+        calls = call_costs(cost_model, np.unique(group_size).tolist(), placement.pack_size // cp_size)
+        if calls is None:
+            return cost_PR
+        # one call per group of each pack on each of its ranks, however many sequences it attends
+        key = (pack_E * (cp_size + 1) + group_size) * cp_size + group_start
+        pack_G, rest = np.divmod(np.unique(key), (cp_size + 1) * cp_size)
+        size_G, start_G = np.divmod(rest, cp_size)
+        device_G, host_G = (np.array([costs[g] for g in size_G.tolist()], dtype=np.int64).reshape(-1)
+                            for costs in (calls.device, calls.host))  # fmt: skip
+        device_PR = cost_PR + rank_sums(pack_G, device_G, start_G, size_G, num_packs, cp_size)
+        return calls.combine(device_PR, rank_sums(pack_G, host_G, start_G, size_G, num_packs, cp_size))
     one = np.ones(len(lengths), dtype=np.int64)
     cost_PR = rank_sums(
         pack_E[whole], whole_cost(lengths[whole], cost_model), group_start[whole], one[whole], num_packs, cp_size

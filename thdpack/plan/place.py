@@ -19,6 +19,13 @@ reserved item over all ranks keeps that invariant, so a row only gets stuck befo
 items; the reserved part grows until the row is placed (at worst from the first item: then the
 search always completes).
 
+A loaded cost model (``time``) also prices each group's attention call
+(``thdpack.plan.cp_cost.CallCosts``): an option adds its group's call to its ranks the first time
+the row uses that group, and a rank's load is its device part and its host part combined (the
+longer of the two where the host launches ahead, a GPU; on a CPU the host's part joins the
+device's). Over a group the two maxima are taken apart, so an option's busiest rank stays two
+reductions.
+
 The rows are processed together, one item position at a time; rows are sorted by item count so a
 step only touches the rows that still have items. Costs are integers, so ties are exact and the
 result is deterministic. With the tiles model a split item costs every rank of its group the same,
@@ -41,7 +48,7 @@ from typing import Literal
 import numpy as np
 
 from thdpack.layout.rules import group_options, slot_lengths
-from thdpack.plan.cp_cost import Costing, split_cost, uniform_split, whole_cost
+from thdpack.plan.cp_cost import Costing, call_costs, split_cost, uniform_split, whole_cost
 from thdpack.plan.place_compiled import compiled_search_rows, option_halves
 
 _BIG = np.iinfo(np.int64).max
@@ -86,7 +93,7 @@ def place_rows(
     Returns:
         option_KM: (K, M) int64 index into ``group_options(cp_size, sizes)``; -1 where invalid.
         tokens_KR: (K, R) int64 tokens each rank holds.
-        cost_KR: (K, R) int64 each rank's cost.
+        cost_KR: (K, R) int64 each rank's cost (device and host combined, with call costs).
         te_cost_KR: (K, R) int64 each rank's cost under TE's layout of the row's items.
 
     >>> opt, tok, cost, te = place_rows(np.array([[200, 100, 100, 50]]), np.array([[200, 104, 104, 56]]),
@@ -202,6 +209,16 @@ class _Search:
             shares.append(share_KM)
         self.cost_per_rank = costs  # [(K, M, g)] per size: the pairs model, TE's layout
         self.start_O = start_O
+        # a loaded model's per-call costs: an option's group costs its ranks a call the first time
+        # the row uses it; where device and host add, the host's share joins the device's
+        self.calls = call_costs(cost_model, self.sizes_desc, budget)
+        self.two_streams = self.calls is not None and self.calls.lead is not None
+        if self.calls is not None:
+            assert self.uniform, "call costs come with models that cost a group's ranks the same"
+            device_O, host_O = (np.array([c[g] for g in self.size_O.tolist()], dtype=np.int64)
+                                for c in (self.calls.device, self.calls.host))  # fmt: skip
+            self.open_device_O = device_O if self.two_streams else device_O + host_O
+            self.open_host_O = host_O if self.two_streams else np.zeros_like(host_O)
         if loop is None:  # (G, M, K): a numpy step reads one item position of every row
             self.cost_GMK = np.ascontiguousarray(np.stack([c[..., 0] for c in costs]).transpose(0, 2, 1))
             self.share_GMK = np.ascontiguousarray(np.stack(shares).transpose(0, 2, 1))
@@ -215,10 +232,18 @@ class _Search:
 
     def level(self, fill_density: float) -> np.ndarray:
         """(K,) a lower bound of each row's busiest rank: every item whole and the work filling the
-        free room (``fill_density`` per token), perfectly balanced."""
+        free room (``fill_density`` per token), perfectly balanced, and each rank's cheapest call."""
         whole_K = whole_cost(self.lengths_KM, self.cost_model).sum(axis=1)
         free_K = self.cp_size * self.budget - self.reserve_KM.sum(axis=1)
-        return (whole_K + np.floor(fill_density * free_K).astype(np.int64)) // self.cp_size
+        level_K = (whole_K + np.floor(fill_density * free_K).astype(np.int64)) // self.cp_size
+        if self.calls is None:
+            return level_K
+        # with calls every rank also makes one call at least, its cheapest (the local call), on the
+        # device and, where it launches ahead, on the host
+        level_K = level_K + int(self.open_device_O.min())
+        if self.two_streams:
+            level_K = np.maximum(level_K, int(self.open_host_O.min()) + self.calls.lead)
+        return level_K
 
     def _group_max(self, x_RK: np.ndarray) -> np.ndarray:
         """(O, K) the largest of ``x_RK`` (R, K) over each option's ranks."""
@@ -248,7 +273,9 @@ class _Search:
         # the loop works option-major ((O, k), (R, k)): reductions over the options or ranks then run
         # down columns, several times faster than along short rows
         tokens_RK = np.zeros((cp_size, num_rows), dtype=np.int64)
-        cost_RK = np.zeros((cp_size, num_rows), dtype=np.int64)
+        cost_RK = np.zeros((cp_size, num_rows), dtype=np.int64)  # the device's (with the host's where they add)
+        host_RK = np.zeros((cp_size, num_rows), dtype=np.int64)  # the host's calls, where it launches ahead
+        open_OK = np.zeros((len(self.size_O), num_rows), dtype=bool)  # groups whose call the row pays already
         stuck_K = np.full(num_rows, -1, dtype=np.int64)
         share_KM = self.reserve_KM[rows_K] // cp_size
         # room every rank keeps after item m: the reserved items after m (all of them before the tail)
@@ -270,11 +297,16 @@ class _Search:
             lightest_OK = self._group_max(cost_RK[:, :k])
             held_OK = self._group_max(tokens_RK[:, :k])
             peak_OK = held_OK + share_OK
-            if self.uniform:
+            if self.uniform and self.calls is None:
                 add_OK = self.cost_GMK[:, m, rows][self.size_index_O]
                 # the group of all ranks' maximum is the row's busiest rank so far
                 busiest_OK = np.maximum(lightest_OK + add_OK, lightest_OK[split])
                 total_OK = add_OK * size_O1
+            elif self.uniform:
+                add_OK, host_add_OK, lightest_OK, busiest_OK = self._with_calls(
+                    self.cost_GMK[:, m, rows][self.size_index_O], lightest_OK, host_RK[:, :k], open_OK[:, :k]
+                )
+                total_OK = (add_OK + host_add_OK) * size_O1
             else:
                 add_KOR = self._per_rank_cost(rows, m)
                 busiest_OK = (cost_RK[:, :k].T[:, None, :] + add_KOR).max(axis=2).T
@@ -299,7 +331,34 @@ class _Search:
                 cost_RK[:, :k] += member_RK * add_OK[chosen_K, at]
             else:
                 cost_RK[:, :k] += add_KOR[at, chosen_K].T
-        return option_KM, tokens_RK.T.copy(), cost_RK.T.copy(), stuck_K
+            if self.calls is not None:
+                host_RK[:, :k] += member_RK * host_add_OK[chosen_K, at]
+                open_OK[chosen_K, at] = True
+        return option_KM, tokens_RK.T.copy(), self._combined(cost_RK.T, host_RK.T), stuck_K
+
+    def _with_calls(
+        self, add_OK: np.ndarray, device_OK: np.ndarray, host_RK: np.ndarray, open_OK: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """An item's options with the call of each group the row does not use yet: ``(add_OK,
+        host_add_OK, rank_OK, busiest_OK)``, what each option adds to the device and to the host
+        on each of its ranks, each option's costliest rank now (device and host combined) and the
+        row's busiest rank after each option. ``device_OK``: each option's costliest rank's device."""
+        closed_OK = ~open_OK
+        add_OK = add_OK + closed_OK * self.open_device_O[:, None]
+        host_add_OK = closed_OK * self.open_host_O[:, None]
+        if self.two_streams:  # max over a group of max(device, host + lead): the two maxima apart
+            host_OK = self._group_max(host_RK) + self.calls.lead
+            rank_OK = np.maximum(device_OK, host_OK)
+            after_OK = np.maximum(device_OK + add_OK, host_OK + host_add_OK)
+        else:
+            rank_OK, after_OK = device_OK, device_OK + add_OK
+        return add_OK, host_add_OK, rank_OK, np.maximum(after_OK, rank_OK[self.all_split_option])
+
+    def _combined(self, device_KR: np.ndarray, host_KR: np.ndarray) -> np.ndarray:
+        """(K, R) each rank's cost from its device and host parts (the device's alone without calls)."""
+        if self.calls is None:
+            return np.ascontiguousarray(device_KR)
+        return self.calls.combine(device_KR, host_KR)
 
     def run_rows(self, level_K: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(option_KM, tokens_KR, cost_KR)`` of every row, searched again until placed, by the
@@ -308,11 +367,15 @@ class _Search:
         option_KM = np.full((num_rows, num_items), -1, dtype=np.int64)
         tokens_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
         cost_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
+        host_KR = np.zeros((num_rows, self.cp_size), dtype=np.int64)
         tables = (self.reserve_KM, self.share_GKM, self.cost_GKMJ, self.size_O, self.start_O, self.size_index_O,
                   self.halves_O)  # fmt: skip
-        self.loop(np.asarray(level_K, dtype=np.int64), self.count_K.astype(np.int64), *tables, self.all_split_option,
-                  self.cp_size, self.budget, option_KM, tokens_KR, cost_KR)  # fmt: skip
-        return option_KM, tokens_KR, cost_KR
+        no_calls = np.zeros(len(self.size_O), dtype=np.int64)
+        calls = (no_calls, no_calls, 0, False) if self.calls is None else (
+            self.open_device_O, self.open_host_O, self.calls.lead or 0, self.two_streams)  # fmt: skip
+        self.loop(np.asarray(level_K, dtype=np.int64), self.count_K.astype(np.int64), *tables, *calls,
+                  self.all_split_option, self.cp_size, self.budget, option_KM, tokens_KR, cost_KR, host_KR)  # fmt: skip
+        return option_KM, tokens_KR, self._combined(cost_KR, host_KR)
 
     def _per_rank_cost(self, rows: np.ndarray | slice, m: int) -> np.ndarray:
         """(k, O, R) cost of item ``m`` of ``rows`` on every rank of every option (pairs model)."""
@@ -333,4 +396,9 @@ class _Search:
         # the cost table of all ranks: each item's slot is its TE slot (invalid positions cost 0)
         cost_KMJ = self.cost_per_rank[self.sizes_desc.index(cp_size)]
         cost_KR = np.broadcast_to(cost_KMJ.sum(axis=1), (num_rows, cp_size)).copy()
-        return option_KM, tokens_KR, cost_KR
+        if self.calls is None:
+            return option_KM, tokens_KR, cost_KR
+        called_K1 = (self.count_K > 0)[:, None]  # one call of all ranks per row with items
+        split = self.all_split_option
+        device_KR = cost_KR + called_K1 * self.open_device_O[split]
+        return option_KM, tokens_KR, self._combined(device_KR, called_K1 * self.open_host_O[split])

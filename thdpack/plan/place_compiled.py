@@ -33,22 +33,30 @@ def search_rows(
     start_O: np.ndarray,
     size_index_O: np.ndarray,
     halves_O: np.ndarray,
+    open_device_O: np.ndarray,
+    open_host_O: np.ndarray,
+    lead: int,
+    two_streams: bool,
     split: int,
     cp_size: int,
     budget: int,
     option_KM: np.ndarray,
     tokens_KR: np.ndarray,
     cost_KR: np.ndarray,
+    host_KR: np.ndarray,
 ) -> None:
     """Place every row (``thdpack.plan.place``'s greedy and its searches again with reserved
-    items) into the outputs: ``option_KM`` (filled with -1 by the caller), ``tokens_KR`` and
-    ``cost_KR`` (zeros).
+    items) into the outputs: ``option_KM`` (filled with -1 by the caller), ``tokens_KR``,
+    ``cost_KR`` (the device's) and ``host_KR`` (zeros).
 
     Tables: ``reserve_KM`` each item's TE slot; per group size (``G``, ``size_index_O`` maps an
     option to it) ``share_GKM`` the tokens each rank of the group holds and ``cost_GKMJ`` the cost
     on group rank ``j`` (``J == 1``: every rank of the group the same); ``split`` is the option of
     all ranks. ``halves_O``: (O, 2) the two options of half the size that make up an option, -1
     where its ranks are read one by one (a single rank, or a size that is not twice the next).
+    Calls (zeros for tiles and pairs): an option's group costs each of its ranks ``open_device_O``
+    on the device and ``open_host_O`` on the host the first time the row uses it; with
+    ``two_streams`` a rank costs ``max(device, host + lead)``, else its device cost alone.
 
     A row that gets stuck is searched again from its first item with the items from ``tail`` on
     reserved, ``tail`` backing off 1, 4, 16, ... items before where it got stuck (numpy's loop runs
@@ -58,8 +66,11 @@ def search_rows(
     num_options, num_sizes = len(size_O), share_GKM.shape[0]
     num_items = reserve_KM.shape[1]
     uniform = cost_GKMJ.shape[3] == 1
-    lightest = np.zeros(num_options, dtype=np.int64)
+    calls = two_streams or open_device_O.any()
+    lightest = np.zeros(num_options, dtype=np.int64)  # the device's (host and device combined: below)
+    host_max = np.zeros(num_options, dtype=np.int64)
     held = np.zeros(num_options, dtype=np.int64)
+    opened = np.zeros(num_options, dtype=np.bool_)
     share_G = np.zeros(num_sizes, dtype=np.int64)
     add_GJ = np.zeros((num_sizes, cost_GKMJ.shape[3]), dtype=np.int64)
     after = np.zeros(num_items + 1, dtype=np.int64)
@@ -70,7 +81,8 @@ def search_rows(
         after[num_items] = 0
         for m in range(num_items - 1, -1, -1):
             after[m] = after[m + 1] + reserve_KM[row, m] // cp_size
-        tokens, cost = tokens_KR[row], cost_KR[row]
+        tokens, cost, host = tokens_KR[row], cost_KR[row], host_KR[row]
+        opened[:] = False
         tail, back_off = num_items, 1
         last_tail = last_stuck = -1  # the last search of this row (none yet)
         while True:
@@ -89,13 +101,21 @@ def search_rows(
                     if halves_O[o, 0] >= 0:
                         lightest[o] = max(lightest[halves_O[o, 0]], lightest[halves_O[o, 1]])
                         held[o] = max(held[halves_O[o, 0]], held[halves_O[o, 1]])
+                        if two_streams:
+                            host_max[o] = max(host_max[halves_O[o, 0]], host_max[halves_O[o, 1]])
                     else:
                         a = start_O[o]
                         lightest[o], held[o] = cost[a], tokens[a]
                         for r in range(a + 1, a + size_O[o]):
                             lightest[o] = max(lightest[o], cost[r])
                             held[o] = max(held[o], tokens[r])
+                        if two_streams:
+                            host_max[o] = host[a]
+                            for r in range(a + 1, a + size_O[o]):
+                                host_max[o] = max(host_max[o], host[r])
                 held_all, busiest_all = held[split], lightest[split]
+                if two_streams:  # a rank costs max(device, host + lead): over a group, the two maxima apart
+                    busiest_all = max(busiest_all, host_max[split] + lead)
                 # an option fits when every rank keeps room for the reserved items; a stuck row fits
                 # nothing more and finishes with its items split over all ranks
                 free = stuck < 0
@@ -125,7 +145,16 @@ def search_rows(
                     if not ((free and max(peak, held_all) + keep <= budget) or (o == split and (in_tail or stuck_now))):
                         continue  # the reserved items split (over all ranks) always fit
                     g, a = size_O[o], start_O[o]
-                    if uniform:
+                    light = max(lightest[o], host_max[o] + lead) if two_streams else lightest[o]
+                    if uniform and calls:
+                        closed = not opened[o]  # the row's first use of this group pays its call
+                        add = add_GJ[size_index, 0] + (open_device_O[o] if closed else 0)
+                        host_add = open_host_O[o] if closed else 0
+                        total = (add + host_add) * g
+                        busiest = max(lightest[o] + add, busiest_all)
+                        if two_streams:
+                            busiest = max(busiest, host_max[o] + host_add + lead)
+                    elif uniform:
                         add = add_GJ[size_index, 0]
                         total = add * g
                         busiest = max(lightest[o] + add, busiest_all)
@@ -148,17 +177,22 @@ def search_rows(
                         elif g != k2:
                             if g > k2:
                                 continue
-                        elif lightest[o] != k3:
-                            if lightest[o] > k3:
+                        elif light != k3:
+                            if light > k3:
                                 continue
                         elif peak >= k4:
                             continue
-                    best, k0, k1, k2, k3, k4 = o, key0, total, g, lightest[o], peak
+                    best, k0, k1, k2, k3, k4 = o, key0, total, g, light, peak
                 option_KM[row, m] = best
                 g, a, size_index = size_O[best], start_O[best], size_index_O[best]
                 for j in range(g):
                     tokens[a + j] += share_G[size_index]
                     cost[a + j] += add_GJ[size_index, 0 if uniform else j]
+                if calls and not opened[best]:  # the group's call, paid once
+                    opened[best] = True
+                    for j in range(g):
+                        cost[a + j] += open_device_O[best]
+                        host[a + j] += open_host_O[best]
             if stuck < 0:
                 break
             # search again with the items from a little before the stuck one reserved
@@ -167,6 +201,8 @@ def search_rows(
             tail, back_off = max(stuck - back_off, 0), back_off * 4
             tokens[:] = 0
             cost[:] = 0
+            host[:] = 0
+            opened[:] = False
 
 
 def option_halves(size_O: np.ndarray, start_O: np.ndarray) -> np.ndarray:

@@ -57,3 +57,11 @@ def test_both_components_take_it():
     assert dataset.runtime == runtime
     assert (packer.runtime.cp_size, packer.runtime.pad_id) == (2, 9)  # the source is sharded per DP rank, not it
     assert all(p["seq_lens_padded"].remainder(4).eq(0).all() for p in packer)
+
+
+def test_a_timing_without_the_planner_s_methods_is_refused_naming_them():
+    """A timing prices sequences and each group's call (the placement search) and chooses each
+    pack's way (auto): an object lacking any of it is refused before planning."""
+    partial = SimpleNamespace(whole=len, split=len, choose=len, digest=len)
+    with pytest.raises(TypeError, match=r"timing must be a timing model .* got SimpleNamespace without call, host_lead"):
+        PackingRuntime(cp_size=2, timing=partial)

@@ -14,6 +14,8 @@ from thdpack.plan import PackPlan, plan_packs
 from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.overflow import apply_overflow
 
+from support.placement_cases import mixed_auto_plan
+
 TIMING = TimeCostModel.load("h100_sxm", "llama3-8b")
 MODEL = {"profile": "h100_sxm", "model_shape": "llama3-8b", "timing": TIMING}
 """The settings and the timing (the same machine and model) of an auto plan."""
@@ -94,9 +96,7 @@ def test_packs_carry_the_choice_into_the_batch_record():
     from thdpack.packing.packer import build_pack
     from thdpack.thd.batch import thd_collate
 
-    lengths = np.random.default_rng(2).integers(1, 128, 24)
-    plan = plan_packs(lengths, 128, cp_size=4, cp_placement="auto", overflow="split", **MODEL)
-    samples = [{"input_ids": list(range(1, n + 1))} for n in lengths.tolist()]
+    plan, samples = mixed_auto_plan(4, 128)
     a2a, placed = int(np.flatnonzero(plan.a2a_packs)[0]), int(np.flatnonzero(~plan.a2a_packs)[0])
     packs = [build_pack(samples, plan, i) for i in (a2a, placed)]
     assert packs[0]["cp_a2a"].tolist() == [1] * len(packs[0]["seq_lens"]) and not packs[1]["cp_a2a"].any()

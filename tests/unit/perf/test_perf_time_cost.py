@@ -1,5 +1,7 @@
-"""The ``time`` cost model: a sequence's nanoseconds are the step model's for it alone in its group,
-groups across nodes cost the network, and the placement search prefers groups inside one node."""
+"""The ``time`` cost model: a pack's time cost is the step model's attention + comm + host part of
+it (each sequence alone in its group, each group's call once, device and host combined as the step
+model combines them), groups across nodes cost the network, and the placement search prefers
+groups inside one node and, where the host is the bottleneck, sees its ops."""
 
 from __future__ import annotations
 
@@ -11,9 +13,16 @@ import pytest
 from thdpack.layout.placement import CpPlacement
 from thdpack.layout.rules import group_options, round_up_to_cp, slot_lengths
 from thdpack.packing.dealing import Epochs
+from thdpack.perf.auto import pack_seconds
+from thdpack.perf.comm import Topology
+from thdpack.perf.machine import load_profile
+from thdpack.perf.megatron import MEGATRON_SPEC, lognormal_lengths
 from thdpack.perf.mesh import placed_run
+from thdpack.perf.shape import load_shape
+from thdpack.perf.step import StepModel
 from thdpack.perf.time_cost import TimeCostModel, timing_of
 from thdpack.plan import PlanConfig, plan_packs
+from thdpack.plan.adaptive import plan_entries
 from thdpack.plan.api import plan_with
 from thdpack.plan.cp_cost import rank_costs, split_cost, whole_cost, whole_limit
 from thdpack.plan.place import place_rows
@@ -54,13 +63,102 @@ def test_a_group_across_nodes_costs_the_network():
     np.testing.assert_array_equal(split_cost(lengths, slots, 4, across), split_cost(lengths, slots, 4, inside))
 
 
-def test_rank_costs_add_each_sequences_time_on_its_ranks():
+def _step_model_part(cost: TimeCostModel, placement: CpPlacement) -> np.ndarray:
+    """(R,) the step model's attention + exposed communication + host part of each rank of the
+    first pack of ``placement`` run alone: the rank's round less its linear work (and, where host
+    and device add, less the host's ops beside the attention calls), in nanoseconds."""
+    model = cost.model
+    run = placed_run(offsets=placement.offsets[:2], lengths=placement.lengths[: placement.offsets[1]],
+                     group_size=placement.group_size, group_start=placement.group_start, pack_step=np.array([0]),
+                     pack_round=np.array([0]), pack_dp=np.array([0]), cp_size=placement.cp_size, dp_size=1,
+                     pack_size=placement.pack_size)  # fmt: skip
+    own = model.run(run).busy[0] - model.costs.kernels.linear(placement.pack_size // placement.cp_size)
+    if not model.profile.host.asynchronous:
+        own -= model.round_host_ops() * model.profile.host.op_s
+    return own * 1e9
+
+
+@pytest.mark.parametrize(
+    ("profile", "shape", "pack_size"),
+    [("h100_sxm", "llama3-8b", 65536), ("h100_sxm", "llama3-8b", 4096), ("gb200_nvl72", "megatron-dcp-gpt", 8192),
+     ("docs/performance/calibrated_cpu.json", "megatron-dcp-gpt", 8192)],
+)  # fmt: skip
+def test_the_time_cost_of_a_pack_is_the_step_models_attention_comm_and_host(profile, shape, pack_size):
+    """Whole sequences (two sharing rank 0's local call), one sequence over ranks 2-3, one over all
+    four, on a device-bound pack (Llama 3 8B, 16k tokens per rank: the host hides behind the
+    device), host-bound ones (1k tokens per rank; Megatron's GPT on Grace) and a CPU's (host and
+    device add): each rank's time cost is the step model's attention + comm + host part of it."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    cost = TimeCostModel.load(root / profile if profile.endswith(".json") else profile, shape)
+    b = pack_size // 4
+    lengths = np.array([b // 4, b // 8, b // 2, b, 2 * b - 8])
+    placement = CpPlacement(cp_size=4, pack_size=pack_size, offsets=np.array([0, 5]), lengths=lengths,
+                            group_size=np.array([1, 1, 1, 2, 4]), group_start=np.array([0, 0, 1, 2, 0]))  # fmt: skip
+    placement.validate()
+    got = rank_costs(placement, cost)[0]
+    np.testing.assert_allclose(got, _step_model_part(cost, placement), rtol=0, atol=8)  # one ns per rounded term
+    # a group attending several sequences makes one call: two in the group of four cost one call more than one
+    shared = CpPlacement(cp_size=4, pack_size=pack_size, offsets=np.array([0, 2]), lengths=np.array([b, b]),
+                         group_size=np.array([4, 4]), group_start=np.array([0, 0]))  # fmt: skip
+    alone = int(split_cost(np.array([b]), slot_lengths(np.array([b]), 4), 4, cost)[0, 0])
+    device, host = cost.call(4)
+    lead = cost.host_lead(b)
+    combine = (lambda d, h: d + h) if lead is None else (lambda d, h: max(d, h + lead))
+    assert rank_costs(shared, cost)[0].tolist() == [combine(2 * alone + device, host)] * 4
+    # ... and the per-sequence rings (each with its sends' latency) bound the shared ring from above
+    assert (rank_costs(shared, cost)[0] >= _step_model_part(cost, shared) - 8).all()
+
+
+def test_a_group_s_call_costs_its_ring_steps_launches_and_host_ops():
     cost = TimeCostModel.load("h100_sxm", "llama3-8b")
-    placement = CpPlacement(cp_size=4, pack_size=64, offsets=np.array([0, 3]), lengths=np.array([30, 9, 7]),
-                            group_size=np.array([2, 1, 1]), group_start=np.array([2, 0, 1]))  # fmt: skip
-    split = int(split_cost(np.array([30]), np.array([32]), 2, cost)[0, 0])
-    whole = whole_cost(np.array([9, 7]), cost).tolist()
-    assert rank_costs(placement, cost).tolist() == [[whole[0], whole[1], split, split]]
+    model = cost.model
+    op_ns = model.profile.host.op_s * 1e9 * model.shape.layers
+    launch_ns = model.profile.attention.call_overhead_s * 1e9 * model.shape.layers * 4  # 1 forward, 3 backward
+    for g in (1, 2, 4, 8):
+        device, host = cost.call(g)
+        assert abs(device - g * launch_ns) <= 1
+        assert abs(host - model.host.ring_ops(g).total * op_ns) <= 1
+    assert cost.host_lead(8192) < 0 < cost.host_lead(256)  # 8k tokens of an 8B model outlast the host's ops
+    assert TimeCostModel.load("docs/performance/calibrated_cpu.json", "llama3-8b").host_lead(8192) is None
+
+
+class _SequencesAlone:
+    """A time cost model's per-sequence costs without its calls: what the search would see blind to
+    the launches and the host's ops of each group."""
+
+    def __init__(self, cost: TimeCostModel) -> None:
+        self.cost = cost
+
+    def whole(self, lengths_S):
+        return self.cost.whole(lengths_S)
+
+    def split(self, lengths_S, slots_S, group_size):
+        return self.cost.split(lengths_S, slots_S, group_size)
+
+    def call(self, group_size):
+        return 0, 0
+
+    def host_lead(self, budget):
+        return None
+
+
+@pytest.mark.parametrize("cp", [4, 8, 16])
+def test_the_search_sees_the_host_where_it_is_the_bottleneck(cp):
+    """Megatron-LM's GPT on GB200's Grace host, 2,048 tokens per rank: the host's ops outlast the
+    kernels, so each group a rank joins costs it a call's ops. Placed with them, the packs run
+    faster by the step model than placed by the sequences' own costs alone."""
+    profile = load_profile("gb200_nvl72")
+    model = StepModel(profile, load_shape("megatron-dcp-gpt"), Topology.of(profile, 4), MEGATRON_SPEC)
+    cost = TimeCostModel(model)
+    assert cost.host_lead(2048) > 0  # host-bound
+    lengths = lognormal_lengths(200 * cp, seed=cp) - 1
+
+    def placed(costing):
+        return plan_entries(lengths, cp * 2048, cp, algorithm="bfd", window=1024, rng=None, cost_model=costing)[2]
+
+    assert pack_seconds(placed(cost), model).sum() < pack_seconds(placed(_SequencesAlone(cost)), model).sum()
 
 
 def test_short_sequences_stay_whole_under_time():

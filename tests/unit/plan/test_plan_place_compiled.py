@@ -1,6 +1,7 @@
 """The placement search's row-at-a-time loop (``thdpack.plan.place_compiled``) gives exactly the
 numpy loop's placements: as plain Python (always), compiled by numba (when installed), and through
-whole adaptive plans."""
+whole adaptive plans; for tiles, pairs and the time model (each group's call paid once, device and
+host combined as on a GPU, or added as on a CPU)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,18 @@ import pytest
 import thdpack.plan.place as place
 from thdpack._optional import has_module
 from thdpack.layout.rules import round_up_to_cp
+from thdpack.perf.time_cost import TimeCostModel
 from thdpack.plan import plan_packs
 from thdpack.plan.place import place_rows
 from thdpack.plan.place_compiled import search_rows
 
 needs_numba = pytest.mark.skipif(not has_module("numba"), reason="numba is not installed (thdpack[fast])")
+COST_MODELS = {
+    "tiles": "tiles",
+    "pairs": "pairs",
+    "time": TimeCostModel.load("h100_sxm", "llama3-8b"),  # host-bound on short rows, device-bound on long ones
+    "time_cpu": TimeCostModel.load("cpu_gloo", "megatron-dcp-gpt"),  # host and device add
+}
 
 
 def _random_rows(rng: np.random.Generator, cp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
@@ -45,7 +53,7 @@ def _same(cp: int, cost_model: str, seed: int, monkeypatch: pytest.MonkeyPatch) 
     for _ in range(12):
         lengths, reserve, valid, budget = _random_rows(rng, cp)
         density = float(rng.choice([0.0, 0.05, 2.0]))
-        kwargs = dict(cp_size=cp, budget=budget, cost_model=cost_model, fill_density=density)
+        kwargs = dict(cp_size=cp, budget=budget, cost_model=COST_MODELS[cost_model], fill_density=density)
         searches.clear()
         by_numpy = place_rows(lengths, reserve, valid, engine="numpy", **kwargs)
         again += len(searches) - 1
@@ -56,7 +64,7 @@ def _same(cp: int, cost_model: str, seed: int, monkeypatch: pytest.MonkeyPatch) 
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 6, 8])
-@pytest.mark.parametrize("cost_model", ["tiles", "pairs"])
+@pytest.mark.parametrize("cost_model", list(COST_MODELS))
 def test_row_loop_in_python_equals_the_numpy_loop(cp, cost_model, monkeypatch):
     monkeypatch.setattr(place, "compiled_search_rows", lambda: search_rows)
     again = sum(_same(cp, cost_model, seed, monkeypatch) for seed in range(3))
@@ -65,7 +73,7 @@ def test_row_loop_in_python_equals_the_numpy_loop(cp, cost_model, monkeypatch):
 
 @needs_numba
 @pytest.mark.parametrize("cp", [2, 3, 4, 6, 8, 16])
-@pytest.mark.parametrize("cost_model", ["tiles", "pairs"])
+@pytest.mark.parametrize("cost_model", list(COST_MODELS))
 def test_compiled_loop_equals_the_numpy_loop(cp, cost_model, monkeypatch):
     for seed in range(10):
         _same(cp, cost_model, seed, monkeypatch)
