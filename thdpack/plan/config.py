@@ -43,7 +43,7 @@ NeMo AutoModel read (``plan_packs``' contract)."""
 TRAINING_CP_PLACEMENT: CpPlacementMode = "adaptive"
 """The default of what trains with thdpack: the trainer (``packing.cp_placement``), the Trainer
 integrations (``PackingArguments``), ``thdpack prepare`` / ``stats`` / ``verify``: measured never
-slower than ``te`` end to end, never more busiest-rank tiles (README, "CP placement: the default")."""
+slower than ``te`` end to end, never more busiest-rank tiles (docs/guides/context-parallel.md, "The default")."""
 DEFAULT_WINDOW = 1024
 MAX_LENGTH = 2**40
 """The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""
