@@ -237,6 +237,34 @@ def cp_balance_range() -> str:
     return f"{ratio(min(values))}-{ratio(max(values))}x"
 
 
+@produces("cp_balance_targets")
+def cp_balance_targets() -> str:
+    """DESIGN.md's CP targets, checked against the table's rows."""
+    rows = load("cp_balance.json")["rows"]
+
+    def pick(data: str, cp: int) -> dict:
+        return next(r for r in rows if r["data"].startswith(data) and r["cp_size"] == cp)
+
+    def verdict(ok: bool) -> str:
+        return "**met**" if ok else "**missed**"
+
+    mix8 = pick("long-tail", 8)["adaptive"]["tiles_vs_te"]
+    alpaca = {cp: pick("alpaca", cp)["adaptive"]["tiles_vs_te"] for cp in (4, 8, 16)}
+    a2a4 = pick("alpaca", 4)["a2a"]["tiles_vs_te"]
+    worst = max(r["adaptive"]["tiles_vs_te"] for r in rows)
+    spread = max(max(r["adaptive"]["tiles_max_over_mean"], r["adaptive"]["tokens_max_over_mean"]) for r in rows)
+    padding = pick("alpaca", 4)["adaptive"]["cp_padding"]
+    lines = [
+        f"- busiest rank's tiles <= 0.75x `te` on the long-tail mix at cp 8: {ratio(mix8)}, {verdict(mix8 <= 0.75)}",
+        *(f"- <= 0.05x on Alpaca at cp {cp}: {ratio(x)}, {verdict(x <= 0.05)}" for cp, x in alpaca.items()),
+        f"  (all-to-all, every record whole for a quarter of the heads at cp 4, perfectly balanced: {ratio(a2a4)})",
+        f"- never above 1.0x `te`: at most {ratio(worst)}, {verdict(worst <= 1.0)}",
+        f"- max / mean tiles and tokens <= 1.02: at most {spread:.3f}, {verdict(spread <= 1.02)}",
+        f"- CP padding <= 0.5% on Alpaca at cp 4: {100 * padding:.2f}%, {verdict(padding <= 0.005)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 @produces("cp_planner_timing")
 def cp_planner_timing() -> str:
     data = load("cp_planner_timing.json")
