@@ -1,18 +1,10 @@
 """A Hugging Face causal LM behind thdpack's model interface: ``model(thd, cp_group=...) -> logits_TV``.
 
-The trainer's ``model=hf`` group builds one of these: from ``path``, a local folder as
-``save_pretrained`` writes it (``config.json`` + safetensors weights), or, without a path, a
-random initialisation of ``arch`` (llama, qwen2, mistral, gemma) at the given sizes for a dry run.
-Its attention is thdpack's (registered with transformers under :data:`ATTENTION_NAME`), so the
-same model trains on packed rows and on CP shards, with the run's attention backend.
-:func:`save_hf_folder` writes a folder that transformers loads back with any of its own
-attention implementations.
-
-What CP (and thdpack's attention) requires of the model: no attention-logit softcapping, no
-sliding window shorter than a sequence of the batch, only full / sliding attention layers
-(``thdpack.models.hf.attention.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
-Mistral (window longer than the packs) and Gemma (1) qualify; Gemma 2 / 3 (softcapping,
-short windows) and Llama 4 (chunked layers) do not.
+The trainer's ``model=hf`` builds one from a local folder (``path``) or a random initialisation
+of ``arch`` at given sizes. Its attention is thdpack's (registered as :data:`ATTENTION_NAME`), so
+the same model trains on packed rows and on CP shards; :func:`save_hf_folder` writes a folder
+transformers loads back with any of its own attention implementations. What CP requires of the
+model: docs/guides/hugging-face.md.
 
 Legend: ``T`` tokens of the batch (this rank's under CP), ``V`` vocabulary.
 """
