@@ -1,18 +1,13 @@
 """THD batches: collate packs into a BSHD batch, flatten it to Transformer Engine's THD layout.
 
-Data flow: ``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> attention``.
-``thd_collate`` runs the first two steps in a DataLoader worker, so every piece of metadata
-(including the Python-int ``max_seqlen``) is computed on the host, once, and the forward pass
-never calls ``.item()``.
-
-Every builder validates the batch's lengths once (``thdpack.thd.meta``) and the batch it returns
-carries that record (``thd["thd_meta"]``), so attention, masks, sharding and the loss take it
-from the batch instead of validating again. ``thd_collate`` also refuses a label on a padding row.
+``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> attention``: ``thd_collate``
+runs the first steps in a DataLoader worker, so the metadata (the Python-int ``max_seqlen``
+included) is computed on the host once and the forward pass never calls ``.item()``. Every builder
+validates the lengths once and returns the batch with its record, which attention, masks,
+sharding and the loss take instead of validating again.
 
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``T = B*L`` packed tokens, ``S``
 sequences (of the whole batch; the (B, S) length matrices have as many columns as the fullest row).
-
-The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd.format``.
 """
 
 from __future__ import annotations
