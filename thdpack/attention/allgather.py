@@ -1,13 +1,10 @@
 """All-gather-KV context-parallel attention (Llama 3 style), exact, without TE.
 
 Every rank gathers all ranks' K/V (with their own Nkv heads: cheap under GQA), puts them back in
-storage order, and attends its own load-balanced queries (chunks r and 2n-1-r of each sequence)
-to them with the per-token mask ``same sequence & real key & (causal) pos_q >= pos_k``; no LSE
-merge is needed. The backward reduce-scatters dK/dV (in fp32) back to their owners.
-
-Compared with the ring (:mod:`thdpack.attention.ring`): one collective instead of n overlapped hops and
-a full-sequence K/V buffer per rank; it is also an independent implementation to check the ring
-against. Tiles use the math kernel (any device and dtype).
+storage order and attends its own load-balanced queries to them with the per-token mask; no LSE
+merge is needed. The backward reduce-scatters dK/dV (fp32) back to their owners. Against the ring:
+one collective instead of n overlapped hops, a full K/V buffer per rank, and an independent
+implementation to check the ring with. Tiles use the math kernel.
 
 Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 """
