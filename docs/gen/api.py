@@ -10,6 +10,7 @@ neither torch nor the optional dependencies; mkdocstrings renders each entry fro
 from __future__ import annotations
 
 import ast
+import importlib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -117,6 +118,38 @@ def homes() -> dict[tuple[str, str], str]:
     return out
 
 
+def keyword_door(item: Name) -> str | None:
+    """The ``FlatKeywords`` that writes ``item``'s keywords when its module loads (a door decorated
+    ``@X.document``: ``plan_packs``, ``PackedDataset``, ``StreamingPacker``), by name, or None.
+    mkdocstrings reads the source, where those keywords are ``**keywords``, so the entry links
+    them in the config reference."""
+
+    def door(node: ast.AST) -> str | None:
+        for d in getattr(node, "decorator_list", []):
+            if isinstance(d, ast.Attribute) and d.attr == "document" and isinstance(d.value, ast.Name):
+                return d.value.id
+        return None
+
+    for node in _tree(item.source).body:
+        if getattr(node, "name", None) == item.name:
+            return door(node) or next((door(n) for n in getattr(node, "body", []) if door(n)), None)
+    return None
+
+
+def keywords_note(item: Name) -> str:
+    """A line under a flat door's entry: its keywords are the fields of these configs."""
+    from gen.config_reference import COMPONENTS
+
+    keywords = getattr(importlib.import_module(item.source), keyword_door(item))
+    public = {path.rpartition(".")[2]: path for path, _ in COMPONENTS}
+    links = []
+    for part in keywords.parts:
+        name = part.config.__name__
+        flat = "".join(f" (its `{field}` listed flat)" for field in part.flatten)
+        links.append(f"[`{name}`](../config.md#{public[name].replace('.', '').lower()}){flat}")
+    return f"\n`**keywords`: every field of {' and '.join(links)} by name (`help({item.name})` lists them).\n"
+
+
 def _entry(item: Name, page: str) -> str:
     if not item.internal:
         return f"## `{item.module}.{item.name}`\n\n`{item.source}.{item.name}`, re-exported as it is.\n"
@@ -127,7 +160,8 @@ def _entry(item: Name, page: str) -> str:
             f"## `{item.module}.{item.name}`\n\nThe same object as "
             f"[`{target}.{item.name}`]({home}.md#{target}.{item.name}).\n"
         )
-    return f"::: {item.module}.{item.name}\n"
+    entry = f"::: {item.module}.{item.name}\n"
+    return entry + keywords_note(item) if keyword_door(item) else entry
 
 
 def page(slug: str) -> str:
