@@ -159,12 +159,14 @@ def packed_cross_entropy(
     Args:
         logits_TV, labels_T, weights_T: as in ``cross_entropy_sum`` (this rank's CP shard).
         denominator: the step's ``count_loss_tokens`` / ``global_loss_denominator``.
-        grad_average_size: G, the number of ranks your gradient reduction AVERAGES over (module
-            docstring, step 3): 1 for one process or a SUM reduction, ``dp_size`` for DDP over DP
-            with CP gradients summed by you, ``dp_size * cp_size`` for FSDP over the DP x CP mesh.
-            Required, because the wrong value silently scales every gradient.
+        grad_average_size: G, the number of ranks your gradient reduction AVERAGES over
+            (docs/guides/own-loop.md, "The loss"): 1 for one process or a SUM reduction, ``dp_size``
+            for DDP over DP with CP gradients summed by you, ``dp_size * cp_size`` for FSDP over the
+            DP x CP mesh. Required, because the wrong value silently scales every gradient.
+        ignore_index: the label of tokens without loss.
 
-    Summed over micro-steps and ranks, ``loss / G`` is the global mean loss.
+    Returns:
+        A scalar tensor; summed over micro-steps and ranks, ``loss / G`` is the global mean loss.
     """
     if isinstance(grad_average_size, bool) or not isinstance(grad_average_size, int) or grad_average_size < 1:
         raise ValueError(
@@ -176,7 +178,16 @@ def packed_cross_entropy(
 
 
 class StepLoss:
-    """One optimizer step's globally normalised loss (the module recipe as an object).
+    """One optimizer step's globally normalised loss (docs/guides/own-loop.md, "The loss").
+
+    ``StepLoss.begin`` counts the step's denominator; call the object on every micro-batch and
+    ``backward()`` what it returns; ``value()`` is the global loss so far.
+
+    Args:
+        denominator: the step's global loss tokens (or sum of loss weights).
+        grad_average_size: G, the ranks the gradient reduction averages over.
+        group: the DP x CP process group ``value()`` sums over (None: this process alone).
+        ignore_index: the label of tokens without loss.
 
     >>> import math
     >>> from thdpack.cp.topology import CpTopology

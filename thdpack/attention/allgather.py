@@ -60,9 +60,19 @@ def allgather_attention(
     causal: bool = True,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather-KV attention of this rank's shard.
+    """All-gather-KV attention of this rank's shard (math tiles).
 
-    Same arguments and results as :func:`thdpack.attention.ring.ring_attention` (math tiles).
+    Args:
+        q_TNH, k_TNH, v_TNH: this rank's shard of q (T, Nq, H), k (T, Nkv, H) and v (T, Nkv, Hv),
+            as ``thdpack.attention.ring_attention`` takes them.
+        meta: the shard's record (``cp_size``, ``cp_rank``, the global lengths).
+        cp_group: the CP process group (None: one rank).
+        causal: causal attention inside each sequence.
+        scale: the softmax scale.
+
+    Returns:
+        ``out_TNH`` (T, Nq, Hv) in q's dtype and ``lse_NT`` (Nq, T) of this rank's queries, as
+        ``ring_attention``.
     """
     device = q_TNH.device
     order = gather_order(meta, device).gathered_of_global_T

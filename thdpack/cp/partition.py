@@ -445,9 +445,15 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
 def gather(local_thd: Mapping[str, Any], group: dist.ProcessGroup) -> THDBatch:
     """All-gather every rank's shard over the CP ``group``; return the global batch on every rank.
 
-    Collective: every rank of ``group`` calls it with its own ``shard(thd, cp_size, rank)`` of
-    the same global batch (``cp_size`` = the group's size, ``cp_rank`` = the rank in it). One
-    ``all_gather`` per per-token tensor; works on gloo (CPU) and NCCL.
+    Collective: one ``all_gather`` per per-token tensor, on gloo (CPU) and NCCL.
+
+    Args:
+        local_thd: this rank's ``shard(thd, cp_size, rank)`` of the global batch (``cp_size`` =
+            the group's size, ``rank`` = this process's rank in it).
+        group: the CP process group.
+
+    Returns:
+        The global THD batch, in storage order, with its record.
     """
     meta = thd_meta(local_thd)
     meta.check_cp_group(group)

@@ -163,8 +163,11 @@ _Encoded = tuple[list[list[int]], list[tuple[list[int], np.ndarray]]]
 class SampleEncoder:
     """Turns batches of records into ``TokenizedSample``s; ``report`` counts what it did.
 
-    ``bad_records``: the bad-record policy and tally to use (shared with the sources of the same
-    pass); by default a new one with ``config.on_bad_record``.
+    Args:
+        tokenizer: a ``TextTokenizer``, or what ``load_tokenizer`` takes (``"gpt2"``, a path).
+        config: the tokenization settings (default ``TokenizeConfig()``).
+        bad_records: the bad-record policy and tally to use (shared with the sources of the same
+            pass); by default a new one with ``config.on_bad_record``.
     """
 
     def __init__(
@@ -358,10 +361,17 @@ def tokenize_records(
     total: int | None = None,
     progress: bool | None = None,
 ) -> Iterator[TokenizedSample]:
-    """Stream ``TokenizedSample``s from records, one tokenizer call per ``record_batches`` batch
-    (``SampleEncoder.encode_stream``).
+    """Stream ``TokenizedSample``s from records, one tokenizer call per batch (``SampleEncoder.encode_stream``).
 
-    ``progress``: a tqdm bar over records (None: only when stderr is a terminal).
+    Args:
+        records: the records (``thdpack.data.Source`` yields them).
+        tokenizer: a ``TextTokenizer``, or what ``load_tokenizer`` takes.
+        config: the tokenization settings (default ``TokenizeConfig()``).
+        total: the number of records, for the progress bar.
+        progress: a tqdm bar over records (None: only when stderr is a terminal).
+
+    Yields:
+        One ``TokenizedSample`` per record that makes a sample.
     """
     encoder = SampleEncoder(tokenizer, config)
     bar = progress_bar(total=total, desc="tokenize", unit="rec", enabled=progress)

@@ -81,7 +81,14 @@ def has_checksums(manifest: Mapping[str, Any]) -> bool:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checked manifest of the store folder ``path``; ``StoreError`` naming the field otherwise."""
+    """The checked manifest of a store folder.
+
+    Args:
+        path: the store folder.
+
+    Returns:
+        ``manifest.json`` as a dict, its fields checked; a ``StoreError`` names a bad field.
+    """
     folder = Path(path)
     file = folder / MANIFEST_FILE
     if not file.is_file():

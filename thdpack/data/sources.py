@@ -122,11 +122,16 @@ def detect_format(path: str | os.PathLike[str]) -> SourceFormat:
 
 
 class Source:
-    """Records from one path, re-iterable; ``report`` counts the last (or current) pass.
+    r"""Records from one path, re-iterable; ``report`` counts the last (or current) pass.
+
+    Args:
+        path: a file, a folder, or ``"stdlib"`` (the formats: the module docstring).
+        config: the source's settings (``SourceConfig``: format, record kind, ...).
+        bad_records: the bad-record policy and tally to use (shared with the encoder of the same pass).
 
     >>> import pathlib, tempfile
     >>> folder = pathlib.Path(tempfile.mkdtemp())
-    >>> _ = (folder / "a.jsonl").write_text('{"text": "hi"}\\n{"text": ""}\\n')
+    >>> _ = (folder / "a.jsonl").write_text('{"text": "hi"}\n{"text": ""}\n')
     >>> src = Source(folder / "a.jsonl")
     >>> list(src)
     [{'text': 'hi'}]

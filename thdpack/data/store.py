@@ -79,9 +79,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class TokenStore(Sequence[dict[str, np.ndarray]]):
-    """Read-only samples of a store folder (see the module docstring).
+    """Read-only samples of a store folder, memory-mapped on first access.
 
-    ``sample_format``: override the manifest's ``"labels"`` / ``"loss_mask"``.
+    Args:
+        path: the store folder (``TokenStoreWriter`` / ``thdpack prepare`` wrote it).
+        sample_format: override the manifest's ``"labels"`` / ``"loss_mask"``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, sample_format: SampleFormat | None = None) -> None:
@@ -190,11 +192,18 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
 class TokenStoreWriter:
     """Streams ``TokenizedSample``s into a new store folder with bounded memory.
 
-    Use as a context manager (an exception removes the partial files) or call ``close()``.
-    ``overwrite=False`` refuses a folder that already holds store files. The writer holds the
-    folder's lock from here until ``close()`` / ``abort()`` (a second writer gets a
-    ``StoreBusyError`` naming this one); ``lock``: a ``FolderLock`` of ``path`` the caller already
-    holds (and keeps, to write more files beside the store, as ``thdpack prepare`` does).
+    Use as a context manager (an exception removes the partial files) or call ``close()``. The
+    writer holds the folder's lock from here until ``close()`` / ``abort()`` (a second writer gets a
+    ``StoreBusyError`` naming this one).
+
+    Args:
+        path: the store folder.
+        tokenizer: the tokenizer the samples were made with (recorded in the manifest).
+        sample_format: how readers see the samples: ``"labels"`` or ``"loss_mask"``.
+        source: what the samples came from (recorded in the manifest).
+        overwrite: replace the store files of a folder that already holds some (False: refuse).
+        lock: a ``FolderLock`` of ``path`` the caller already holds (and keeps, to write more files
+            beside the store, as ``thdpack prepare`` does).
     """
 
     def __init__(

@@ -134,12 +134,17 @@ def verify_store(
 ) -> StoreVerification:
     """Read the whole store at ``path`` and check it against its manifest (see the module docstring).
 
-    ``vocab_size``: also check every token id is below it (a model's vocabulary); an id the
-    store's tokenizer allows but the model does not is a ``ValueError`` (a mismatch, not damage).
-    ``require_checksums``: a version-1 store (no checksums) is a ``StoreError`` instead of a warning.
-    ``lock``: the folder's writer lock, held by the caller (else a reader's lock is taken, and a
-    store being written is a ``StoreBusyError``). Damage is a ``StoreError`` naming the file, what
-    is wrong, and what to do.
+    Args:
+        path: the store folder.
+        vocab_size: also check every token id is below it (a model's vocabulary); an id the
+            store's tokenizer allows but the model does not is a ``ValueError`` (a mismatch, not damage).
+        require_checksums: a version-1 store (no checksums) is a ``StoreError`` instead of a warning.
+        lock: the folder's writer lock, held by the caller (else a reader's lock is taken, and a
+            store being written is a ``StoreBusyError``).
+
+    Returns:
+        The ``StoreVerification`` (what was read and checked). Damage is a ``StoreError`` naming the
+        file, what is wrong, and what to do.
     """
     folder = Path(path)
     start = time.perf_counter()

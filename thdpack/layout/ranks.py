@@ -42,9 +42,12 @@ def rank_indices(
         group_size_S, group_start_S: (S,) int, every entry's group under a per-sequence
             placement; None (both): Transformer Engine's layout, every entry split over all ranks.
 
+    Returns:
+        (T_local,) global token indices, int32 (as Transformer Engine's kernel) while the layout
+        holds fewer than 2**31 tokens, else int64.
+
     The input is a validated layout's (``ThdMeta``, ``CpLayout.check``): every split slot a
-    multiple of ``2g`` and every rank holding ``sum(slots) / cp_size`` tokens. Returns int32 (as
-    Transformer Engine's kernel) while the layout holds fewer than 2**31 tokens, else int64.
+    multiple of ``2g`` and every rank holding ``sum(slots) / cp_size`` tokens.
     """
     slots_S = np.asarray(slots_S, dtype=np.int64)
     ends_S = np.cumsum(slots_S)

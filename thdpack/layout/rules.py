@@ -51,8 +51,14 @@ def slot_multiple(group_size: _Size) -> _Size:
 
 
 def slot_lengths(lengths_S: np.ndarray, group_size_S: np.ndarray | int) -> np.ndarray:
-    """(S,) int64 slot of each sequence: its length rounded up to its :func:`slot_multiple`
-    (its length when whole). ``group_size_S``: (S,) or one size for every sequence.
+    """Each sequence's slot: its length rounded up to its :func:`slot_multiple` (its length when whole).
+
+    Args:
+        lengths_S: (S,) int, real lengths.
+        group_size_S: (S,) int, each sequence's group size, or one size for every sequence.
+
+    Returns:
+        (S,) int64 slots.
 
     >>> slot_lengths(np.array([5, 5, 5]), np.array([1, 2, 4])).tolist()
     [5, 8, 8]

@@ -309,6 +309,17 @@ def assemble_pack(
 def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int, *, pad_id: int = 0) -> Pack:
     """Pack ``index`` of ``plan`` from ``samples`` (its pack size and CP size are the plan's).
 
+    Args:
+        samples: the samples the plan was made for (``input_ids``, optionally ``labels`` or
+            ``loss_mask``), indexable by the plan's sequence ids.
+        plan: the ``PackPlan``.
+        index: which pack, ``0 <= index < len(plan)``.
+        pad_id: the token id of padding.
+
+    Returns:
+        The ``Pack``: ``input_ids``, ``labels``, ``position_ids`` (``pack_size``,) int64,
+        ``seq_lens``, ``seq_lens_padded``, and a placed plan's group keys.
+
     Raises ``ValueError`` naming the sample when a sample's length is not the one the plan was
     made for.
 

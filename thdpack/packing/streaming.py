@@ -105,7 +105,13 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     @PACKER_KEYWORDS.document
     def __init__(self, source: Iterable[Mapping[str, Any]], pack_size: int, **keywords: Any) -> None:
         """The packs of ``source`` in ``pack_size`` tokens, with every other setting and the run's
-        ``cp_size`` / ``pad_id`` by keyword (below)."""
+        ``cp_size`` / ``pad_id`` by keyword (below).
+
+        Args:
+            source: an iterable of samples (``input_ids``, optional ``labels`` or ``loss_mask``).
+            pack_size: tokens per pack; a multiple of ``2*cp_size`` under context parallelism.
+            **keywords: ``StreamingPackerConfig``'s and ``PackingRuntime``'s fields by name.
+        """
         config, runtime = PACKER_KEYWORDS.build(pack_size=pack_size, **keywords)
         check_pack_size(config.pack_size, runtime.cp_size)
         self.config: StreamingPackerConfig = config

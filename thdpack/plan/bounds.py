@@ -47,6 +47,9 @@ def l2_lower_bound(counts: np.ndarray, capacity: int) -> int:
     Args:
         counts: (capacity+1,) non-negative integers, item sizes in ``[1, capacity]``.
         capacity: pack capacity (same units as the sizes).
+
+    Returns:
+        The bound: no packing of these items needs fewer packs.
     """
     counts = np.asarray(counts, dtype=np.int64)
     sizes = np.flatnonzero(counts)

@@ -50,6 +50,12 @@ THDBatch = dict[str, Any]
 def validate_thd(thd: Mapping[str, Any]) -> ThdMeta:
     """Check a THD batch (global, or a CP shard); return its record.
 
+    Args:
+        thd: the batch (``thdpack.to_thd``'s keys, or another framework's with the same meaning).
+
+    Returns:
+        Its ``ThdMeta``.
+
     The layout is checked by its record (:func:`thdpack.thd.carriage.thd_meta`: ``cu_seqlens`` and
     ``cu_seqlens_padded`` (S+1,), ``[0] == 0``, non-decreasing, real ``<=`` padded per sequence,
     ``max_seqlen`` an int ``>=`` every padded width, under CP every padded width a multiple of

@@ -96,8 +96,14 @@ class VerifyJob:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    """Run the check described by ``args`` (``add_verify_arguments``); print the table; return
-    0 (exact), 1 (a difference over tolerance) or 2 (a rank failed)."""
+    """Run the check described by ``args`` and print the table of differences.
+
+    Args:
+        args: the parsed options of ``thdpack verify`` (``add_verify_arguments``).
+
+    Returns:
+        0 (exact), 1 (a difference over tolerance) or 2 (a rank failed).
+    """
     job = _job(args)
     world = job.spread.world_size
     try:

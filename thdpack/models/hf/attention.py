@@ -176,8 +176,14 @@ def hf_attention_forward(
 
 
 def register_hf_attention(name: str = "thdpack") -> str:
-    """Register ``hf_attention_forward`` with transformers' ``AttentionInterface`` under ``name``;
-    return ``name`` for ``attn_implementation=``. Needs ``transformers``."""
+    """Register ``hf_attention_forward`` with transformers' ``AttentionInterface``. Needs ``transformers``.
+
+    Args:
+        name: the attention implementation's name.
+
+    Returns:
+        ``name``, for ``from_pretrained(..., attn_implementation=name)``.
+    """
     transformers = require("transformers", "register_hf_attention")
     transformers.AttentionInterface.register(name, hf_attention_forward)
     _REGISTERED.add(name)
@@ -204,6 +210,13 @@ def check_hf_attention(model: torch.nn.Module, thd: Mapping[str, Any]) -> None:
     thdpack's attention also refuses a config whose attention it does not implement
     (``config.attn_logit_softcapping``, a ``config.sliding_window`` shorter than a sequence of
     ``thd``, ``config.layer_types`` other than full and sliding attention).
+
+    Args:
+        model: the transformers model (its ``config`` says its attention implementation).
+        thd: the THD batch or CP shard it is about to run.
+
+    Returns:
+        None; raises ``ValueError`` naming the setting and the fix.
     """
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)

@@ -150,6 +150,11 @@ class HFCausalLM(nn.Module):
     Every call goes through ``hf_packed_kwargs`` (positions reset per sequence, no cache, the THD
     metadata and the topology for thdpack's attention) and ``check_hf_attention``, so a model
     whose attention cannot be exact on the batch is refused before it runs.
+
+    Args:
+        hf_model: a transformers causal LM with thdpack's attention registered (``build_hf_model``).
+        attention: the backend and CP exchange of thdpack's attention inside it (default:
+            ``AttentionConfig()``).
     """
 
     def __init__(self, hf_model: nn.Module, attention: AttentionConfig | None = None) -> None:
@@ -179,10 +184,16 @@ def build_hf_model(
 ) -> HFCausalLM:
     """The model of ``config`` with thdpack's attention, its parameters in ``dtype`` on ``device``.
 
-    A random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every rank
-    that builds it with the same seed holds identical weights. A folder (``config.path``) loads
-    with its weights exactly and only when its model is a causal LM
-    (``thdpack.models.hf.folder.load_hf_folder`` names what is missing, damaged or bidirectional).
+    Args:
+        config: a local folder (``path``) or an architecture and its sizes.
+        seed: a random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every
+            rank that builds it with the same seed holds identical weights.
+        device, dtype: where the parameters live and their dtype.
+
+    Returns:
+        The ``HFCausalLM``. A folder loads with its weights exactly and only when its model is a
+        causal LM (``thdpack.models.hf.folder.load_hf_folder`` names what is missing, damaged or
+        bidirectional).
     """
     transformers = require("transformers", "model=hf")
     register_hf_attention(ATTENTION_NAME)
@@ -218,8 +229,15 @@ def save_hf_folder(
     """``save_pretrained`` into ``folder`` (config.json + model.safetensors), loadable by plain
     transformers with its own attention.
 
-    ``state_dict``: the full weights keyed like ``model.hf`` (FSDP2 gathers them first; None: the
-    model's own). ``tokenizer``: a tokenizer folder or tokenizer.json whose files are copied along.
+    Args:
+        model: the model to save.
+        folder: where to (created).
+        state_dict: the full weights keyed like ``model.hf`` (FSDP2 gathers them first; None: the
+            model's own).
+        tokenizer: a tokenizer folder or tokenizer.json whose files are copied along.
+
+    Returns:
+        ``folder``.
     """
     folder.mkdir(parents=True, exist_ok=True)
     # transformers does not save attn_implementation: the folder loads with its own attention
