@@ -329,7 +329,7 @@ def make_cp_batch_for_te(
         qkv_format: recorded in the output, as NeMo does.
         padding_token_id: accepted for NeMo's signature, unused (the layout says what is padding).
         num_chunks: above 1, each chunk is sharded and the shards stacked (``cu_seqlens`` keeps the
-        -1000 filler).
+            -1000 filler).
         seq_lens_padding_value: the filler, -1000.
         return_local_indices: also return this rank's global token indices (an ``arange`` without
             CP; None with chunks).
