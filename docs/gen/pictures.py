@@ -180,6 +180,10 @@ def ranks_picture(example: Example) -> str:
         body.append(_cell(legend_x, y + 6, _colour(example, e), "", light=False))
         body.append(_caption(legend_x + CELL + 2, y + 6 + CELL / 2 + 2, label, anchor="start"))
         legend_x += CELL + 12 + 7 * len(label)
+    if example.group_size_S is None:  # TE's layout: a sequence's padding is its own colour, lighter
+        body.append(_cell(legend_x, y + 6, COLOURS[0], "", light=True))
+        body.append(_caption(legend_x + CELL + 2, y + 6 + CELL / 2 + 2, "padding (lighter)", anchor="start"))
+        legend_x += CELL + 12 + 7 * len("padding (lighter)")
     return _svg(max(left + T * CELL + 10, legend_x), y + CELL + 14, body)
 
 
