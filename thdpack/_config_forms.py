@@ -1,17 +1,11 @@
 """The other forms of a component config, generated from its fields.
 
-A component's settings are declared once, as the fields of its frozen config, each with its help
-and its check (``thdpack._settings.setting``). Every other form a user meets is generated from
-those fields, so a new setting appears in each by itself, with the same help, default and check:
-
-- flat keywords, the convenience door that builds the configs (``PackedDataset(samples, 2048,
-  cp_size=4, cp_placement="adaptive")``, ``plan_packs``): :class:`FlatKeywords`;
-- a dataclass twin with other defaults and extra fields (the Hydra ``packing`` node,
-  ``PackingArguments``): :func:`twin`;
-- command-line options (``thdpack prepare``, ``stats``, ``verify``): :func:`add_options`.
-
-A field holding a config (``PackedDatasetConfig.plan``) is *flattened*: its fields take its place.
-Pure Python: no numpy, no torch.
+A setting is declared once, as a field of its frozen config with its help and its check; every
+other form a user meets is generated from the fields, so a new setting appears in each by itself:
+flat keywords (:class:`FlatKeywords`: ``PackedDataset(samples, 2048, cp_placement="adaptive")``),
+a dataclass twin with other defaults (:func:`twin`: the Hydra ``packing`` node,
+``PackingArguments``) and command-line options (:func:`add_options`). A field holding a config
+(``PackedDatasetConfig.plan``) is flattened: its fields take its place. Pure Python.
 
 >>> from thdpack.packing import PackedDatasetConfig
 >>> [f.name for f, _ in flat_fields(PackedDatasetConfig, ("plan",))]  # doctest: +NORMALIZE_WHITESPACE

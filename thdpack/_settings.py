@@ -1,13 +1,10 @@
 """What every component config shares: its fields' help and checks, its fingerprint.
 
-A config holds settings: what a user chooses and a checkpoint must match on resume (pack size,
-algorithm, seed, ...). Each field is declared once with ``setting(help, default=..., check=...)``:
-its help text and its check are data on the field (``field.metadata``), so the config checks
-itself field by field, and the other forms of the config (flat keywords, ``PackingArguments``,
-command-line options: ``thdpack._config_forms``) show the same help and run the same checks.
-Runtime values (the CP size, the data-parallel rank and size, the tokenizer's pad id) come from
-the run, so they travel beside a config, never in it (``thdpack.packing.PackingRuntime``). Pure
-Python: no numpy, no torch.
+A config holds settings, what a user chooses and a checkpoint must match on resume. Each field is
+declared once with ``setting(help, default=..., check=...)``: the help and the check are data on
+the field, so the config checks itself field by field and its other forms (``thdpack._config_forms``)
+show the same help and run the same checks. Runtime values (the CP size, the DP rank and size, the
+pad id) travel beside a config, never in it (``thdpack.packing.PackingRuntime``). Pure Python.
 
 >>> check_int("pack_size", 2048, 1)
 2048

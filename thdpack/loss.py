@@ -1,56 +1,12 @@
 """Packed cross-entropy normalised over the whole global batch: DP ranks, CP ranks, micro-steps.
 
+A step's loss must equal the unpacked token mean over the global batch, and a mean of per-rank
+means does not (it weighs each token by 1 / its rank's loss tokens). ``StepLoss`` counts the
+step's loss tokens with one collective and divides every rank's summed loss by them; the recipe,
+the gradient-average factor ``G`` and the per-sequence mean are in docs/guides/own-loop.md.
+
 Legend: ``T`` tokens of this rank's micro-batch (a CP shard: the global pack's T / cp_size),
 ``V`` vocabulary, ``S`` sequences of a THD batch.
-
-The loss of an optimizer step must equal the unpacked token mean over the global batch,
-
-    L = sum of CE over every loss token of the global batch / number of those tokens,
-
-and its gradient must be that mean's gradient. The usual shortcut, a mean on each rank and
-micro-batch followed by averaging those means (mean-of-means), weighs every token by
-1 / (loss tokens on its rank and micro-batch): ranks and micro-batches with fewer loss tokens
-(more padding, shorter sequences, more masked prompt) count more, and the result changes with
-the packing, the CP size and the accumulation steps. Research note ring_attention.md section 8,
-pitfall 9: "sum token losses locally, all-reduce the sum and the count of non-ignored labels,
-divide — otherwise ranks with more padding are over-weighted".
-
-The recipe for one optimizer step of M micro-batches per rank (``StepLoss`` packages it):
-
-1. Before the micro-steps, ``denominator = count_loss_tokens([mb["labels"] for mb in mbs],
-   group=topology.dp_cp_group)``: this rank's loss tokens over its M micro-batches, all-reduced
-   (SUM) over the DP x CP group. One collective per step.
-2. Each micro-step: ``packed_cross_entropy(logits_TV, labels_T, denominator=denominator,
-   grad_average_size=G).backward()``: ``sum(local token losses) / denominator * G``. Gradient
-   accumulation sums the micro-steps' gradients, which is what the global mean needs.
-3. Gradient reduction. Every rank computed a disjoint part of one sum, so the step's gradient is
-   the SUM of all ranks' gradients. CP ranks hold the same parameters and each computes part of
-   every sequence's loss: their gradients are summed, never averaged. DDP and FSDP *average* over
-   their process group, so ``grad_average_size`` (G) is the size of the group your gradient
-   reduction averages over; the loss is multiplied by it and the average becomes the sum:
-
-   - one process, or you all-reduce (SUM) the gradients yourself over DP x CP: ``G = 1``
-   - DDP / FSDP over the DP group, plus your own all-reduce (SUM) over the CP group: ``G = dp_size``
-   - FSDP2 / DDP over the flattened DP x CP mesh (torchtitan's and NeMo's ``dp_shard_cp``):
-     ``G = dp_size * cp_size`` (``CpTopology.grad_average_size``: what thdpack's trainer, its
-     Trainer integrations and ``thdpack verify`` do, and what ``StepLoss.begin`` takes)
-
-4. Logging: the global loss is the SUM over ranks and micro-steps of ``local sum / denominator``
-   (``StepLoss.value()``: one more collective, only when you log).
-
-Per-sequence mean (``reduction="sequence_mean"``): every sequence's token mean, then the mean
-over the global batch's sequences (SFT recipes that do not want long answers to dominate).
-A sequence is cut across CP ranks (and a global batch across micro-batches and DP ranks), so no
-rank can take a sequence's mean alone. Instead ``loss_weights`` gives each token of the *global*
-THD batch, before CP sharding, the weight ``1 / (loss tokens of its sequence)``, reading the
-sequences from the batch's record; shard the weights like every other per-token tensor
-(``thd["loss_weights"] = loss_weights(thd["labels"], thd_meta(thd), ...)`` before ``cp.shard``),
-pass each micro-batch's weights, and the denominator becomes the global sum of
-weights, which is the number of sequences that have loss tokens. Token mean is the special case
-of weight 1 per loss token. A sequence that ``overflow="split"`` cut into pieces counts as one
-sequence per piece.
-
-A step with no loss token anywhere gives loss 0 and zero gradients (not NaN).
 
 >>> import math
 >>> logits_TV = torch.zeros(4, 3, dtype=torch.float64)       # uniform: CE = log 3 per token
@@ -203,12 +159,14 @@ def packed_cross_entropy(
     Args:
         logits_TV, labels_T, weights_T: as in ``cross_entropy_sum`` (this rank's CP shard).
         denominator: the step's ``count_loss_tokens`` / ``global_loss_denominator``.
-        grad_average_size: G, the number of ranks your gradient reduction AVERAGES over (module
-            docstring, step 3): 1 for one process or a SUM reduction, ``dp_size`` for DDP over DP
-            with CP gradients summed by you, ``dp_size * cp_size`` for FSDP over the DP x CP mesh.
-            Required, because the wrong value silently scales every gradient.
+        grad_average_size: G, the number of ranks your gradient reduction AVERAGES over
+            (docs/guides/own-loop.md, "The loss"): 1 for one process or a SUM reduction, ``dp_size``
+            for DDP over DP with CP gradients summed by you, ``dp_size * cp_size`` for FSDP over the
+            DP x CP mesh. Required, because the wrong value silently scales every gradient.
+        ignore_index: the label of tokens without loss.
 
-    Summed over micro-steps and ranks, ``loss / G`` is the global mean loss.
+    Returns:
+        A scalar tensor; summed over micro-steps and ranks, ``loss / G`` is the global mean loss.
     """
     if isinstance(grad_average_size, bool) or not isinstance(grad_average_size, int) or grad_average_size < 1:
         raise ValueError(
@@ -220,7 +178,16 @@ def packed_cross_entropy(
 
 
 class StepLoss:
-    """One optimizer step's globally normalised loss (the module recipe as an object).
+    """One optimizer step's globally normalised loss (docs/guides/own-loop.md, "The loss").
+
+    ``StepLoss.begin`` counts the step's denominator; call the object on every micro-batch and
+    ``backward()`` what it returns; ``value()`` is the global loss so far.
+
+    Args:
+        denominator: the step's global loss tokens (or sum of loss weights).
+        grad_average_size: G, the ranks the gradient reduction averages over.
+        group: the DP x CP process group ``value()`` sums over (None: this process alone).
+        ignore_index: the label of tokens without loss.
 
     >>> import math
     >>> from thdpack.cp.topology import CpTopology

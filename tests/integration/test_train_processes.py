@@ -191,8 +191,8 @@ def test_a_stopped_rank_ends_the_job_after_timeout_s_plus_torchruns_30_s(tmp_pat
     total = time.monotonic() - start
     assert 10 + 30 - 5 <= total < 10 + 30 + 30, total  # timeout_s, then torchrun's 30 s (and the launch's slack)
     assert "after timeout_s + 30 s in\n    all" in inspect.getsource(ParallelConfig)
-    readme = (REPO / "README.md").read_text()
-    assert "the job ends about\n`parallel.timeout_s` + 30 s after a rank stopped" in readme
+    operations = (REPO / "docs" / "guides" / "operations.md").read_text()
+    assert "the job ends about\n`parallel.timeout_s` + 30 s after a rank stopped" in operations
 
 
 def test_the_lock_of_a_dead_run_does_not_block_the_next(tmp_path, store):

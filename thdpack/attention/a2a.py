@@ -1,28 +1,15 @@
 """All-to-all context-parallel attention (DeepSpeed Ulysses, ``cp_comm_type="a2a"``), exact, any kernel.
 
-Each of the ``W`` ranks of the CP group holds ``T_local = T / W`` tokens of the batch (its shard)
-with every head. One all-to-all turns the shard's Q, K, V into ALL ``T`` tokens of the batch, in
-global storage order, for ``N / W`` of the heads; each rank attends whole sequences with the
-local kernel of the selected backend (math, varlen, flash, flex, sdpa) and the batch's global
-``cu_seqlens`` / ``cu_seqlens_padded``; a second all-to-all returns the output (and the LSE when
-asked) to the shard's rows with every head::
+One all-to-all turns each rank's shard of every head into every token of the batch for ``N / W``
+heads; the backend's local kernel attends whole sequences with the batch's global ``cu_seqlens``;
+a second all-to-all returns the output to the shard::
 
     rank r: q (T_local, Nq, H) --all-to-all--> (T, Nq/W, H) --kernel--> (T, Nq/W, Hv) --all-to-all--> (T_local, Nq, Hv)
 
-No sequence is cut into slivers and every rank does the same work (its ``1/W`` of the heads of
-every sequence), whatever the lengths; the price is two all-to-alls per layer forward (Q, K, V
-in; O out) and two backward (dO in; dQ, dK, dV out): autograd through the exchanges, whose
-gradients are the opposite exchanges, and through the kernel's own backward. Nothing is
-approximated: the result is the kernel's on the whole batch.
-
-The exchange works from where each rank's rows sit in the global batch
-(:func:`thdpack.cp.partition.rank_token_indices`; :class:`~thdpack.cp.partition.GatherOrder`
-inverts their rank-major concatenation), so any layout whose ranks hold equally many tokens
-works unchanged: Transformer Engine's dual-chunk layout, or a per-document placement.
-
-Heads: ``W`` must divide ``Nq``. Where ``W`` does not divide ``Nkv`` (e.g. 8 KV heads at cp 16,
-or MQA), each KV head is repeated first (:mod:`thdpack.attention.heads`), so each rank receives
-just the KV heads its query heads use.
+No sequence is cut into slivers and every rank does the same work whatever the lengths. The
+exchange reads where each rank's rows sit in the batch (``rank_token_indices``), so TE's layout
+and a per-sequence placement work alike. ``W`` must divide ``Nq``; KV heads are repeated where it
+does not divide ``Nkv`` (``thdpack.attention.heads``).
 
 Legend: ``T`` tokens of the whole batch, ``T_local`` of this rank, ``W`` ranks, ``N`` heads
 (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.

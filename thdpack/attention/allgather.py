@@ -1,13 +1,10 @@
 """All-gather-KV context-parallel attention (Llama 3 style), exact, without TE.
 
 Every rank gathers all ranks' K/V (with their own Nkv heads: cheap under GQA), puts them back in
-storage order, and attends its own load-balanced queries (chunks r and 2n-1-r of each sequence)
-to them with the per-token mask ``same sequence & real key & (causal) pos_q >= pos_k``; no LSE
-merge is needed. The backward reduce-scatters dK/dV (in fp32) back to their owners.
-
-Compared with the ring (:mod:`thdpack.attention.ring`): one collective instead of n overlapped hops and
-a full-sequence K/V buffer per rank; it is also an independent implementation to check the ring
-against. Tiles use the math kernel (any device and dtype).
+storage order and attends its own load-balanced queries to them with the per-token mask; no LSE
+merge is needed. The backward reduce-scatters dK/dV (fp32) back to their owners. Against the ring:
+one collective instead of n overlapped hops, a full K/V buffer per rank, and an independent
+implementation to check the ring with. Tiles use the math kernel.
 
 Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 """
@@ -63,9 +60,19 @@ def allgather_attention(
     causal: bool = True,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather-KV attention of this rank's shard.
+    """All-gather-KV attention of this rank's shard (math tiles).
 
-    Same arguments and results as :func:`thdpack.attention.ring.ring_attention` (math tiles).
+    Args:
+        q_TNH, k_TNH, v_TNH: this rank's shard of q (T, Nq, H), k (T, Nkv, H) and v (T, Nkv, Hv),
+            as ``thdpack.attention.ring_attention`` takes them.
+        meta: the shard's record (``cp_size``, ``cp_rank``, the global lengths).
+        cp_group: the CP process group (None: one rank).
+        causal: causal attention inside each sequence.
+        scale: the softmax scale.
+
+    Returns:
+        ``out_TNH`` (T, Nq, Hv) in q's dtype and ``lse_NT`` (Nq, T) of this rank's queries, as
+        ``ring_attention``.
     """
     device = q_TNH.device
     order = gather_order(meta, device).gathered_of_global_T

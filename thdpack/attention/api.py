@@ -46,8 +46,8 @@ def thd_attention(
         k: (T, Nkv, H) keys; ``Nq % Nkv == 0`` (GQA: query head h uses KV head ``h // (Nq/Nkv)``).
         v: (T, Nkv, Hv) values. q, k, v share one device and one float dtype.
         thd: the batch's metadata: ``cu_seqlens`` ((S+1,) int32, GLOBAL real lengths, ``[0] == 0``,
-            non-decreasing), ``cu_seqlens_padded`` ((S+1,) int32, GLOBAL storage slots, each slot
-            >= its real length, a multiple of ``2*cp_size`` under CP, ``[-1] == T * cp_size``),
+            non-decreasing), ``cu_seqlens_padded`` ((S+1,) int32, GLOBAL storage slots, each at
+            least its real length, a multiple of ``2*cp_size`` under CP, ``[-1] == T * cp_size``),
             ``max_seqlen`` (Python int >= the widest slot); on a CP shard the record
             ``thdpack.cp.shard`` gives it (or ``cp_size`` / ``cp_rank`` keys). A batch thdpack
             made carries its validated record; any other is validated by the first call, which

@@ -1,17 +1,11 @@
 """FlashAttention-2 attention tiles on CUDA (fp16 / bf16), through PyTorch's built-in kernels.
 
-``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward`` are the varlen
-FlashAttention-2 kernels that ``torch.nn.attention.varlen.varlen_attn`` wraps (torch >= 2.2 ships
-them; their positional arguments have not changed since). The ring needs them directly because
-``varlen_attn``'s autograd drops the LSE gradient and cannot take a globally merged out / LSE,
-which the backward recomputation needs (research/ring_attention.md sections 1.1, 5.6, 7).
-
-Conventions handled here: cu_seqlens int32; LSE ``(Nq, Tq)`` fp32; an empty key set gives
-``lse = +inf`` (normalised to ``-inf`` on the way out, and fed back as ``+inf`` so the backward
-kernel computes ``P = 0``). Causal tiles are square per sequence, so the bottom-right alignment of
-FlashAttention never matters. For non-causal tiles with padded keys only the real keys are fed
-(they are a prefix of every sequence's rows), because FlashAttention-2 cannot mask keys inside a
-sequence.
+The ring calls ``torch.ops.aten._flash_attention_forward`` / ``_backward`` directly, not
+``varlen_attn``, because ``varlen_attn``'s autograd drops the LSE gradient and cannot take the
+globally merged out / LSE the backward recomputation needs. Conventions handled here:
+``cu_seqlens`` int32, LSE ``(Nq, Tq)`` fp32, an empty key set's ``lse = +inf`` (``-inf`` outside,
+fed back as ``+inf`` so the backward computes ``P = 0``). Only real keys are fed to non-causal
+tiles, since FlashAttention-2 cannot mask keys inside a sequence.
 
 Legend: ``T`` rows, ``N`` heads, ``H`` head dim.
 """

@@ -1,12 +1,9 @@
 """Head counts under an exchange that splits the heads over the ``W`` ranks of a CP group.
 
-An all-to-all exchange (thdpack's :mod:`thdpack.attention.a2a`, or Transformer Engine's own with
-``cp_comm_type="a2a"``) gives each rank ``Nq / W`` query heads, so ``W`` must divide ``Nq``. Where
-``W`` does not divide ``Nkv`` (e.g. 8 KV heads at cp 16, or MQA), each KV head is repeated
-``f = lcm(Nkv, W) / Nkv`` times before the exchange. The result is GQA again (query head ``h``
-meets a copy of KV head ``h // (Nq / Nkv)``), with ``Nkv * f`` heads that ``W`` divides, so each
-rank receives just the ``Nkv * f / W`` KV heads its query heads use; autograd adds the copies'
-gradients. Transformer Engine refuses such counts itself, so its backend repeats the same way.
+All-to-all gives each rank ``Nq / W`` query heads, so ``W`` must divide ``Nq``. Where it does not
+divide ``Nkv`` (8 KV heads at cp 16, MQA), each KV head is repeated ``f = lcm(Nkv, W) / Nkv``
+times first: the copies are GQA again with ``Nkv * f`` heads that ``W`` divides, so each rank
+receives just the KV heads its query heads use, and autograd adds the copies' gradients.
 
 Legend: ``T`` tokens, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head dim, ``W`` ranks.
 """

@@ -1,14 +1,10 @@
 """Attention masks for backends without varlen kernels, all from the same THD metadata.
 
-Every mask here is :func:`visible`, the one mask rule: query token ``q`` may attend key token
-``k`` iff both belong to the same sequence, ``k`` is not after ``q`` (when causal) and ``k`` is a
-real token. The per-token :class:`~thdpack.thd.tokens.TokenPlacement` (sequence index, position
-in the padded slot, real or padding) comes from the batch's validated record alone, so it is
-correct in any storage order: a global batch, a CP shard (chunks ``r`` and ``2W-1-r`` of every sequence), or a shard's
-queries against all-gathered keys.
-
-Padding queries attend the real tokens of their own sequence (never an empty row, so no NaN);
-padding keys are never attended, so padding cannot reach a real token.
+:func:`visible` is the one mask rule: query ``q`` sees key ``k`` iff both are in one sequence,
+``k`` is real and, when causal, not after ``q``. The per-token facts come from the batch's record,
+so the rule holds in any storage order (a batch, a CP shard, a shard against all-gathered keys).
+Padding queries see their sequence's real tokens (never an empty row, so no NaN); padding keys
+are never seen.
 
 Legend: ``T`` tokens of a batch or shard (``Tq`` queries, ``Tk`` keys), ``S`` sequences,
 ``B`` rows and ``L`` row length of a BSHD batch.

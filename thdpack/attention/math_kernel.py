@@ -1,18 +1,12 @@
 """Exact attention tiles in plain PyTorch: any device, any float dtype, bounded memory.
 
-A tile is "the rows of side Q attend to the rows of side K" (:class:`~thdpack.thd.tokens.TokenPlacement`:
-rows grouped by sequence, with positions and real-token flags). Row i sees key j iff both belong
-to the same sequence, key j is a real token and, when causal, ``pos[i] >= pos[j]``. The mask comes
-from those per-token facts, never from the tile's shape, so the same kernel serves the
-single-device backend, every ring step and the all-gather variant.
-
-Memory: the sequences are cut into blocks whose score matrix has at most ``_SCORE_BUDGET``
-elements (several short sequences share a block; a long one is split by query rows), so cost is
-O(sum of per-sequence squares), never O(T^2) over the whole pack.
-
-The backward takes the GLOBAL softmax statistics of its rows (the final LSE and
-``delta = rowsum(dO * O) - dLSE``), which makes per-tile gradients sum to the exact gradient of
-the attention over all tiles (FlashAttention's recomputation identity).
+A tile is "the rows of side Q attend to the rows of side K": row i sees key j iff both are in one
+sequence, j is real and, when causal, ``pos[i] >= pos[j]``. The mask comes from these per-token
+facts, never from the tile's shape, so one kernel serves the single-device backend, every ring
+step and the all-gather. Sequences are cut into blocks of at most ``_SCORE_BUDGET`` scores, so the
+cost is O(sum of per-sequence squares), never O(T^2). The backward takes the global softmax
+statistics of its rows, so per-tile gradients sum to the exact gradient (FlashAttention's
+recomputation identity).
 
 Legend: ``T`` rows (``Tq`` query, ``Tk`` key), ``N`` heads (``Nq`` query, ``Nkv`` key/value,
 ``G = Nq / Nkv`` query heads per KV head), ``H`` head dim.

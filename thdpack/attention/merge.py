@@ -1,15 +1,11 @@
 """Log-sum-exp arithmetic shared by every tiled attention path, and their one autograd function.
 
-Attention over a key set split into disjoint parts is exact when the parts' partial results
-are merged by their log-sum-exp (LSE): with ``lse = log(e^lse_a + e^lse_b)``,
-``out = e^(lse_a - lse) * out_a + e^(lse_b - lse) * out_b``. Both weights are <= 1, so nothing
-overflows. A row with no visible key has ``out = 0`` and ``lse = -inf``; merging two such rows
-must give ``0`` and ``-inf`` again, never NaN.
-
-The backward of every tiled path (the math tiles, the ring, the simulated ring, the all-gather)
-recomputes its tiles from the final ``out`` and ``lse`` (FlashAttention's scheme): each path is an
-:class:`LseAttention` (its forward and backward), and :func:`differentiable_attention` is the
-one autograd function around them.
+Attention over a key set split into disjoint parts is exact when the partial results merge by
+their log-sum-exp: ``lse = log(e^lse_a + e^lse_b)``, ``out = e^(lse_a - lse) * out_a + e^(lse_b -
+lse) * out_b`` (both weights <= 1, so nothing overflows; two empty rows merge to ``0`` and
+``-inf``, never NaN). Every tiled path (math tiles, the ring, the all-gather) recomputes its tiles
+in the backward from the final ``out`` and ``lse``: each is an :class:`LseAttention`, and
+:func:`differentiable_attention` is the one autograd function around them.
 
 Legend: ``T`` tokens (rows), ``N`` heads, ``H`` head dim.
 """

@@ -1,23 +1,13 @@
 """Attention of a CP shard under a per-sequence placement: each part by its own path, one output.
 
-Under a per-sequence placement (``plan_packs(..., cp_placement="adaptive")``,
-docs/design/cp_placement.md) a rank's rows come in parts (``thdpack.thd.parts``): one per split group
-that holds sequences of the rank (largest group first), then its whole sequences.
-
-- A split group's rows are a Transformer Engine shard of the group's sequences over its ``g``
-  ranks (the part's record: ``cp_size = g``, ``cp_rank`` = the rank in the group, the group's own
-  ``cu_seqlens``), so the existing CP algorithm runs them unchanged: the ring, the all-gather or
-  TE's own CP attention, over the group's process group (``CpTopology.group``: the CP group for
-  a group of all CP ranks, a placement group of the run's topology for a smaller one).
-  Only these sequences' K/V travel, only within their group.
-- The whole part runs the backend's own kernel on one device, with the whole sequences'
-  ``cu_seqlens``: no communication. (Padding entries have no real token: no work.)
-
-The parts' rows are back to back in shard order, so the outputs (and LSEs) concatenate into the
-shard's one buffer; autograd hands each part its rows' gradient, and every part's backward is its
-path's own. Every rank of a group meets the group's collectives in the same order (parts follow
-the placement, which every rank shares; nested groups are visited largest first). A batch with
-no split sequence communicates nothing.
+A placed shard's rows come in parts (``thdpack.thd.parts``): one per split group holding
+sequences of the rank (largest first), each a TE-layout shard of the group's sequences that the
+backend's CP algorithm runs over that group's process group (``CpTopology.group``), then the
+whole sequences, which the backend's kernel runs with no communication. The parts' rows are back
+to back in shard order, so their outputs concatenate into the shard's buffer and autograd gives
+each part its rows' gradient. Every rank of a group meets its collectives in the same order: the
+parts follow the shared placement, nested groups largest first. A batch without split sequences
+communicates nothing.
 
 Legend: ``T`` tokens on this rank, ``N`` heads, ``H`` head dim.
 """

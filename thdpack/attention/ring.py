@@ -1,8 +1,8 @@
 """Exact ring attention (P2P) over Transformer Engine's load-balanced THD layout, without TE.
 
-Rank r of n holds chunks r ("front half") and 2n-1-r ("back half") of every sequence. The K/V
-blocks travel around the ring (send to r+1, receive from r-1); at step s rank r holds the block of
-``src = (r - s) mod n`` and computes one tile (TE's schedule, research/ring_attention.md 5.3)::
+Rank r of n holds chunks r (front) and 2n-1-r (back) of every sequence. K/V blocks travel around
+the ring; at step s rank r holds the block of ``src = (r - s) mod n`` and computes one tile (TE's
+schedule)::
 
     causal, s == 0       all q  x all kv    causal (local order is monotone in position)
     causal, 1 <= s <= r  all q  x front kv  full   (chunk src precedes both query chunks;
@@ -11,14 +11,11 @@ blocks travel around the ring (send to r+1, receive from r-1); at step s rank r 
                                                     query chunk 2n-1-r follows both)
     non-causal           all q  x all kv    full   (padded keys masked)
 
-so every step after the first is half a tile: the work is the same on every rank. Partial
-results merge by their log-sum-exp in fp32 (fp64 for fp64 inputs). The backward recomputes each
-tile with the GLOBAL out / LSE; dQ stays local and the dK/dV accumulator travels with its K/V
-block, arriving back at its owner after n hops. K/V are sent with their own Nkv heads (GQA).
-
-Tile kernels: ``"math"`` (any device and dtype; the CPU/gloo path) and ``"flash"`` (CUDA fp16 /
-bf16, PyTorch's FlashAttention-2; a gradient of the returned LSE switches its backward tiles to
-the math kernel, since FlashAttention cannot take one).
+so every step after the first is half a tile and every rank does the same work. Partial results
+merge by their log-sum-exp in fp32 (fp64 for fp64 inputs). The backward recomputes each tile with
+the global out / LSE; the dK/dV accumulator travels with its K/V block back to its owner. Tile
+kernels: ``"math"`` (any device and dtype) and ``"flash"`` (CUDA fp16 / bf16, PyTorch's
+FlashAttention-2).
 
 Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 """

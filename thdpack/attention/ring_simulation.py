@@ -1,11 +1,9 @@
 """A whole context-parallel ring in one process: ranks as threads, messages through mailboxes.
 
-:func:`simulated_ring_attention` takes the GLOBAL (unsharded) q/k/v of a THD batch, shards them
-with Transformer Engine's partition, runs :mod:`thdpack.attention.ring`'s forward and backward for every
-rank concurrently (the same code the process-group path runs, talking to :class:`ThreadRing`
-instead of ``batch_isend_irecv``), and returns the global out / LSE, differentiable. It needs no
-process group, so exactness checks (gradcheck included) and single-GPU checks of the tile
-kernels run anywhere.
+:func:`simulated_ring_attention` shards global q/k/v with TE's partition and runs the ring's
+forward and backward for every rank concurrently (the same code the process-group path runs,
+talking to :class:`ThreadRing`), returning the global out / LSE, differentiable. It needs no
+process group, so exactness checks (gradcheck included) and single-GPU tile checks run anywhere.
 
 Legend: ``T`` tokens (global), ``N`` heads, ``H`` head dim.
 """

@@ -1,49 +1,11 @@
 """Which backend runs a call: the backend table, the ``auto`` preferences and the log line.
 
-:data:`BACKEND_TABLE` holds one :class:`~thdpack.attention.backends.base.AttentionBackend` per
-backend (one module each in :mod:`thdpack.attention.backends`); :data:`CP_ALGORITHMS` holds
-thdpack's context-parallel algorithms, which a backend's ``cp`` names for a CP shard.
-
-``auto`` walks :data:`PREFERENCES` for the situation (device, dtype, context parallelism, whether
-the LSE or gradients are needed) and takes the first backend that can run; the choice and the
-reasons the faster ones were skipped are logged once per distinct outcome on the
-``thdpack.attention`` logger (INFO). An explicit backend that cannot run raises: ``ImportError``
-when a package is missing (naming what to install), ``ValueError`` when the situation does not
-fit (naming what to pick instead).
-
-Preferences (fastest first):
-
-=================================  ===============================================================
-CUDA fp16/bf16, no CP              te, flash, varlen, flex, sdpa, math
-CUDA fp16/bf16, CP                 te (TE's own CP), flash (thdpack ring, FlashAttention-2 tiles), varlen
-                                   (the same ring), math
-CUDA fp32                          flex (fused Triton kernel), math
-CPU, with or without CP            math (exact tiles with backward; flex has no CPU backward in
-                                   torch >= 2.11; sdpa needs a dense T x T mask, returns no LSE)
-=================================  ===============================================================
-
-On a shard of a per-sequence CP placement a backend runs its whole sequences with its own kernel
-and its split ones with its CP algorithm (``AttentionBackend.split_algorithm``), so it must be
-able to do both: ``flash`` then needs flash-attn (its kernel), ``varlen`` torch >= 2.10, and
-``sdpa`` / ``flex`` (no CP path of their own) take thdpack's math algorithms for the split part.
-
-With ``cp_comm_type="a2a"`` the kernel runs on whole sequences after thdpack's all-to-all
-(:mod:`thdpack.attention.a2a`; ``te`` runs its own, except on a placement's shard, where
-``te``'s kernel runs inside thdpack's all-to-all too), so the preferences are those of the same
-device and dtype without CP, and the log line says so.
-
-Every candidate states its own problem (``AttentionBackend.problem``), so ``auto`` skips what
-would crash on the GPU at hand: FlashAttention-2 kernels (``flash``, ``varlen``, the ring's FA2
-tiles) below compute capability 8.0, for head dims that are not a multiple of 8 or exceed 256, or
-when V's head dim differs from Q's (``flash_kernel.unavailable_reason``); ``te`` with
-``cp_comm_type="all_gather"`` before Transformer Engine 2.18 (no THD in its all-gather CP), and
-wherever TE's own rules leave it no backend (``backends/te_rules.py``: padding between sequences
-drops FlashAttention 2 and the unfused kernel, so under CP only cuDNN or FlashAttention 3 remain);
-``flash`` with flash-attn before 2.6 (another LSE shape).
-
-On CPU the math kernel's per-sequence tiles beat SDPA's dense masked kernel as packs grow
-(``benchmarks/attention_bench.py``, 2 cores, fp32, 8/2 heads x 64, SFT-like packs, forward +
-backward: 56 vs 67 ms at 1024 tokens, 0.47 vs 1.08 s at 4096, 0.77 vs 4.43 s at 8192).
+:data:`BACKEND_TABLE` holds one ``AttentionBackend`` per backend (one module each in
+``thdpack.attention.backends``) and :data:`CP_ALGORITHMS` thdpack's context-parallel algorithms,
+which a backend's ``cp`` names for a CP shard. ``auto`` walks :data:`PREFERENCES` for the call's
+situation and takes the first backend whose ``problem`` is None, logging the choice and why the
+faster ones were skipped; a backend forced by name that cannot run raises (``ImportError``
+naming the extra, or ``ValueError`` naming what to pick instead).
 """
 
 from __future__ import annotations

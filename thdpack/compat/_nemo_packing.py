@@ -56,15 +56,25 @@ def pack_dataset(
     """NeMo AutoModel's ``pack_dataset``: order-preserving next-fit packs, identical to NeMo's.
 
     Built on ``plan_packs(..., algorithm="sequential")``. Differences, all on inputs NeMo
-    mishandles: ``packed_sequence_size % (2*cp_size) != 0`` with ``cp_size > 1`` raises
-    ``ValueError`` (NeMo crashes or corrupts packs); a missing split of a ``DatasetDict`` raises;
-    samples are never modified (NeMo writes -100 into the caller's labels and pops
-    ``loss_mask``); a sample without ``labels`` gets next-token labels; samples dropped by
-    ``drop_long_samples=True`` are logged as a WARNING with their count and tokens.
+    mishandles: a missing split of a ``DatasetDict`` raises; samples are never modified (NeMo writes
+    -100 into the caller's labels and pops ``loss_mask``); a sample without ``labels`` gets
+    next-token labels; samples dropped by ``drop_long_samples=True`` are logged as a WARNING with
+    their count and tokens.
 
-    Returns a ``datasets.Dataset`` with columns ``input_ids, labels, position_ids, seq_lens,
-    seq_lens_padded`` (lists of ints) when the ``datasets`` package is installed, else a list of
-    dicts of the same lists.
+    Args:
+        dataset: samples (``input_ids``, optionally ``labels`` / ``loss_mask``), or a ``DatasetDict``.
+        split: the split of a ``DatasetDict`` to pack.
+        packed_sequence_size: tokens per pack; with ``cp_size > 1`` a multiple of ``2*cp_size``
+            (else ``ValueError``: NeMo crashes or corrupts packs).
+        max_packs: stop after this many packs (None: all).
+        padding_idx: the pad token id.
+        drop_long_samples: drop samples longer than a pack (else ``ValueError``).
+        cp_size: the context-parallel size the packs are laid out for.
+
+    Returns:
+        A ``datasets.Dataset`` with columns ``input_ids, labels, position_ids, seq_lens,
+        seq_lens_padded`` (lists of ints) when the ``datasets`` package is installed, else a list of
+        dicts of the same lists.
 
     >>> rows = ([1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14])
     >>> base = [{"input_ids": ids, "labels": ids} for ids in rows]
@@ -180,19 +190,23 @@ def _mask_span(mask: Any, index: int, length: int) -> tuple[int, int]:
 def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """NeMo AutoModel's ``packed_sequence_thd_collater``: ``thdpack.collate`` plus NeMo's names.
 
-    Packs (items with ``seq_lens``) are stacked by ``thdpack.collate``: ``input_ids``, ``labels``,
-    ``position_ids`` become (B, L) int64; ``seq_lens`` and ``seq_lens_padded`` (B, S) int64
-    right-padded with -1000; every width is checked against ``input_ids``. Items without
-    ``seq_lens`` are single sequences: each is padded to the longest (``input_ids`` with the pad
-    id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with -100), real length =
-    ``sum(attention_mask)`` or the length, then collated the same way. An ``attention_mask`` must
+    Items without ``seq_lens`` are single sequences: each is padded to the longest (``input_ids``
+    with the pad id of ``___PAD_TOKEN_IDS___['input_ids']`` or 0, ``labels`` with -100), real length
+    = ``sum(attention_mask)`` or the length, then collated the same way. An ``attention_mask`` must
     mark one run of tokens at the start (right padding, NeMo's reading) or at the end of the item
-    (left padding: NeMo would take the pad tokens for the sequence; thdpack moves the real tokens
-    to the front and pads after them, labels -100); any other mask raises ``ValueError`` naming
-    the item. Returns those five keys plus ``qkv_format="thd"``; ``{}`` for an empty batch. Items
-    are not modified. A batch mixing packs with single sequences raises ``ValueError``; packs of
-    different lengths raise ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError``
-    NeMo's ``torch.stack`` raises.
+    (left padding: NeMo would take the pad tokens for the sequence; thdpack moves the real tokens to
+    the front and pads after them, labels -100); any other mask raises ``ValueError`` naming the
+    item. Items are not modified.
+
+    Args:
+        batch: packs (items with ``seq_lens``) or single sequences, not both (``ValueError``).
+
+    Returns:
+        ``input_ids``, ``labels``, ``position_ids`` (B, L) int64, ``seq_lens`` and
+        ``seq_lens_padded`` (B, S) int64 right-padded with -1000 (every width checked against
+        ``input_ids``), and ``qkv_format="thd"``; ``{}`` for an empty batch. Packs of different
+        lengths raise ``NemoRuntimeError``, a ``ValueError`` and the ``RuntimeError`` NeMo's
+        ``torch.stack`` raises.
 
     >>> a = {"input_ids": [1, 2, 3, 0], "labels": [2, 3, -100, -100], "position_ids": [0, 1, 2, 3],
     ...      "seq_lens": [3], "seq_lens_padded": [4]}
@@ -225,11 +239,15 @@ def packed_sequence_thd_collater(batch: Sequence[Mapping[str, Any]]) -> dict[str
 
 
 def create_block_causal_mask(seq_lens: Sequence[torch.Tensor] | torch.Tensor) -> torch.Tensor:
-    """NeMo's block-causal mask: (B, 1, L, L) bool, True where query i may attend to key j.
+    """NeMo's block-causal mask: True where query i may attend to key j.
 
-    ``seq_lens[b]`` lists row b's sequence lengths; pass ``seq_lens_padded`` (sums to the pack
-    size), not ``seq_lens``. Entries equal to -1000 (the collater's filler) are ignored; rows
-    that sum to different lengths raise ``ValueError``.
+    Args:
+        seq_lens: ``seq_lens[b]`` lists row b's sequence lengths; pass ``seq_lens_padded`` (sums to
+            the pack size), not ``seq_lens``. Entries equal to -1000 (the collater's filler) are
+            ignored; rows that sum to different lengths raise ``ValueError``.
+
+    Returns:
+        (B, 1, L, L) bool.
 
     >>> create_block_causal_mask([torch.tensor([2, 1])]).int()[0, 0].tolist()
     [[1, 0, 0], [1, 1, 0], [0, 0, 1]]

@@ -126,16 +126,17 @@ def process_input_for_thd(
         seq_lens_padding_value: the filler, -1000.
         padding_token_id: see the module docstring of ``thdpack.compat.nemo`` (unused).
 
-    Returns a dict, keys in NeMo's order: ``input_ids`` (T,) / (T, H), ``position_ids`` (T,) /
-    (R, 1, T), ``cu_seqlens`` (S+1,) int32 from real lengths, ``labels`` (T,),
-    ``padding_mask`` (T,) bool (True = padding), ``cu_seqlens_padded`` (S+1,) int32 only when it
-    differs from ``cu_seqlens``, ``max_seqlen`` 0-dim int32 = max slot of ``cu_seqlens``, then
-    every other key of ``batch`` except ``seq_lens`` / ``seq_lens_padded``. When the only
-    padding is at the very end, the last boundary absorbs it (``cu_seqlens[-1] = T``) and no
-    ``cu_seqlens_padded`` is emitted. Raises ``ValueError`` for any width other than
-    ``input_ids``' and for lengths that do not match the rows, and for a missing ``seq_lens``
-    (NeMo then falls back to token values) ``NemoKeyError``, a ``ValueError`` and the
-    ``KeyError`` NeMo raises for a missing key.
+    Returns:
+        A dict, keys in NeMo's order: ``input_ids`` (T,) / (T, H), ``position_ids`` (T,) /
+        (R, 1, T), ``cu_seqlens`` (S+1,) int32 from real lengths, ``labels`` (T,),
+        ``padding_mask`` (T,) bool (True = padding), ``cu_seqlens_padded`` (S+1,) int32 only when it
+        differs from ``cu_seqlens``, ``max_seqlen`` 0-dim int32 = max slot of ``cu_seqlens``, then
+        every other key of ``batch`` except ``seq_lens`` / ``seq_lens_padded``. When the only
+        padding is at the very end, the last boundary absorbs it (``cu_seqlens[-1] = T``) and no
+        ``cu_seqlens_padded`` is emitted. Raises ``ValueError`` for any width other than
+        ``input_ids``' and for lengths that do not match the rows, and for a missing ``seq_lens``
+        (NeMo then falls back to token values) ``NemoKeyError``, a ``ValueError`` and the
+        ``KeyError`` NeMo raises for a missing key.
 
     >>> batch = {"input_ids": torch.tensor([[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11]]),
     ...          "labels": torch.tensor([[2, 3, 99, 4, 5, 6], [7, 8, 9, 10, 11, 12]]),
@@ -200,13 +201,20 @@ def split_batch_into_thd_chunks(
 ) -> dict[str, Any]:
     """NeMo's ``split_batch_into_thd_chunks``: ``process_input_for_thd`` on C groups of rows.
 
-    ``num_chunks <= 1`` is ``process_input_for_thd(batch)``. Otherwise ``thdpack.thd.split_micro_batches``
-    cuts the batch into chunks of ``B/C`` consecutive rows; ``input_ids``, ``labels``,
-    ``position_ids``, ``padding_mask`` are stacked to (C, T/C), ``cu_seqlens`` to (C, K) int32
-    right-padded with the filler, ``cu_seqlens_padded`` likewise when any chunk has one (others
-    contribute ``cu_seqlens``), ``max_seqlen`` to (C,) int32; non-tensor keys are kept.
-    ``B % num_chunks != 0`` raises ``ValueError`` (NeMo silently drops the remainder rows), as
-    does mRoPE position_ids; a missing ``seq_lens`` raises ``NemoKeyError``.
+    Args:
+        batch: a collated BSHD batch of B rows.
+        num_chunks: C; ``<= 1`` is ``process_input_for_thd(batch)``; ``B % C != 0`` raises
+            ``ValueError`` (NeMo silently drops the remainder rows).
+        seq_lens_padding_value: the filler, -1000.
+        padding_token_id: unused (see ``process_input_for_thd``).
+
+    Returns:
+        ``thdpack.thd.split_micro_batches`` chunks of ``B/C`` consecutive rows, each through
+        ``process_input_for_thd``, stacked: ``input_ids``, ``labels``, ``position_ids``,
+        ``padding_mask`` to (C, T/C), ``cu_seqlens`` to (C, K) int32 right-padded with the filler,
+        ``cu_seqlens_padded`` likewise when any chunk has one (others contribute ``cu_seqlens``),
+        ``max_seqlen`` to (C,) int32; non-tensor keys kept. mRoPE position ids raise ``ValueError``,
+        a missing ``seq_lens`` ``NemoKeyError``.
 
     >>> batch = {"input_ids": torch.arange(8).reshape(2, 4), "labels": torch.arange(8).reshape(2, 4),
     ...          "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1]]),
@@ -313,18 +321,27 @@ def make_cp_batch_for_te(
 ) -> dict[str, Any] | tuple[dict[str, Any], torch.Tensor | None]:
     """NeMo's ``make_cp_batch_for_te``: BSHD batch -> THD -> this CP rank's shard for TE.
 
-    ``cp_mesh`` is a ``DeviceMesh`` (or anything with ``size()`` and ``get_group()``); the rank
-    is ``torch.distributed.get_rank(group=cp_mesh.get_group())``. With ``cp_mesh`` None or of
-    size 1 the THD batch (``split_batch_into_thd_chunks``) is returned unsharded. Otherwise
-    every token tensor is re-indexed with ``partition_indices`` (Transformer Engine's
-    ``thd_get_partitioned_indices``: rank r keeps chunks r and 2*cp-1-r of every sequence), and
-    as NeMo does, ``cu_seqlens`` becomes the *padded* boundaries (global, int32), ``max_seqlen``
-    the largest padded sequence (global), ``cu_seqlens_padded`` is dropped, and ``qkv_format``,
-    ``cp_size``, ``cp_rank`` are added; ``input_ids`` (if integer), ``labels`` and
-    ``position_ids`` are int64. ``num_chunks > 1`` shards each chunk and stacks (``cu_seqlens``
-    keeps the -1000 filler). Padded lengths not divisible by ``2*cp_size`` raise ``ValueError``
-    (TE silently duplicates and drops tokens). ``return_local_indices`` also returns this rank's
-    global token indices (an ``arange`` without CP; None with chunks).
+    Args:
+        cp_mesh: a ``DeviceMesh`` (or anything with ``size()`` and ``get_group()``); the rank is
+            ``torch.distributed.get_rank(group=cp_mesh.get_group())``. None or of size 1: the THD
+            batch (``split_batch_into_thd_chunks``) is returned unsharded.
+        batch: a collated BSHD batch (``packed_sequence_thd_collater``).
+        qkv_format: recorded in the output, as NeMo does.
+        padding_token_id: accepted for NeMo's signature, unused (the layout says what is padding).
+        num_chunks: above 1, each chunk is sharded and the shards stacked (``cu_seqlens`` keeps the
+            -1000 filler).
+        seq_lens_padding_value: the filler, -1000.
+        return_local_indices: also return this rank's global token indices (an ``arange`` without
+            CP; None with chunks).
+
+    Returns:
+        The shard, every token tensor re-indexed with ``partition_indices`` (rank r keeps chunks r
+        and 2*cp-1-r of every sequence) and, as NeMo does, ``cu_seqlens`` the *padded* boundaries
+        (global, int32), ``max_seqlen`` the largest padded sequence (global), ``cu_seqlens_padded``
+        dropped, ``qkv_format``, ``cp_size``, ``cp_rank`` added; ``input_ids`` (if integer),
+        ``labels`` and ``position_ids`` int64. With ``return_local_indices``, ``(shard, indices)``.
+        Padded lengths not divisible by ``2*cp_size`` raise ``ValueError`` (TE silently duplicates
+        and drops tokens).
     """
     if qkv_format != "thd":
         raise ValueError(f"Currently only 'thd' format is supported, got: {qkv_format}")

@@ -1,22 +1,11 @@
 """Communication for context-parallel attention: ring neighbour exchange and row collectives.
 
-:class:`RingComm` is what the ring algorithm talks to: ``send_recv(tensors)`` starts sending a
-list of tensors to the next rank and receiving same-shaped ones from the previous rank, and
-returns a handle whose ``wait()`` gives the received list. Anything with ``rank``, ``size`` and
-that method works (the tests drive the same algorithm with an in-process stub).
-
-Works with gloo (CPU) and NCCL (CUDA); uses ``batch_isend_irecv`` with even ranks sending
-first, so no backend can deadlock on the pairing order.
-
-The row collectives: :func:`all_gather_rows` / :func:`reduce_scatter_rows` (the all-gather CP
-path) and :func:`all_to_all_blocks` (the all-to-all path): ``all_to_all_single`` with equal
-blocks, which gloo implements as well as NCCL (torch 2.13 checked: ``tests/distributed``), so
-the CPU path runs the same collective as the GPU one. Each ends in :func:`finish`, which keeps
-gloo's worker threads from freeing Python objects while the interpreter exits (the process then
-aborts); :func:`release_collectives` is the last step of a process's teardown.
-
-The process groups these run over come from the caller (``thdpack.cp.topology.CpTopology`` holds
-a run's CP group and its placement groups).
+:class:`RingComm` is what the ring talks to: ``send_recv(tensors)`` sends to the next rank and
+receives from the previous one (``batch_isend_irecv``, even ranks first, so no backend deadlocks
+on the pairing order). The row collectives serve the all-gather path (:func:`all_gather_rows` /
+:func:`reduce_scatter_rows`) and the all-to-all path (:func:`all_to_all_blocks`, which gloo
+implements as NCCL does, so the CPU path runs the GPU's collective). Each ends in :func:`finish`,
+which keeps gloo's worker threads from freeing Python objects while the interpreter exits.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Transformer Engine's THD context-parallel partition, and sharding THD batches with it.
 
-Every sequence (padded length a multiple of ``2*cp_size``) is cut into ``2*cp_size`` equal
-chunks; rank ``r`` keeps chunk ``r`` and chunk ``2*cp_size-1-r`` of each sequence, sequence by
-sequence, head chunk first. For causal attention this gives every rank the same work. A batch of
-a per-sequence CP placement (its record's ``groups``: packs of ``plan_packs(...,
-cp_placement="adaptive")``, docs/design/cp_placement.md) is sharded by its placement instead:
-rank ``r`` keeps its split groups' chunks (largest group first, TE's layout within each group),
-then its whole entries. Both are ``thdpack.layout.rank_indices``.
-
-``partition_indices`` is TE's ``thd_get_partitioned_indices`` (TE's own CUDA kernel where it
-applies, else computed on the host). ``shard`` applies a rank's indices to a THD batch
-(``thdpack.to_thd``); ``unshard`` and ``gather`` invert it. :func:`rank_token_indices` is the one
-index map every view of a shard (``shard``, ``unshard``, ``gather``, ``local_placement``) derives from.
+Rank ``r`` keeps chunks ``r`` and ``2*cp_size-1-r`` of every sequence (each slot a multiple of
+``2*cp_size``), which balances causal work; a batch of a per-sequence placement is sharded by its
+placement instead. Both come from :func:`rank_token_indices`, the one index map ``shard``,
+``unshard``, ``gather`` and ``local_placement`` derive from. ``partition_indices`` returns what
+TE's ``thd_get_partitioned_indices`` returns (TE's kernel where it applies, else computed on the
+host).
 
 Legend: ``T`` packed tokens (global), ``T_local = T / cp_size``, ``S`` sequences, ``W = cp_size``.
 """
@@ -451,9 +445,15 @@ def unshard(shards: Sequence[Mapping[str, Any]], cp_size: int) -> THDBatch:
 def gather(local_thd: Mapping[str, Any], group: dist.ProcessGroup) -> THDBatch:
     """All-gather every rank's shard over the CP ``group``; return the global batch on every rank.
 
-    Collective: every rank of ``group`` calls it with its own ``shard(thd, cp_size, rank)`` of
-    the same global batch (``cp_size`` = the group's size, ``cp_rank`` = the rank in it). One
-    ``all_gather`` per per-token tensor; works on gloo (CPU) and NCCL.
+    Collective: one ``all_gather`` per per-token tensor, on gloo (CPU) and NCCL.
+
+    Args:
+        local_thd: this rank's ``shard(thd, cp_size, rank)`` of the global batch (``cp_size`` =
+            the group's size, ``rank`` = this process's rank in it).
+        group: the CP process group.
+
+    Returns:
+        The global THD batch, in storage order, with its record.
     """
     meta = thd_meta(local_thd)
     meta.check_cp_group(group)

@@ -1,22 +1,11 @@
 """``CpTopology``: this process's place in the dp x cp mesh, made once and passed to what needs it.
 
-Rank ``r`` is CP rank ``r % cp_size`` of DP replica ``r // cp_size``: the ranks of a CP group are
-consecutive, so on a multi-GPU node they share its fastest links (CP talks every layer). Every
-rank list, coordinate and process group of the mesh comes from here.
-
-Three ways to make one:
-
-- ``CpTopology(dp_size=..., cp_size=..., rank=..., gpus_per_node=...)`` describes a mesh without
-  any process group (planning, the step-time model, tests); ``CpTopology.single()`` is one process.
-- :meth:`CpTopology.create`: collective over the default group; builds the (dp, cp)
-  ``DeviceMesh`` and the placement groups of every CP group (the trainer, ``thdpack verify``).
-- :meth:`CpTopology.from_groups`: around the CP group a framework already made (accelerate's
-  ``ParallelismConfig`` mesh: ``thdpack.integrations.parallel``).
-
-The placement groups are the process groups of the aligned sub-groups of a CP group that a
-per-sequence CP placement splits sequences over (for cp 8: two quads and four pairs per CP group;
-this process keeps its quad and its pair). ``group(start, size)`` finds the one a split sequence
-needs. A topology holds its own groups: two topologies in one process share nothing.
+Rank ``r`` is CP rank ``r % cp_size`` of DP replica ``r // cp_size``: a CP group's ranks are
+consecutive, so on a node they share its fastest links (CP talks every layer). Every rank list,
+coordinate and process group of the mesh comes from here, and a topology holds its own groups
+(no global registry): ``CpTopology(...)`` describes a mesh without groups, :meth:`CpTopology.create`
+makes the (dp, cp) ``DeviceMesh`` and the placement groups (the aligned sub-groups a per-sequence
+placement splits sequences over), :meth:`CpTopology.from_groups` wraps a framework's CP group.
 
 >>> topology = CpTopology(dp_size=2, cp_size=4, rank=5, gpus_per_node=8)
 >>> topology.dp_rank, topology.cp_rank, topology.world_size

@@ -1,17 +1,11 @@
 """Bad records: what is wrong with one, and the policy that fails on it or skips and counts it.
 
-A bad record is one that cannot become a training sample as written: a line that is not JSON, a
-chat with no messages (or none with text) or no assistant turn, an unknown role, a missing or
-mistyped field, a record of another kind than the one set (``wrong_kind``: its message names the
-kind to set, not the skip policy, which would skip every such record). The
-readers (``thdpack.data.sources``) and the record templates (``thdpack.data.records``,
-``thdpack.data.chat_template``) raise ``BadRecord`` naming the record and the reason; the
-``BadRecords`` policy of the pass decides what happens next:
-
-- ``"fail"`` (default): raise it, naming the file, the line and what is wrong.
-- ``"skip"``: drop the record, count it per reason and, when a log file is given, append a JSON
-  line ``{"origin", "path", "line", "reason", "message"}`` (``path`` / ``line`` / ``record`` /
-  ``row`` as far as the reader knows them).
+A bad record cannot become a sample as written (a line that is not JSON, an empty chat, no
+assistant turn, an unknown role, a mistyped field, another kind than the one set). Readers and
+templates raise ``BadRecord`` naming the record and the reason; the pass's ``BadRecords`` policy
+raises it (``"fail"``) or drops it, counts it per reason and logs it as a JSON line (``"skip"``).
+A record of another kind than the one set names the kind to set, since skipping would drop every
+record.
 
 >>> bad = BadRecords("skip")
 >>> bad.handle(BadRecord(RecordOrigin("chats.jsonl", line=2), "empty_conversation", "'conversations' is empty"))

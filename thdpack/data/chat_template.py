@@ -1,26 +1,13 @@
 """A tokenizer's own chat template: render a conversation and find its assistant turns in the text.
 
-A Hugging Face tokenizer folder carries the model's Jinja chat template (``chat_template.jinja``,
-or ``chat_template`` in ``tokenizer_config.json``). ``ChatTemplate.render`` renders a
-conversation with ``transformers``' ``apply_chat_template`` (the ``hf`` extra, imported at the
-first render) and returns the text with the character span of every assistant turn, found by
-rendering prefixes of the conversation, never guessed from token counts:
-
-- the span of assistant message ``i`` starts where the rendering of ``messages[:i]`` with the
-  generation prompt ends (the text a model is given before it answers), and
-- ends where the rendering of ``messages[:i+1]`` ends, less trailing whitespace: the content and
-  the template's end-of-turn token(s) (``<|im_end|>``, ``<|eot_id|>``) are in the span, the
-  newline a template writes between turns is not (a model never generates it).
-
-Both prefixes must be prefixes of the whole rendering; a template for which they are not (one
-that rewrites earlier turns, e.g. dropping their reasoning) makes the record a bad record
-(``chat_template_error``). When the generation prompt is not a prefix, the span starts after
-the previous message, so the assistant header is a target too. An assistant turn that opens the
-conversation has no prefix to render (``apply_chat_template`` refuses an empty conversation):
-it is context, not a target.
-
-``thdpack.data.encode`` tokenizes the whole rendered text once and marks as targets the
-tokens whose character offsets overlap a span.
+``ChatTemplate.render`` renders a conversation with ``transformers``' ``apply_chat_template`` and
+returns the text with the character span of every assistant turn, found by rendering prefixes of
+the conversation, never guessed from token counts: turn ``i`` starts where ``messages[:i]`` with
+the generation prompt ends and ends where ``messages[:i+1]`` ends, less trailing whitespace (the
+content and the end-of-turn tokens are in it; the newline between turns, which a model never
+generates, is not). A template whose prefixes are not prefixes of the whole rendering (one that
+rewrites earlier turns) makes the record a bad record. An assistant turn that opens a
+conversation is context, not a target.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """Tokenization: the shipped GPT-2 tokenizer or any Hugging Face tokenizer, batched, with SFT masks.
 
-``load_tokenizer("gpt2")`` (``thdpack.data.tokenizer``) loads the GPT-2 byte-level BPE shipped in
-``thdpack/assets`` (see its README for source and licences); a path to any HF ``tokenizer.json``,
-a Hugging Face tokenizer folder (``tokenizer.json`` + ``tokenizer_config.json``, as
-``save_pretrained`` writes it), a ``tokenizers.Tokenizer`` or a fast ``transformers`` tokenizer
-work too. The tokenizer's own special tokens (BOS templates) are not added; thdpack appends only
-EOS (``<|endoftext|>`` = 50256 for GPT-2; a folder's ``eos_token``) after each document and after
-each SFT response, unless ``append_eos=False``.
-
-Chat records are rendered with the tokenizer's own chat template when it has one (a folder's
-``chat_template.jinja`` / ``tokenizer_config.json``, a ``transformers`` tokenizer's
-``chat_template``; ``thdpack.data.chat_template``), else with the plain template of
-``thdpack.data.records``. A rendered chat is tokenized in one piece and its targets are the
-tokens whose character offsets overlap an assistant turn (its content and end-of-turn tokens);
-the template's own end-of-turn tokens end each turn, so no EOS is appended. Records that cannot
-become samples (``thdpack.data.bad_records``) fail naming the record, or with
-``on_bad_record="skip"`` are skipped and counted per reason.
-
-A record becomes a ``TokenizedSample``: the full token row ``tokens (n,)`` and ``target_mask (n,)``
-(True where a token is a training target: every token of a document, the response and its EOS
-in SFT). Models see it in one of two equivalent sample formats (``SampleFormat``):
-
-- ``"labels"`` (NeMo AutoModel, research/nemo_te_spec.md 1.1): ``input_ids = tokens[:-1]`` and
-  ``labels = tokens[1:]`` with non-targets set to -100, so ``labels[t]`` is the target for
-  ``input_ids[t]`` and no function downstream shifts again. Length ``n - 1``.
-- ``"loss_mask"``: ``input_ids = tokens`` and ``loss_mask[t] = 1`` when the prediction made at
-  position ``t`` (of ``tokens[t + 1]``) is trained; the last position predicts nothing. The packer
-  derives next-token labels inside each sequence and applies the mask. Length ``n``.
+A record becomes a ``TokenizedSample``: the token row (EOS appended after each document and SFT
+response; a chat template's own end-of-turn tokens end its turns) and a target mask (True where a
+token is trained). Chats are rendered with the tokenizer's chat template when it has one, and
+their targets are the tokens whose character offsets overlap an assistant turn. Models see a
+sample in one of two equivalent formats (``SampleFormat``): ``"labels"`` (NeMo's:
+``input_ids = tokens[:-1]``, ``labels = tokens[1:]`` with -100 off target, already shifted) or
+``"loss_mask"`` (``input_ids = tokens`` and a 0 / 1 mask; the packer derives the labels).
 
 >>> tok = load_tokenizer("gpt2")
 >>> tok.encode_batch(["Hello world"])
@@ -183,8 +163,11 @@ _Encoded = tuple[list[list[int]], list[tuple[list[int], np.ndarray]]]
 class SampleEncoder:
     """Turns batches of records into ``TokenizedSample``s; ``report`` counts what it did.
 
-    ``bad_records``: the bad-record policy and tally to use (shared with the sources of the same
-    pass); by default a new one with ``config.on_bad_record``.
+    Args:
+        tokenizer: a ``TextTokenizer``, or what ``load_tokenizer`` takes (``"gpt2"``, a path).
+        config: the tokenization settings (default ``TokenizeConfig()``).
+        bad_records: the bad-record policy and tally to use (shared with the sources of the same
+            pass); by default a new one with ``config.on_bad_record``.
     """
 
     def __init__(
@@ -378,10 +361,17 @@ def tokenize_records(
     total: int | None = None,
     progress: bool | None = None,
 ) -> Iterator[TokenizedSample]:
-    """Stream ``TokenizedSample``s from records, one tokenizer call per ``record_batches`` batch
-    (``SampleEncoder.encode_stream``).
+    """Stream ``TokenizedSample``s from records, one tokenizer call per batch (``SampleEncoder.encode_stream``).
 
-    ``progress``: a tqdm bar over records (None: only when stderr is a terminal).
+    Args:
+        records: the records (``thdpack.data.Source`` yields them).
+        tokenizer: a ``TextTokenizer``, or what ``load_tokenizer`` takes.
+        config: the tokenization settings (default ``TokenizeConfig()``).
+        total: the number of records, for the progress bar.
+        progress: a tqdm bar over records (None: only when stderr is a terminal).
+
+    Yields:
+        One ``TokenizedSample`` per record that makes a sample.
     """
     encoder = SampleEncoder(tokenizer, config)
     bar = progress_bar(total=total, desc="tokenize", unit="rec", enabled=progress)

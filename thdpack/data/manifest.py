@@ -1,16 +1,10 @@
 """A token store's ``manifest.json``: its fields, their checks, and ``StoreError``.
 
-Version 2 (written since checksums were added) records, besides the counts and the tokenizer,
-``checksums``: ``{file: {"size": bytes, "sha256": hex}}`` for ``tokens.bin``, ``offsets.npy`` and
-``loss_mask.bin`` (when present), hashed while the files were written, and ``token_ids``:
-``{"min": id, "max": id}`` (None for a store without tokens). ``tokenizer.vocab_sha256`` (the
-vocabulary's digest, ``TextTokenizer.vocab_sha256``; stores written before it lack it and still
-open) lets a run check that its model's tokenizer is the store's. Version 1 manifests (no checksums)
-still open: ``verify_store`` checks their structure and token ids and warns that a changed byte
-cannot be detected.
-
-Every problem is a ``StoreError`` (a ``ValueError``) naming the file, what is wrong with it and
-what to do.
+Besides the counts and the tokenizer (``tokenizer.vocab_sha256``: the vocabulary's digest, which
+lets a run check its model's tokenizer), a manifest records ``checksums`` (every file's size and
+sha256) and the range of ``token_ids``. Manifests without checksums (format version 1) still
+open: ``verify_store`` checks their structure and warns that a changed byte cannot be detected.
+Every problem is a ``StoreError`` (a ``ValueError``) naming the file, what is wrong and what to do.
 """
 
 from __future__ import annotations
@@ -87,7 +81,14 @@ def has_checksums(manifest: Mapping[str, Any]) -> bool:
 
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The checked manifest of the store folder ``path``; ``StoreError`` naming the field otherwise."""
+    """The checked manifest of a store folder.
+
+    Args:
+        path: the store folder.
+
+    Returns:
+        ``manifest.json`` as a dict, its fields checked; a ``StoreError`` names a bad field.
+    """
     folder = Path(path)
     file = folder / MANIFEST_FILE
     if not file.is_file():

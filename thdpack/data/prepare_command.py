@@ -5,23 +5,11 @@
     thdpack prepare alpaca_data.json --pack-size 2048 --algorithm bfd --out runs/alpaca
     thdpack prepare sharegpt.jsonl --tokenizer models/qwen --pack-size 4096 --on-bad-record skip --out runs/chat
 
-The output folder holds the token store (``tokens.bin``, ``offsets.npy``, ``loss_mask.bin`` for
-SFT, ``manifest.json``; see ``thdpack.data.store``), the packing plan ``plan.npz``
-(``thdpack.plan.PackPlan.load``) and PNG plots (length histogram, pack fullness) when matplotlib
-is installed. The plan is epoch 0's plan exactly as the trainer makes it (the same seed
-derivation), and ``manifest.json["plan"]`` records its settings (a ``thdpack.plan.PlanConfig``
-and the CP size), its checksum and its ``PackingStats``: a run with ``data.store`` and the same
-settings trains on it (``thdpack.data.prepared_plan``). ``manifest.json`` also records the
-arguments, what every stage read and skipped, and the files' checksums.
-
-Bad records (``thdpack.data.bad_records``: a chat with no messages or no assistant turn, an
-unknown role, a line that is not JSON, ...) stop the run naming the file, line and problem
-(``--on-bad-record fail``, the default), or with ``--on-bad-record skip`` are skipped: counted
-per reason in ``manifest.json["skipped_records"]``, printed, and listed one JSON line each
-(origin, path, line, reason, message) in ``skipped_records.jsonl``.
-
-One run writes a folder at a time: a run holds the folder's lock from its first file to its last
-(plots included), and a second run into the same folder stops at once naming the first.
+The folder holds the token store, ``plan.npz`` (epoch 0's plan exactly as the trainer makes it,
+its settings and checksum in ``manifest.json["plan"]``, so a run with the same settings trains on
+it) and plots. Bad records stop the run naming the file and line, or with ``--on-bad-record
+skip`` are counted and listed in ``skipped_records.jsonl``. The run holds the folder's lock from
+its first file to its last.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """A prepared store's packing plan: ``thdpack prepare`` writes it, the trainer uses it when it fits.
 
-``thdpack prepare ... --pack-size L --cp-size C`` plans epoch 0 over the store's sample lengths
-exactly as the trainer's dataset plans it (``thdpack.packing.dealing.plan_epoch``: the plan seed
-derived from ``(seed, 0)``), saves it as ``plan.npz`` beside the store and records it in
+``thdpack prepare`` plans epoch 0 exactly as the trainer's dataset plans it and records it in
 ``manifest.json``::
 
     "plan": {"file": "plan.npz", "config": {pack_size, algorithm, overflow, window, seed},
              "cp_size": C, "checksum": {"size": bytes, "sha256": hex}, "stats": {...}}
 
-The trainer, given ``data.store``, compares its own settings with the record
-(:func:`read_prepared_plan`): when they all match it checks the file against its checksum
-(damage is a ``StoreError`` naming the file) and trains epoch 0 on it; when one differs it says
-which (the store's value and the run's) and plans epoch 0 itself. Later epochs are always
-planned by the run (each with its own seed).
+:func:`read_prepared_plan` compares a run's settings with the record: when all match the run
+trains epoch 0 on the checked file; when one differs it says which and plans epoch 0 itself.
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """Record shapes and the prompt templates that mark which text is a training target.
 
-A record is one mapping from a ``Source``. Its kind (``RecordKind``) decides its segments: runs
-of text that are either prompt (masked out of the loss) or target, and where the EOS token goes.
-``thdpack.data.encode`` encodes the segments and turns the marks into labels.
-
-- ``text`` (pretraining): ``{"text": str}`` (the key is configurable). One target segment, then EOS.
-- ``alpaca`` (SFT): ``{"instruction": str, "input": str (optional), "output": str}``. The prompt
-  is Stanford Alpaca's published prompt format (below), masked; the output and EOS are targets.
-- ``chat`` (SFT): ``{"messages": [{"role": "system" | "user" | "assistant", "content": str}]}``,
-  or ShareGPT's ``{"conversations": [{"from": "system" | "human" | "gpt", "value": str}]}``.
-  When the tokenizer has its own chat template (a Hugging Face tokenizer folder), that template
-  renders the conversation (``thdpack.data.chat_template``). Otherwise this plain template does:
-  every message is rendered as ``### System:`` / ``### User:`` / ``### Assistant:`` then a newline
-  and its content; messages are separated by a blank line. Each assistant content and the EOS
-  after it are targets; everything else (headers, system and user turns, separators) is masked.
-  A chat needs at least one message with text and one assistant turn; roles outside the ones
-  above, an empty conversation (no messages, or none with text) or no assistant turn make it a
-  bad record (``thdpack.data.bad_records``).
-
-The Alpaca prompt (with an input; without one the input sentence and section are left out):
-
-    Below is an instruction that describes a task, paired with an input that provides further
-    context. Write a response that appropriately completes the request.
-
-    ### Instruction:
-    {instruction}
-
-    ### Input:
-    {input}
-
-    ### Response:
-    {output}<EOS>
+A record's kind (``RecordKind``: ``text``, ``alpaca``, ``chat``) decides its segments, runs of
+prompt (masked out of the loss) or target text, and where the EOS goes; ``thdpack.data.encode``
+turns them into tokens and labels. Alpaca records use Stanford Alpaca's published prompt; chats
+use the tokenizer's own chat template when it has one (``thdpack.data.chat_template``), else the
+plain ``### User:`` / ``### Assistant:`` template here, where each assistant reply and its EOS
+are the targets. The kinds and templates: docs/guides/hugging-face.md.
 """
 
 from __future__ import annotations

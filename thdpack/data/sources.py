@@ -1,35 +1,12 @@
 """Where records come from: jsonl, json, parquet, HF ``save_to_disk`` folders, text, the stdlib.
 
-A ``Source`` is a re-iterable stream of records (plain ``dict``s) from one path, read with
-bounded memory. Records keep the shape they have on disk: ``{"text": ...}`` for documents,
-Alpaca's ``{"instruction", "input", "output"}``, chat ``{"messages": [...]}``;
-``thdpack.data.encode`` turns them into token ids.
-
-Formats (``SourceFormat``; ``"auto"`` tells them apart by the path):
-
-- ``jsonl``: ``*.jsonl`` / ``*.ndjson`` (``.gz`` too), or a ``*.json`` whose first character is
-  ``{``; one JSON object per line is one record.
-- ``json``: a ``*.json`` (``.gz`` too) holding an array of objects; streamed element by element.
-- ``parquet``: ``*.parquet`` (pyarrow, the ``hf`` extra); one row per record.
-- ``hf``: a folder written by ``datasets``' ``save_to_disk`` (the ``hf`` extra); one row per record.
-- ``text``: a folder of text files (or one ``.txt`` / ``.md`` / ``.rst`` / ``.py`` file);
-  ``{"text", "path"}`` per file.
-- ``stdlib``: the word ``stdlib``; ``{"text", "path"}`` per ``.py`` file of the standard library.
-
-``stdlib`` is the running interpreter's standard library (``sysconfig.get_paths()["stdlib"]``,
-without ``site-packages``): a real, heavy-tailed code corpus present wherever Python is, and
-thdpack's embedded default training data. Folders are walked in ``os.walk`` order with sorted
-names (a folder's files, then its sub-folders), hidden files and folders skipped.
-
-Nothing is dropped silently: empty records (no text, no values) are skipped and counted in
-``Source.report``; blank lines in jsonl are counted too. An empty chat (``{"messages": []}``) is
-not skipped here: it is a bad record (``empty_conversation``), which the policy fails on or
-skips, logs and counts. Undecodable bytes raise ``ValueError`` naming the file and line, unless
-``decode_errors="replace"`` (the default for ``stdlib``, where four test files are deliberately
-not UTF-8), which counts the documents it repaired. A jsonl line
-that is not JSON, or a record that is not an object, is a bad record: the source's
-``BadRecords`` policy (``thdpack.data.bad_records``) fails on it naming the line (default) or
-skips, counts and logs it.
+A ``Source`` is a re-iterable stream of records (plain ``dict``s, the shape they have on disk)
+from one path, read with bounded memory; ``"auto"`` tells the format from the path. ``stdlib`` is
+the running interpreter's standard library, a real, heavy-tailed code corpus present wherever
+Python is (thdpack's default training data). Nothing is dropped silently: empty records are
+counted in ``Source.report``, undecodable bytes raise naming the file and line (unless
+``decode_errors="replace"``, counted), and a line that is not a JSON object goes to the
+``BadRecords`` policy. The formats: docs/guides/hugging-face.md.
 """
 
 from __future__ import annotations
@@ -145,11 +122,16 @@ def detect_format(path: str | os.PathLike[str]) -> SourceFormat:
 
 
 class Source:
-    """Records from one path, re-iterable; ``report`` counts the last (or current) pass.
+    r"""Records from one path, re-iterable; ``report`` counts the last (or current) pass.
+
+    Args:
+        path: a file, a folder, or ``"stdlib"`` (the formats: the module docstring).
+        config: the source's settings (``SourceConfig``: format, record kind, ...).
+        bad_records: the bad-record policy and tally to use (shared with the encoder of the same pass).
 
     >>> import pathlib, tempfile
     >>> folder = pathlib.Path(tempfile.mkdtemp())
-    >>> _ = (folder / "a.jsonl").write_text('{"text": "hi"}\\n{"text": ""}\\n')
+    >>> _ = (folder / "a.jsonl").write_text('{"text": "hi"}\n{"text": ""}\n')
     >>> src = Source(folder / "a.jsonl")
     >>> list(src)
     [{'text': 'hi'}]

@@ -1,15 +1,13 @@
 """``thdpack stats``: compare planners and pack sizes on a dataset's lengths; table, JSON, plots.
 
-thdpack stats                                   # the embedded example (CPython stdlib, GPT-2 tokens)
-thdpack stats lengths.npy --pack-size 8192 --cp-size 2 --plot-dir out/
-thdpack stats runs/web --pack-size 8192         # a token store: verified in full first (non-zero exit if damaged)
+    thdpack stats                                   # the embedded example (CPython stdlib, GPT-2 tokens)
+    thdpack stats lengths.npy --pack-size 8192 --cp-size 2 --plot-dir out/
+    thdpack stats runs/web --pack-size 8192         # a token store: verified in full first (non-zero exit if damaged)
 
-Every setting of the plan is an option (generated from ``thdpack.plan.PlanConfig``'s fields, its
-defaults but ``--cp-placement``'s, which is the trainer's: ``adaptive``); ``--pack-size`` and
-``--algorithm`` take several values to compare. Under ``--cp-size`` > 1 the output says which CP
-placement it assumed. Without INPUT the embedded example is planned as the trainer plans it,
-``--overflow split`` unless told otherwise (some of its files are longer than a pack), and the
-output says so.
+Every plan setting is an option generated from ``PlanConfig``'s fields (its defaults, but the
+trainer's ``--cp-placement adaptive``); ``--pack-size`` and ``--algorithm`` take several values
+to compare. The output says which CP placement it assumed, and for the embedded example that it
+plans as the trainer does (``--overflow split`` unless given).
 """
 
 from __future__ import annotations

@@ -1,36 +1,11 @@
 """A memory-mapped token store: every sample's tokens in one file, their offsets in another.
 
-A store folder holds:
-
-- ``tokens.bin``: the samples' token rows (``TokenizedSample.tokens``: EOS included, not shifted)
-  back to back, raw little-endian; ``uint16`` when the vocabulary fits (<= 65,536), else ``int32``.
-- ``offsets.npy``: ``int64 (N+1,)``; sample ``i`` is ``tokens[offsets[i]:offsets[i+1]]``;
-  ``offsets[0] == 0``, non-decreasing, ``offsets[-1] == num_tokens``.
-- ``loss_mask.bin`` (only when some token is not a target, i.e. SFT): ``uint8`` aligned with
-  ``tokens.bin``, 1 where the token is a training target. Absent: every token is a target.
-- ``manifest.json``: format and version, ``created_by``, the tokenizer (name, sha256 of its file,
-  ``vocab_sha256`` of its vocabulary, vocab size, EOS), dtype, counts, the sample format, the
-  source, each data file's size and sha256 (hashed while it was written), the range of token
-  ids, and whatever the writer's caller adds (the
-  ``prepare`` command adds its arguments and the packing plan's settings, checksum and stats:
-  ``thdpack.data.prepared_plan``). Written last (``thdpack.files.publish``): a folder without it is
-  an unfinished store. Fields and checks: ``thdpack.data.manifest``.
-
-One writer at a time: ``TokenStoreWriter`` holds the folder's lock (``thdpack.files.lock``) until
-the manifest is written, so two writers can never mix their files. A damaged store is a
-``StoreError`` naming the file: ``TokenStore`` checks sizes and the offsets' order when it opens
-(cheap), ``verify_store`` (``thdpack.data.store_verify``) reads every byte against the checksums.
-
-``TokenStore(path)`` is a read-only ``Sequence`` of samples in the manifest's sample format
-(``thdpack.data.encode``): ``store[i] -> {"input_ids", "labels"}`` or ``{"input_ids",
-"loss_mask"}``, int64 numpy arrays. ``store.lengths`` comes from the offsets alone. Files are
-memory-mapped on first access, so a store pickles cheaply into DataLoader workers, each of which
-maps the files itself; memory per access is the sample's size, whatever the store's.
-
-A memory-mapped file that is cut short while mapped kills the reading process with SIGBUS (no
-exception, no file named). ``check_unchanged()`` compares every mapped file's size, inode and
-modification time with what they were when it was mapped and raises a ``StoreError`` naming the
-file that changed; the trainer calls it before it reads each step's packs.
+``TokenStoreWriter`` writes a store folder (``tokens.bin``, ``offsets.npy``, ``loss_mask.bin``
+for SFT, ``manifest.json`` last with every file's sha256) under the folder's lock;
+``TokenStore(path)`` is a read-only ``Sequence`` of samples that maps the files on first access,
+so it pickles cheaply into DataLoader workers. A file cut short while mapped would kill the
+reader with SIGBUS, so ``check_unchanged()`` names a file whose size, inode or modification time
+changed; the trainer calls it before each step's packs.
 
 >>> import tempfile
 >>> from thdpack.data.encode import SampleEncoder
@@ -104,9 +79,11 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 
 class TokenStore(Sequence[dict[str, np.ndarray]]):
-    """Read-only samples of a store folder (see the module docstring).
+    """Read-only samples of a store folder, memory-mapped on first access.
 
-    ``sample_format``: override the manifest's ``"labels"`` / ``"loss_mask"``.
+    Args:
+        path: the store folder (``TokenStoreWriter`` / ``thdpack prepare`` wrote it).
+        sample_format: override the manifest's ``"labels"`` / ``"loss_mask"``.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, sample_format: SampleFormat | None = None) -> None:
@@ -215,11 +192,18 @@ class TokenStore(Sequence[dict[str, np.ndarray]]):
 class TokenStoreWriter:
     """Streams ``TokenizedSample``s into a new store folder with bounded memory.
 
-    Use as a context manager (an exception removes the partial files) or call ``close()``.
-    ``overwrite=False`` refuses a folder that already holds store files. The writer holds the
-    folder's lock from here until ``close()`` / ``abort()`` (a second writer gets a
-    ``StoreBusyError`` naming this one); ``lock``: a ``FolderLock`` of ``path`` the caller already
-    holds (and keeps, to write more files beside the store, as ``thdpack prepare`` does).
+    Use as a context manager (an exception removes the partial files) or call ``close()``. The
+    writer holds the folder's lock from here until ``close()`` / ``abort()`` (a second writer gets a
+    ``StoreBusyError`` naming this one).
+
+    Args:
+        path: the store folder.
+        tokenizer: the tokenizer the samples were made with (recorded in the manifest).
+        sample_format: how readers see the samples: ``"labels"`` or ``"loss_mask"``.
+        source: what the samples came from (recorded in the manifest).
+        overwrite: replace the store files of a folder that already holds some (False: refuse).
+        lock: a ``FolderLock`` of ``path`` the caller already holds (and keeps, to write more files
+            beside the store, as ``thdpack prepare`` does).
     """
 
     def __init__(

@@ -1,13 +1,9 @@
 """Checks of a token store's files against its manifest: cheap ones at open, all of them in ``verify_store``.
 
-At open (``TokenStore``): the manifest's fields, every file's size, the ``offsets.npy`` header,
-and ``offsets[0] == 0``, ``offsets[-1] == num_tokens``; the order of all offsets when the lengths
-are first computed. ``verify_store`` reads every byte: each file's sha256 against the manifest,
-every token id below the vocabulary (the tokenizer's, and the model's when given), every mask
-byte 0 or 1, every sample at least 2 tokens long. Reading runs at disk speed or at sha256 speed
-(about 1.5 GB/s a core, one thread per file), whichever is slower: a billion-token SFT store
-(2 GB of uint16 tokens, 1 GB of mask) took 2-3 s from the page cache and 6.6 s from a 0.5 GB/s
-disk on a 2-core VM.
+At open (``TokenStore``): the manifest's fields, every file's size, the offsets' header and ends.
+``verify_store`` reads every byte: each file's sha256, every token id below the vocabulary (the
+tokenizer's, and the model's when given), every mask byte 0 or 1, every sample at least 2 tokens.
+It runs at disk speed or sha256 speed, whichever is slower, one thread per file.
 """
 
 from __future__ import annotations
@@ -138,12 +134,17 @@ def verify_store(
 ) -> StoreVerification:
     """Read the whole store at ``path`` and check it against its manifest (see the module docstring).
 
-    ``vocab_size``: also check every token id is below it (a model's vocabulary); an id the
-    store's tokenizer allows but the model does not is a ``ValueError`` (a mismatch, not damage).
-    ``require_checksums``: a version-1 store (no checksums) is a ``StoreError`` instead of a warning.
-    ``lock``: the folder's writer lock, held by the caller (else a reader's lock is taken, and a
-    store being written is a ``StoreBusyError``). Damage is a ``StoreError`` naming the file, what
-    is wrong, and what to do.
+    Args:
+        path: the store folder.
+        vocab_size: also check every token id is below it (a model's vocabulary); an id the
+            store's tokenizer allows but the model does not is a ``ValueError`` (a mismatch, not damage).
+        require_checksums: a version-1 store (no checksums) is a ``StoreError`` instead of a warning.
+        lock: the folder's writer lock, held by the caller (else a reader's lock is taken, and a
+            store being written is a ``StoreBusyError``).
+
+    Returns:
+        The ``StoreVerification`` (what was read and checked). Damage is a ``StoreError`` naming the
+        file, what is wrong, and what to do.
     """
     folder = Path(path)
     start = time.perf_counter()

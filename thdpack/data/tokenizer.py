@@ -30,7 +30,15 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
 class TextTokenizer:
     """A ``tokenizers.Tokenizer`` with what a token store records: name, sha256, vocab size, EOS,
-    and the tokenizer's own chat template when it has one."""
+    and the tokenizer's own chat template when it has one (``load_tokenizer`` makes one).
+
+    Args:
+        backend: the ``tokenizers.Tokenizer``.
+        name: what the store records as the tokenizer (``"gpt2"``, a path).
+        sha256: the digest of its file.
+        eos_id: the EOS token's id (None: none is appended).
+        chat_template: the tokenizer's own chat template, when it has one.
+    """
 
     def __init__(
         self, backend: Any, *, name: str, sha256: str, eos_id: int | None, chat_template: ChatTemplate | None = None
@@ -73,8 +81,14 @@ def load_tokenizer(spec: str | os.PathLike[str] | Any) -> TextTokenizer:
     A folder holds ``tokenizer.json`` and optionally ``tokenizer_config.json`` (its ``eos_token``
     is the EOS) and a chat template. Objects: a ``tokenizers.Tokenizer``, or a fast
     ``transformers`` tokenizer (its ``backend_tokenizer`` encodes; its ``eos_token_id`` is the EOS,
-    its ``chat_template`` renders chats). Raises ``ValueError`` for a path that is missing or not a
-    tokenizer, ``TypeError`` for other objects.
+    its ``chat_template`` renders chats).
+
+    Args:
+        spec: ``"gpt2"``, a path, or a tokenizer object.
+
+    Returns:
+        The ``TextTokenizer``. Raises ``ValueError`` for a path that is missing or not a tokenizer,
+        ``TypeError`` for other objects.
     """
     if isinstance(spec, TextTokenizer):
         return spec

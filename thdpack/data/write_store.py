@@ -1,15 +1,9 @@
 """Read inputs, tokenize them and write a token store (the library half of ``thdpack prepare``).
 
-``write_token_store`` is what ``thdpack prepare`` (``thdpack.data.prepare_command``) and the
-trainer's token cache (``thdpack.train.store_cache``) both call: one pass, bounded memory. The
-store's files are described in ``thdpack.data.store``; records and tokens that a stage skips are
-counted in ``manifest.json`` and printed.
-
-Bad records (``thdpack.data.bad_records``: a chat with no messages or no assistant turn, an
-unknown role, a line that is not JSON, ...) stop the run naming the file, line and problem
-(``on_bad_record="fail"``, the default), or with ``"skip"`` are skipped: counted per reason in
-``manifest.json["skipped_records"]`` and listed one JSON line each (origin, path, line, reason,
-message) in ``skipped_records.jsonl``.
+``write_token_store`` is what ``thdpack prepare`` and the trainer's token cache both call: one
+pass, bounded memory. What a stage skips is counted in ``manifest.json`` and printed; bad records
+stop the pass naming the file and line, or with ``on_bad_record="skip"`` are counted and listed
+in ``skipped_records.jsonl``.
 """
 
 from __future__ import annotations

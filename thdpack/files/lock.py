@@ -1,16 +1,10 @@
 """One writer per folder: an exclusive ``flock`` held from the first byte to the manifest.
 
-A second writer stops at once with ``FolderBusyError`` naming the holder (failing beats waiting:
-two runs writing one folder is a mistake, and a wait could last hours); a builder that expects
-company (the trainer's token cache, built once by whichever machine comes first) waits instead.
-The lock file sits beside the folder (``.<name>.lock``), so a run that fails before writing leaves
-no folder behind; its holder removes it on release.
-
-``flock`` locks are released by the kernel when the holder dies, so a killed run never leaves
-a folder locked. On NFS, Linux maps ``flock`` to byte-range locks, which NFS servers honour.
-
-Users: a token store's writer and readers (``thdpack.data``), the trainer's token cache and its
-``output_dir`` (``thdpack.train``).
+A second writer stops at once with ``FolderBusyError`` naming the holder (two runs writing one
+folder is a mistake, and waiting could last hours); a builder that expects company (the token
+cache) waits instead. The lock file sits beside the folder, so a run that fails before writing
+leaves no folder behind. The kernel releases a ``flock`` when its holder dies, so a killed run
+never leaves a folder locked; on NFS, Linux maps ``flock`` to byte-range locks, which NFS honours.
 """
 
 from __future__ import annotations

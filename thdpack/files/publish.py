@@ -1,29 +1,13 @@
 """Publishing a folder: its files, then a manifest of their checksums written last; and verifying it.
 
-One protocol for every folder thdpack writes (a token store, the trainer's token cache, a
-checkpoint):
-
-1. the writer first retracts the folder (``retract``: its manifest goes first), so a reader that
-   meets it mid-rewrite finds an unfinished folder, never an old manifest over new files;
-2. it writes the files, hashing them as they are written (``HashingWriter``, no second read) or
-   after (``file_digest``);
-3. it writes the manifest, every file's ``{"size": bytes, "sha256": hex}`` among its fields, last
-   and atomically (``write_json_atomic``: temp file, fsync, rename). A folder is complete exactly
-   when its manifest exists;
-4. a reader compares each file with its entry (``digest_problem``) before trusting it.
-
-Who may write is the caller's business: a store's writer holds the folder's lock
-(``thdpack.files.lock``), the trainer's cache builder takes the same lock and waits for it, the
-ranks writing a checkpoint meet at barriers. One case needs more than a manifest:
-``replace_folder`` copies a finished folder to a path read by something that knows no manifest
-(transformers' ``from_pretrained`` on ``output_dir/hf``), so it swaps whole folders by rename.
-
-A write that fails is reported with the folder it was writing and, when the disk is full, says
-so (``disk_full_note``): the writers' own errors often name neither ("[Errno 28] No space left on
-device", torch's "unexpected pos 576 vs 534").
-
-SHA-256 because CPUs with SHA extensions (AMD Zen, Intel Ice Lake and later) hash it at about
-1.5 GB/s per core, faster than BLAKE2b in ``hashlib`` (about 0.9 GB/s).
+One protocol for every folder thdpack writes (a token store, the token cache, a checkpoint): the
+writer retracts the folder first (its manifest goes first, so a reader never meets an old
+manifest over new files), writes the files while hashing them, then writes the manifest, every
+file's size and sha256 among its fields, atomically (temp file, fsync, rename). A folder is
+complete exactly when its manifest exists, and a reader checks each file against its entry
+before trusting it. A failed write names its folder and, when the disk is full, says so (the
+writers' own errors often name neither). SHA-256 because CPUs with SHA extensions hash it faster
+than ``hashlib``'s BLAKE2b.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Reading back what thdpack saved without running code from it.
 
-A pickle may name any callable, and unpickling calls it: a crafted file (a checkpoint in a
-shared output_dir, with its checksums recomputed) would run code on resume. Checksums
-(``thdpack.files.publish``) catch accidents; this catches intent. Every file thdpack loads goes
-through here:
-
-- ``load_plain(path)``: ``torch.load(weights_only=True)``, no global allowed beyond torch's own:
-  tensors and plain values (dict, list, tuple, str, int, float, bool, None);
-- ``load_array(path)``: ``np.load(allow_pickle=False)``, naming the file when it holds objects;
-- ``thdpack.files.safe_dcp.load_dcp(state, folder)``: ``torch.distributed.checkpoint.load`` without
-  its bare ``pickle.load`` (a module of its own: the rest needs no ``torch.distributed``).
-
-A refused file raises ``UnsafeFileError`` (a ``ValueError``) naming the file and what it asked for.
+Unpickling calls whatever a pickle names, so a crafted file (a checkpoint in a shared
+output_dir, its checksums recomputed) would run code on resume: checksums catch accidents, this
+catches intent. Every file thdpack loads goes through ``load_plain`` (``torch.load(weights_only
+=True)``: tensors and plain values), ``load_array`` (``np.load(allow_pickle=False)``) or
+``thdpack.files.safe_dcp.load_dcp``; a refused file raises ``UnsafeFileError`` naming it.
 """
 
 from __future__ import annotations

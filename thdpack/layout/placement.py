@@ -1,19 +1,13 @@
 """CpPlacement: where each sequence of a plan's packs runs under context parallelism (numpy only).
 
-Transformer Engine's THD layout splits every sequence over all ``cp_size`` ranks. A placement
-says, per sequence, which **group** of ranks it runs on: ``group_size`` ranks starting at rank
-``group_start`` (the allowed, aligned groups and the slot each takes: ``thdpack.layout.rules``).
+Per sequence, a **group** of ranks: ``group_size == 1`` is **whole** on rank ``group_start`` (its
+length, no CP padding, no communication); ``group_size == g > 1`` is **split** over ranks
+``group_start .. group_start+g-1`` in TE's dual-chunk layout within the group (``g == cp_size``
+everywhere is TE's layout). Every rank holds ``pack_size / cp_size`` tokens: after the sequences
+come one padding entry per rank for what it leaves unused. docs/design/cp_placement.md has the
+rules and a worked example.
 
-- ``group_size == 1``: the sequence is **whole** on rank ``group_start``: it takes exactly its
-  length (no CP padding) and runs through the local varlen kernel, communicating nothing;
-- ``group_size == g > 1``: it is **split** over ranks ``group_start .. group_start+g-1`` in TE's
-  dual-chunk layout within the group. ``g == cp_size`` everywhere is TE's layout.
-
-Every rank has a budget of ``pack_size / cp_size`` tokens; what a rank does not use is its
-**tail padding**. The pack's global token order (what the packer writes, ``PackPlacement.layout``):
-the sequences in pack order, each in its slot, then one padding entry per rank (real length 0,
-slot = that rank's tail padding, possibly 0, placed whole on the rank), ranks in order (a rank's
-local order: ``thdpack.layout.ranks``). docs/design/cp_placement.md has the worked example.
+Legend: ``S`` sequences (entries) of a pack, ``E`` entries of a plan, ``P`` packs, ``R`` ranks.
 
 >>> pack = PackPlacement.from_groups([6, 2, 3, 1], {(0, 2): [0], (0, 1): [1, 3], (1, 1): [2]},
 ...                                  cp_size=2, pack_size=16)

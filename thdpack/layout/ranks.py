@@ -1,17 +1,13 @@
 """A context-parallel rank's tokens: which global tokens rank ``r`` holds, in its local order.
 
-The entries of a batch (its sequences, and a placed pack's padding entries) are stored back to
-back in their slots. Rank ``r`` holds, in this order:
+Rank ``r`` holds its split groups' entries first, largest group first, each entry giving chunk
+``j = r - group_start`` then chunk ``2g-1-j`` of its slot, then its whole entries, in storage
+order. Transformer Engine's layout is the case where every entry is split over all ranks (rank
+``r`` keeps chunks ``r`` and ``2*cp_size-1-r`` of every sequence: TE's
+``thd_get_partitioned_indices``), so :func:`rank_indices` is the one map for both;
+:func:`rank_parts` cuts a rank's tokens into the parts one attention call each computes.
 
-1. the entries of its split groups, largest group first (for each size one aligned group contains
-   ``r``), each group's entries in storage order, each entry giving chunk ``j = r - group_start``
-   then chunk ``2g-1-j`` of its slot (``chunk = slot / 2g``);
-2. then its whole entries (``g == 1``) in storage order.
-
-Transformer Engine's layout is the case where every entry is split over all ``cp_size`` ranks:
-rank ``r`` keeps chunks ``r`` and ``2*cp_size-1-r`` of every sequence, sequence by sequence, which
-is exactly TE's ``thd_get_partitioned_indices``. :func:`rank_indices` serves both; :func:`rank_parts`
-cuts a rank's tokens into the parts one attention call each computes.
+Legend: ``S`` entries, ``M`` the rank's entries, ``T_local`` the rank's tokens.
 
 >>> rank_indices(np.array([8, 8]), 2, 0).tolist()    # TE: chunks 0 and 3 of each sequence
 [0, 1, 6, 7, 8, 9, 14, 15]
@@ -46,9 +42,12 @@ def rank_indices(
         group_size_S, group_start_S: (S,) int, every entry's group under a per-sequence
             placement; None (both): Transformer Engine's layout, every entry split over all ranks.
 
+    Returns:
+        (T_local,) global token indices, int32 (as Transformer Engine's kernel) while the layout
+        holds fewer than 2**31 tokens, else int64.
+
     The input is a validated layout's (``ThdMeta``, ``CpLayout.check``): every split slot a
-    multiple of ``2g`` and every rank holding ``sum(slots) / cp_size`` tokens. Returns int32 (as
-    Transformer Engine's kernel) while the layout holds fewer than 2**31 tokens, else int64.
+    multiple of ``2g`` and every rank holding ``sum(slots) / cp_size`` tokens.
     """
     slots_S = np.asarray(slots_S, dtype=np.int64)
     ends_S = np.cumsum(slots_S)

@@ -1,14 +1,10 @@
 """The THD format's rules: the CP slot rule, the CP sizes and groups, and the ignored label.
 
-The slot rule is one rule. A sequence split over a group of ``g > 1`` context-parallel ranks is
-cut into ``2g`` equal chunks (rank ``j`` of the group keeps chunks ``j`` and ``2g-1-j``), so its
-slot, its length plus CP padding, is a multiple of ``2g`` (:func:`slot_multiple`); a sequence
-whole on one rank (``g == 1``) takes its length. Transformer Engine's layout is the rule with
-``g = cp_size`` for every sequence (:func:`cp_multiple`, :func:`round_up_to_cp`), and a pack's
-size must then be a multiple of ``2*cp_size`` too (:func:`check_pack_size`).
-
-``IGNORE_INDEX`` (-100) labels a token that predicts nothing (padding, a masked prompt token, a
-sequence's last token); the loss skips it.
+One slot rule: a sequence split over a group of ``g > 1`` CP ranks is cut into ``2g`` equal chunks
+(rank ``j`` keeps ``j`` and ``2g-1-j``), so its slot is a multiple of ``2g``
+(:func:`slot_multiple`); a whole one takes its length. Transformer Engine's layout is the rule
+with ``g = cp_size`` for every sequence, which makes the pack size a multiple of ``2*cp_size``
+too. ``IGNORE_INDEX`` (-100) labels a token that predicts nothing; the loss skips it.
 
 Legend: ``S`` sequences (entries), ``O`` groups (options).
 """
@@ -55,8 +51,14 @@ def slot_multiple(group_size: _Size) -> _Size:
 
 
 def slot_lengths(lengths_S: np.ndarray, group_size_S: np.ndarray | int) -> np.ndarray:
-    """(S,) int64 slot of each sequence: its length rounded up to its :func:`slot_multiple`
-    (its length when whole). ``group_size_S``: (S,) or one size for every sequence.
+    """Each sequence's slot: its length rounded up to its :func:`slot_multiple` (its length when whole).
+
+    Args:
+        lengths_S: (S,) int, real lengths.
+        group_size_S: (S,) int, each sequence's group size, or one size for every sequence.
+
+    Returns:
+        (S,) int64 slots.
 
     >>> slot_lengths(np.array([5, 5, 5]), np.array([1, 2, 4])).tolist()
     [5, 8, 8]

@@ -3,11 +3,10 @@
     embed -> n_layers x [RMSNorm -> GQA attention with RoPE -> + residual,
                          RMSNorm -> SwiGLU -> + residual] -> RMSNorm -> LM head
 
-The forward pass takes a THD batch (``thdpack.to_thd``) or one CP rank's shard of it
-(``thdpack.cp.shard``) and returns the logits of exactly the tokens it holds. Nothing in the
-model depends on how sequences were packed: RoPE reads each token's position inside its
-sequence from ``position_ids`` and attention never crosses a sequence boundary, so a sequence's
-logits are the same alone, packed with others, or spread over CP ranks.
+It takes a THD batch or one CP rank's shard and returns the logits of exactly the tokens it
+holds. Nothing depends on how sequences were packed: RoPE reads each token's position in its
+sequence from ``position_ids`` and attention never crosses a sequence, so a sequence's logits are
+the same alone, packed, or spread over CP ranks.
 
 Legend: ``T`` tokens on this rank, ``D`` model dim, ``H`` head dim, ``V`` vocabulary.
 """

@@ -1,36 +1,26 @@
 """The pack layout in one place: CP padding, seq_lens_padded, position ids, labels, padding.
 
-A pack of ``pack_size`` tokens holds sequences back to back. Under context parallelism
-(``cp_size > 1``) every sequence occupies its length rounded up to a multiple of
-``2*cp_size`` (Transformer Engine cuts each sequence into ``2*cp_size`` equal chunks); the
-rounding tokens ("CP padding") sit right after the sequence. Whatever is left at the end of
-the pack ("tail padding") is added to the last sequence's padded length, so
-``sum(seq_lens_padded) == pack_size``, as NeMo AutoModel's packs have it.
+Under context parallelism each sequence takes its length rounded up to a multiple of
+``2*cp_size`` (CP padding after it), and the pack's tail is added to the last sequence, so
+``sum(seq_lens_padded) == pack_size`` as in NeMo AutoModel's packs:
 
     seq_lens [3, 5], pack_size 16, cp_size 2 (multiple 4):
     tokens          a a a . b b b b b . . . . . . .
     seq_lens_padded [4, 12]     (3 -> 4; 5 -> 8, + 4 tail)
     position_ids    0 1 2 3 0 1 2 3 4 5 6 7 8 9 10 11
 
-Under a per-sequence CP placement (``plan_packs(..., cp_placement="adaptive")``) the layout is
-the placement record's (``thdpack.layout.PackPlacement.layout``, docs/design/cp_placement.md
-section 2): a split sequence's slot is a multiple of ``2g``, a whole one's is its length, and the
-tail is one padding entry per rank, never added to the last sequence:
+Under a per-sequence CP placement the layout is the placement's (``PackPlacement.layout``): a
+split sequence's slot is a multiple of ``2g``, a whole one's is its length, and the tail is one
+padding entry per rank:
 
     seq_lens [6, 3, 1], pack_size 16, cp_size 2; 6 split over both ranks, 3 whole on rank 1, 1 on rank 0
     tokens          a a a a a a . . b b b c . . . .
     seq_lens        [6, 3, 1, 0, 0]
     seq_lens_padded [8, 3, 1, 3, 1]     (6 -> 8; rank 0: 4 + 1 + 3 tail; rank 1: 4 + 3 + 1 tail)
 
-Position ids restart at 0 for every sequence and run on through its CP padding and, for the
-last sequence, through the tail padding (NeMo does the same and clamps at ``pack_size - 1``;
-the clamp never fires here because the last entry is at most ``pack_size`` long). Padding
-carries the pad id and label ``IGNORE_INDEX``; positions of padding are never attended to by a
-real token under causal masking because padding comes after its sequence's real tokens. The CP
-slot rule and ``IGNORE_INDEX`` are the format's (``thdpack.layout.rules``); this module lays a
-pack out by them.
+Positions restart at 0 per sequence and run on through its padding; padding carries the pad id
+and label ``IGNORE_INDEX``. Numpy on the host: packs are built in data-loader workers.
 
-Everything is numpy on the host (packs are built in data-loader workers).
 Legend: ``T`` tokens of a pack or stream, ``S`` sequences.
 """
 

@@ -1,29 +1,13 @@
 """Packs from tokenized samples: NeMo AutoModel's pack format, built one pack at a time.
 
-A sample is a mapping with ``input_ids`` (1-D integers) and optionally ``labels`` and
-``loss_mask`` (0 -> label ``-100``, e.g. SFT prompt tokens). Without ``labels``, next-token labels
-are derived inside the sequence and its last token predicts nothing. Samples are never modified.
-
-Labels are already shifted, as NeMo expects: ``labels[t]`` is the target of ``input_ids[t]``, the
-token that FOLLOWS it (Hugging Face's labels are ``input_ids`` themselves, shifted by the model's
-loss). Labels equal to ``input_ids`` at every labelled position, which no shifted labels are unless
-the text repeats one token, are refused: packed as they are they would train a copy task.
-Refused too, each naming the sample and the position: a negative token id (or one at or above a
-known vocabulary), a label that is neither -100 nor a token id, a ``loss_mask`` value other than
-0 / 1, and an ``attention_mask`` with a 0 (padding, which would be trained as text: pack unpadded
-samples). The checks are vectorised: a few numpy reductions per sample.
-
-``build_pack(samples, plan, i)`` builds pack ``i`` of a plan; ``pack_from_segments`` takes the
-segments by hand. A pack is a dict of int64 tensors (``Pack``): ``input_ids``, ``labels``,
-``position_ids`` of length ``pack_size``, ``seq_lens`` (real lengths) and ``seq_lens_padded``
-(see ``layout``). The packs of a plan with a per-sequence CP placement (``cp_placement=
-"adaptive"``) are laid out by it (``layout.placed_seq_lens_padded``) and also carry each entry's
-group: ``cp_group_size`` and ``cp_group_start``.
-
-Plan entries can be parts of a sequence (``overflow="truncate"`` / ``"split"``): the pack then
-takes ``input_ids[start:start+length]`` and the matching labels. A split piece's last label
-still predicts the next token of the same document (it is in the sample's labels), so no
-target is lost; each piece is its own sequence for attention, so its positions restart at 0.
+A sample has ``input_ids`` and optionally ``labels`` (already shifted: ``labels[t]`` is the
+target of ``input_ids[t]``) or ``loss_mask``; without labels they are derived inside each
+sequence. A pack (``Pack``) holds ``input_ids``, ``labels``, ``position_ids`` of ``pack_size``
+tokens, ``seq_lens`` and ``seq_lens_padded`` (``pack_layout``), and a placed plan's group keys.
+Bad samples are refused naming the sample and the position (a negative token id, a label that is
+no token id, a ``loss_mask`` other than 0 / 1, an ``attention_mask`` with a 0, labels equal to
+``input_ids``, which would train a copy task), by a few vectorised checks per sample. A split
+sequence's piece keeps the label of the token after it, so no target is lost.
 
 Legend: ``T`` tokens of a pack (``pack_size``), ``S`` sequences in the pack.
 """
@@ -324,6 +308,17 @@ def assemble_pack(
 
 def build_pack(samples: Sequence[Mapping[str, Any]], plan: PackPlan, index: int, *, pad_id: int = 0) -> Pack:
     """Pack ``index`` of ``plan`` from ``samples`` (its pack size and CP size are the plan's).
+
+    Args:
+        samples: the samples the plan was made for (``input_ids``, optionally ``labels`` or
+            ``loss_mask``), indexable by the plan's sequence ids.
+        plan: the ``PackPlan``.
+        index: which pack, ``0 <= index < len(plan)``.
+        pad_id: the token id of padding.
+
+    Returns:
+        The ``Pack``: ``input_ids``, ``labels``, ``position_ids`` (``pack_size``,) int64,
+        ``seq_lens``, ``seq_lens_padded``, and a placed plan's group keys.
 
     Raises ``ValueError`` naming the sample when a sample's length is not the one the plan was
     made for.

@@ -1,31 +1,15 @@
 """StreamingPacker: pack an endless or huge stream of samples with a bounded buffer.
 
-The packer keeps up to ``buffer_size`` sequences. Whenever the buffer is full (or the stream
-has ended) it emits one pack: the *oldest* buffered sequence opens the pack, and the rest of its
-room is filled from the buffer by the planner's exact-fill rules (``thdpack.plan.improve.
-SizePool.fill``, the improvement phase's: the largest sequences that fit, then a pair swap or a
-bounded subset sum over the buffer's lengths closes the gap when the buffer allows, as long as
-the buffer holds at least twice as many sequences of at most half a pack as longer ones; else
-the pack stays the best fit). Opening with the oldest sequence bounds how long any sequence
-waits (at most ``buffer_size`` packs), and exact fills from a buffer of 256 reach the L2 bound
-on web, SFT and Alpaca lengths, like offline planning (``benchmarks/packer_bench.py``). Slots
-are CP-aware (each sequence rounded up to a multiple of ``2*cp_size``), and the overflow policies
-of ``plan_packs`` apply, counted in ``stats``.
-
-Resume: ``state_dict()`` holds the buffered tokens, the statistics and the source position.
-If the source has ``state_dict`` / ``load_state_dict`` (torchdata's ``StatefulDataLoader``,
-HF ``IterableDataset``), its state is saved and restored; otherwise the packer counts the
-samples it consumed and, on resume, skips that many from a fresh ``iter(source)`` (the source
-must then replay the same samples in the same order).
-
-DataLoader workers: each worker iterates its own copy. Use ``num_workers <= 1`` or a source
-that shards itself per worker; ``state_dict`` describes the object you iterate. Likewise under
-data parallelism the packer packs what its source yields: give each rank its own shard of the
-source (the runtime's ``dp_rank`` / ``dp_size`` are not read).
-
-One way to build it: ``StreamingPacker(source, pack_size, **keywords)`` takes every setting of
-``StreamingPackerConfig`` and the run's ``cp_size`` / ``pad_id`` by name, generated from their
-fields; ``config.build(source, runtime)`` is a call of it.
+Whenever its buffer of ``buffer_size`` sequences is full (or the stream ends) it emits one pack:
+the *oldest* buffered sequence opens it, which bounds how long any sequence waits, and the rest
+of its room is filled from the buffer by the improvement phase's exact-fill rules
+(``thdpack.plan.improve.SizePool.fill``). Slots are CP-aware and ``plan_packs``' overflow
+policies apply, counted in ``stats``. ``state_dict()`` holds the buffered tokens, the stats and
+the source's position (its own ``state_dict`` when it has one, else the samples consumed, which a
+fresh ``iter(source)`` must replay). Each DataLoader worker and each DP rank packs what its
+source yields: shard the source per worker and rank. ``StreamingPacker(source, pack_size,
+**keywords)`` takes every setting of ``StreamingPackerConfig`` by name; ``config.build(source,
+runtime)`` is a call of it.
 
 >>> stream = [{"input_ids": list(range(n))} for n in (5, 2, 6, 3, 4)]
 >>> packer = StreamingPacker(stream, 8, buffer_size=4)
@@ -121,7 +105,13 @@ class StreamingPacker(torch.utils.data.IterableDataset):
     @PACKER_KEYWORDS.document
     def __init__(self, source: Iterable[Mapping[str, Any]], pack_size: int, **keywords: Any) -> None:
         """The packs of ``source`` in ``pack_size`` tokens, with every other setting and the run's
-        ``cp_size`` / ``pad_id`` by keyword (below)."""
+        ``cp_size`` / ``pad_id`` by keyword (below).
+
+        Args:
+            source: an iterable of samples (``input_ids``, optional ``labels`` or ``loss_mask``).
+            pack_size: tokens per pack; a multiple of ``2*cp_size`` under context parallelism.
+            **keywords: ``StreamingPackerConfig``'s and ``PackingRuntime``'s fields by name.
+        """
         config, runtime = PACKER_KEYWORDS.build(pack_size=pack_size, **keywords)
         check_pack_size(config.pack_size, runtime.cp_size)
         self.config: StreamingPackerConfig = config

@@ -75,22 +75,36 @@ def plan_packs(
     """Plan packs of ``pack_size`` tokens for sequences of the given lengths: ``plan_with`` with
     the settings by keyword (every field of ``PlanConfig``, below) and ``timing`` beside them.
 
-    ``lengths``: 1-D integers >= 1, one per sequence (list, numpy or CPU torch). ``cp_size``: the
-    context-parallel size; each sequence occupies its length rounded up to a multiple of
-    ``2*cp_size`` (Transformer Engine's THD sharding needs that), and ``pack_size`` must be a
-    multiple of it. Returns a ``PackPlan``; ``plan.stats`` is a ``PackingStats`` (under
-    ``cp_placement="adaptive"``, ``plan.placement`` is the ``CpPlacement``).
+    Args:
+        lengths: 1-D integers >= 1, one per sequence (list, numpy or CPU torch).
+        pack_size: tokens per pack; a multiple of ``2*cp_size`` under context parallelism.
+        cp_size: the context-parallel size; each sequence occupies its length rounded up to a
+            multiple of ``2*cp_size`` (Transformer Engine's THD sharding needs that).
+        timing: the step-time model of a timed plan (``plan_with``).
+        **settings: ``PlanConfig``'s fields by name.
+
+    Returns:
+        A ``PackPlan``: ``plan[i]`` the sequence indices of pack ``i``, ``plan.stats`` its
+        ``PackingStats``, ``plan.placement`` the ``CpPlacement`` under ``cp_placement="adaptive"``.
     """
     (config,) = PLAN_KEYWORDS.build(pack_size=pack_size, **settings)
     return plan_with(lengths, config, cp_size=cp_size, timing=timing)
 
 
 def plan_with(lengths: object, config: PlanConfig, *, cp_size: int = 1, timing: PlanTiming | None = None) -> PackPlan:
-    """``plan_packs`` with its settings in a ``PlanConfig`` (checked when it was made) and the
-    run's context-parallel size beside it. A timed plan (``cost_model="time"``,
-    ``cp_placement="auto"``) is given its ``timing``: the step-time model of the config's profile
-    and model shape on the run's nodes, ``thdpack.perf.time_cost.timing_of(config, gpus_per_node)``
-    (the planner does not load machines; the trainer, the Trainer integrations and the commands do).
+    """``plan_packs`` with its settings in a ``PlanConfig`` and the run's context-parallel size beside it.
+
+    Args:
+        lengths: 1-D integers >= 1, one per sequence.
+        config: the plan's settings (checked when it was made).
+        cp_size: the run's context-parallel size.
+        timing: for a timed plan (``cost_model="time"``, ``cp_placement="auto"``), the step-time
+            model of the config's profile and model shape on the run's nodes,
+            ``thdpack.perf.time_cost.timing_of(config, gpus_per_node)``: the planner does not load
+            machines (the trainer, the Trainer integrations and the commands do).
+
+    Returns:
+        The ``PackPlan`` (as ``plan_packs``).
 
     >>> plan = plan_with([5, 3, 6, 2, 4], PlanConfig(pack_size=16), cp_size=2)
     >>> [p.tolist() for p in plan], plan.cp_size

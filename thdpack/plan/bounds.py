@@ -1,13 +1,16 @@
 """Lower bounds on the number of packs: the Martello–Toth L2 bound and two stronger ones.
 
-The sum bound ``ceil(sum / C)`` ignores that two items larger than half a pack never share
-one. L2 (Martello & Toth, 1990) fixes that: for every threshold ``a <= C/2``, items larger than
-``C - a`` each need a pack of their own (J1), items in ``(C/2, C - a]`` too (J2), and items in
-``[a, C/2]`` (J3) can only use J2's leftover room or new packs:
+L2 (Martello & Toth, 1990) improves the sum bound ``ceil(sum / C)`` with the fact that two items
+over half a pack never share one: for a threshold ``a <= C/2``, items over ``C - a`` (J1) and in
+``(C/2, C - a]`` (J2) each need their own pack, and items in ``[a, C/2]`` (J3) fill J2's room
+first::
 
     L(a) = |J1| + |J2| + max(0, ceil((sum(J3) - (|J2| C - sum(J2))) / C)),   L2 = max_a L(a)
 
-``L(0)`` alone is already at least ``max(ceil(sum / C), #items > C/2)``.
+L2 treats J3 as fluid. ``best_lower_bound_of_sizes`` also takes *single fills* (a J2 pack with
+room below ``2a`` holds at most one J3 item: a matching bounds what J3 can put there) and the dual
+feasible function of Carlier, Clautiaux & Moukrim (2007), each evaluated at the few thresholds
+where L(a) peaks: O(k) in the distinct sizes.
 
 >>> l2_lower_bound(np.bincount([6, 6, 6, 4, 4, 4], minlength=11), capacity=10)
 3
@@ -44,6 +47,9 @@ def l2_lower_bound(counts: np.ndarray, capacity: int) -> int:
     Args:
         counts: (capacity+1,) non-negative integers, item sizes in ``[1, capacity]``.
         capacity: pack capacity (same units as the sizes).
+
+    Returns:
+        The bound: no packing of these items needs fewer packs.
     """
     counts = np.asarray(counts, dtype=np.int64)
     sizes = np.flatnonzero(counts)

@@ -1,17 +1,11 @@
 """PlanConfig: the settings of a packing plan, each declared once, with its help and its check.
 
 ``plan_packs``' keywords, ``PackedDatasetConfig.plan``, the trainer's ``packing`` group,
-``PackingArguments``, the options of ``thdpack prepare`` / ``stats`` / ``verify`` and a prepared
-store's ``manifest.json["plan"]`` are all this one config: the other forms are generated from its
-fields (``thdpack._config_forms``), so a new setting appears in each by itself. The
-context-parallel size is not one of its settings: it comes from the run (the process group), so
-it is passed beside the config (``plan_with(lengths, config, cp_size=...)``).
-
-The default ``cp_placement`` follows one rule: what trains with thdpack (the trainer, the
-Trainer integrations, ``thdpack prepare`` / ``stats`` / ``verify``) defaults to
-``TRAINING_CP_PLACEMENT`` ("adaptive"); the library API that plans for other tools (``PlanConfig``,
-``plan_packs``, ``PackedDataset``, whose packs Transformer Engine and NeMo read) defaults to
-``LIBRARY_CP_PLACEMENT`` ("te").
+``PackingArguments``, the commands' plan options and a prepared store's ``manifest.json["plan"]``
+are all generated from its fields (``thdpack._config_forms``). The CP size comes from the run,
+so it travels beside the config (``plan_with(lengths, config, cp_size=...)``). The default
+``cp_placement`` follows one rule: what trains defaults to ``TRAINING_CP_PLACEMENT``, the library
+that plans for other tools to ``LIBRARY_CP_PLACEMENT``.
 
 >>> PlanConfig(pack_size=2048, algorithm="window").fingerprint()  # doctest: +NORMALIZE_WHITESPACE
 {'pack_size': 2048, 'algorithm': 'window', 'overflow': 'error', 'window': 1024, 'seed': None,
@@ -43,7 +37,7 @@ NeMo AutoModel read (``plan_packs``' contract)."""
 TRAINING_CP_PLACEMENT: CpPlacementMode = "adaptive"
 """The default of what trains with thdpack: the trainer (``packing.cp_placement``), the Trainer
 integrations (``PackingArguments``), ``thdpack prepare`` / ``stats`` / ``verify``: measured never
-slower than ``te`` end to end, never more busiest-rank tiles (README, "CP placement: the default")."""
+slower than ``te`` end to end, never more busiest-rank tiles (docs/guides/context-parallel.md, "The default")."""
 DEFAULT_WINDOW = 1024
 MAX_LENGTH = 2**40
 """The longest sequence (and the largest pack) thdpack plans: a trillion tokens, far inside int64 sums."""

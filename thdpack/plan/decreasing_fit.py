@@ -1,22 +1,13 @@
 """Decreasing-order bin packing on a length histogram: packs as templates x counts.
 
-Item-level best-fit / first-fit decreasing spends a loop iteration per sequence. Sequences of
-equal (slot) size are interchangeable, so the same packing can be computed per size class:
-all ``c`` items of size ``s`` go, in one step each, to whole *groups* of identical open packs.
-The cost then depends on the number of distinct sizes and groups (thousands), not on the
-number of sequences (millions or billions).
-
-Why a group step equals ``c`` item steps: for decreasing sizes, once BFD puts an item of size
-``s`` into a pack with room ``r`` (the smallest room >= s), the new room ``r - s`` is again the
-smallest room >= s if it still fits one, so BFD fills that pack with ``floor(r / s)`` copies
-before moving on; FFD does the same with the first pack that fits. A group of ``m`` identical
-packs therefore takes ``min(c, m * floor(r / s))`` items, split at most into three groups.
-
-The improvement phase that may follow the fit is :mod:`thdpack.plan.improve`; the planner that
-runs both is :mod:`thdpack.plan.size_classes`.
-
-A pack's content is a path in a tree of *nodes*: node ``t`` adds ``node_reps[t]`` items of size
-``node_size[t]`` to the content of ``node_parent[t]`` (node 0 is the empty pack).
+Sequences of equal slot size are interchangeable, so best-fit / first-fit decreasing run per size
+class: all ``c`` items of size ``s`` go, in one step each, to whole *groups* of identical open
+packs, and the cost follows the distinct sizes and groups (thousands), not the sequences
+(millions or billions). A group step equals ``c`` item steps: for decreasing sizes, once BFD
+puts an item of size ``s`` into a pack with room ``r``, the room left is again the smallest that
+fits one while it does, so BFD fills that pack with ``floor(r / s)`` copies before moving on (FFD
+likewise). A pack's content is a path in a tree of nodes: node ``t`` adds ``node_reps[t]`` items
+of size ``node_size[t]`` to the content of ``node_parent[t]`` (node 0 is the empty pack).
 
 >>> hp = fit_size_classes(*distinct_sizes(np.array([5, 5, 4, 3, 3, 1])), capacity=10, fit="bfd")
 >>> hp.num_packs

@@ -1,34 +1,14 @@
 """The improvement phase after the decreasing fit: re-pack the packs that are not full, each exactly.
 
-Best-fit decreasing leaves a gap in a pack whenever no remaining sequence fits it: on templated
-SFT data (every sequence >= 35 tokens) a third of the packs end 1-35 tokens short, which adds up
-to 9-18 packs over the Martello-Toth bound L2. The phase keeps the fit's full packs, pools the
-sequences of all the others and packs that pool again, one pack at a time, each filled *exactly*
-when the pool allows (the minimum-bin-slack idea of Gupta & Ho, 1999, on the histogram):
-
-1. the pack opens with the largest size left (the item hardest to place later);
-2. the rest of its room is filled greedily, largest size first (``floor(room / s)`` copies at a
-   time, as BFD would);
-3. a remainder ``e > 0`` is closed by swapping one chosen item ``s`` for two, ``a + b = s + e``
-   (one for one cannot help: the greedy took the largest size that fitted, so none in
-   ``(s, s + e]`` is left);
-4. failing that, a bounded subset sum over the pool's histogram (a bitset, one size class at a
-   time) re-chooses the pack's smallest items, then all but the opening one, preferring large
-   sizes: the fullest fill the pool allows, exact when one exists.
-
-The pack found is repeated as often as the pool's counts allow, so the work follows the number of
-distinct patterns, not of packs or sequences. Large sizes go first and small ones stay in the
-pool for last, where they close the remaining gaps; exactness fails near the end, when the sizes
-left do not combine (only 13- and 14-slot items for a 512-slot pack, say). So the *end game* packs
-the last ``END_GAME_PACKS`` packs again, one pack at a time, each taking of every size about its
-share of that pool (the proportion that lets the last pack close as well as the first); it is
-kept if it needs fewer packs. Both re-packings are skipped when the packs they would redo are
-already as few as the pool's L2 bound allows.
-
-The result is used only when it has fewer packs than the fit's: the phase never adds a pack.
-(Re-packing the fit's full packs too was tried: on uniform lengths, where the packs that are not
-full lack complements that full ones hold, it saved packs on some draws, lost on others and cost
-10x the fit's time, so the phase leaves full packs alone.)
+Best-fit decreasing leaves a gap wherever no remaining sequence fits, which on templated SFT data
+adds up to packs over the L2 bound. The phase pools the sequences of the packs that are not full
+and packs them again one pattern at a time, each filled *exactly* when the pool allows (Gupta &
+Ho's minimum bin slack, on the histogram): open with the largest size, fill greedily, close the
+remainder by a one-for-two swap or a bounded subset sum. Each pattern repeats as often as the
+counts allow, so the work follows the distinct patterns, not the sequences. An end game packs the
+last ``END_GAME_PACKS`` packs again in proportion to the pool. The result is used only when it
+has fewer packs: the phase never adds one. Full packs are left alone: re-packing them too cost
+many times the fit's time on uniform lengths and did not save packs there.
 
 >>> from thdpack.plan.decreasing_fit import fit_size_classes
 >>> fit = fit_size_classes(np.array([3, 4]), np.array([4, 2]), 10)   # BFD: [4,4] [3,3,3] [3]

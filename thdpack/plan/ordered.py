@@ -1,16 +1,11 @@
 """Order-preserving planners: next-fit ("sequential") and windowed best fit ("window").
 
-``sequential`` is NeMo AutoModel's ``pack_dataset`` / torchtune's ``PackedDataset`` rule: walk
-the sequences in dataset order and start a new pack whenever the next one does not fit. It
-keeps the exact order and wastes 13-25% of the tokens on real length mixes.
-
-``window`` keeps the order approximately and wastes almost nothing: each pack starts with the
-oldest sequence not yet placed, then repeatedly takes the largest sequence that still fits
-from the next ``window`` sequences (the oldest one on ties). Packs come out in order of their
-first sequence, and a sequence moves at most ``window - 1`` places earlier than its dataset
-position; it is never delayed past the moment it becomes the oldest. The trade-off: a larger
-window packs tighter but reorders more and costs more time per sequence (a sorted candidate
-list of ``window`` entries).
+``sequential`` is NeMo AutoModel's and torchtune's rule: walk the sequences in order and start a
+new pack whenever the next one does not fit (the exact order; a fifth of the tokens lost on real
+length mixes). ``window`` keeps the order approximately and wastes almost nothing: each pack
+starts with the oldest sequence not yet placed, then takes the largest that still fits from the
+next ``window`` sequences, so a sequence moves at most ``window - 1`` places earlier and is never
+delayed past the moment it becomes the oldest.
 
 >>> units = np.array([6, 6, 3, 3, 4])
 >>> offsets = next_fit(units, capacity=10)

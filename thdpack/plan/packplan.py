@@ -39,7 +39,23 @@ class PackPlan:
     """Packs of sequence indices. ``plan[i]`` is pack ``i``: (k,) int64 indices in placement order.
 
     Most plans place whole sequences. With ``overflow="truncate"`` or ``"split"`` an entry can
-    be part of a sequence: ``segments(i)`` gives each entry's token start and length.
+    be part of a sequence: ``segments(i)`` gives each entry's token start and length. The planner
+    makes plans (``plan_packs``); ``PackPlan.load`` reads a saved one.
+
+    Args:
+        indices: (E,) sequence index of every entry, pack by pack.
+        offsets: (num_packs+1,) pack boundaries in ``indices``.
+        sequence_lengths: the input lengths (all sequences, dropped ones included).
+        pack_size: tokens per pack.
+        cp_size: the context-parallel size the plan is laid out for.
+        algorithm: the planner that made it.
+        seed: its seed.
+        stats: its ``PackingStats``.
+        entry_starts: (E,) token offset of each entry in its sequence (None: every entry starts at 0).
+        entry_lengths: (E,) tokens of each entry (None: every entry is a whole sequence).
+        placement: the ``CpPlacement`` of a per-sequence placement (None: TE's layout).
+        cost_model: what the placement balanced.
+        a2a_packs: (num_packs,) True for the packs an ``auto`` plan attends by all-to-all.
     """
 
     def __init__(

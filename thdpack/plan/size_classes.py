@@ -57,10 +57,16 @@ def plan_size_classes(
 
 
 def plan_histogram(counts: np.ndarray, capacity: int, **options: Any) -> HistogramPlan:
-    """``plan_size_classes`` of a dense histogram: ``counts[s]`` items of size ``s`` (slot units),
-    ``counts`` of shape ``(capacity + 1,)`` with ``counts[0] == 0``; ``options`` are
-    ``plan_size_classes``'s (``fit``, ``rng``, ``improve``). A huge ``capacity`` wants
-    ``plan_size_classes`` itself, which never makes an array of ``capacity + 1``.
+    """``plan_size_classes`` of a dense histogram. A huge ``capacity`` wants ``plan_size_classes``
+    itself, which never makes an array of ``capacity + 1``.
+
+    Args:
+        counts: (capacity + 1,) int, ``counts[s]`` items of size ``s`` (slot units), ``counts[0] == 0``.
+        capacity: the pack's capacity in slot units.
+        **options: ``plan_size_classes``'s ``fit``, ``rng`` and ``improve``.
+
+    Returns:
+        The plan as pack templates and their counts (``materialize`` gives sequence ids).
 
     >>> hp = plan_histogram(np.bincount([5, 5, 4, 3, 3, 1], minlength=11), capacity=10)
     >>> sorted(hp.pack_contents(g) for g in range(len(hp.group_node)))

@@ -1,18 +1,13 @@
 """THD batches: collate packs into a BSHD batch, flatten it to Transformer Engine's THD layout.
 
-Data flow: ``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> attention``.
-``thd_collate`` runs the first two steps in a DataLoader worker, so every piece of metadata
-(including the Python-int ``max_seqlen``) is computed on the host, once, and the forward pass
-never calls ``.item()``.
-
-Every builder validates the batch's lengths once (``thdpack.thd.meta``) and the batch it returns
-carries that record (``thd["thd_meta"]``), so attention, masks, sharding and the loss take it
-from the batch instead of validating again. ``thd_collate`` also refuses a label on a padding row.
+``packs -> collate -> (split_micro_batches) -> to_thd -> cp.shard -> attention``: ``thd_collate``
+runs the first steps in a DataLoader worker, so the metadata (the Python-int ``max_seqlen``
+included) is computed on the host once and the forward pass never calls ``.item()``. Every builder
+validates the lengths once and returns the batch with its record, which attention, masks,
+sharding and the loss take instead of validating again.
 
 Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``T = B*L`` packed tokens, ``S``
 sequences (of the whole batch; the (B, S) length matrices have as many columns as the fullest row).
-
-The formats themselves (keys, dtypes, invariants) are in ``thdpack.thd.format``.
 """
 
 from __future__ import annotations
@@ -123,6 +118,12 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
     the worker then computes ``cu_seqlens`` and ``max_seqlen`` on the host, and
     ``thd_to_device`` moves the batch without a host sync.
 
+    Args:
+        packs: ``B`` packs of one ``pack_size`` (``thdpack.packing`` makes them).
+
+    Returns:
+        The THD batch (``T = B * pack_size`` tokens) with its validated record.
+
     A label other than -100 on a padding row (past a sequence's real length, as ``seq_lens``
     says) raises ``ValueError`` naming the pack and the position: the loss would train on a row
     that attention treats as padding. (``to_thd`` takes a batch as given, as NeMo's
@@ -137,9 +138,15 @@ def thd_collate(packs: Sequence[Mapping[str, Any]]) -> THDBatch:
 def thd_to_device(thd: Mapping[str, Any], device: torch.device | str, *, non_blocking: bool = True) -> THDBatch:
     """Move every tensor of a THD batch to ``device``; ``max_seqlen`` and other ints stay Python ints.
 
-    ``non_blocking`` copies overlap with compute when the batch is in pinned memory
-    (``DataLoader(pin_memory=True)``). The batch's record moves along, describing the moved
-    tensors, so nothing on the device is read back to validate it again.
+    Args:
+        thd: a THD batch or a CP shard.
+        device: where to.
+        non_blocking: copies that overlap with compute when the batch is in pinned memory
+            (``DataLoader(pin_memory=True)``, ``thd_pin_memory``).
+
+    Returns:
+        The batch on ``device`` with its record, which describes the moved tensors, so nothing on
+        the device is read back to validate it again.
     """
     return _copy_tensors(thd, lambda t: t.to(device, non_blocking=non_blocking))
 
@@ -161,10 +168,14 @@ def _copy_tensors(thd: Mapping[str, Any], copy: Callable[[torch.Tensor], torch.T
 def split_micro_batches(batch: Mapping[str, Any], num_chunks: int) -> list[dict[str, Any]]:
     """Cut a BSHD batch into ``num_chunks`` micro-batches of ``B // num_chunks`` consecutive rows.
 
-    Each micro-batch equals ``collate`` of its packs: ``seq_lens`` / ``seq_lens_padded`` keep
-    only as many columns as the micro-batch's fullest row. Unlike NeMo's
-    ``split_batch_into_thd_chunks``, which floors ``B // num_chunks`` and silently drops the
-    remainder rows, a ``B`` that ``num_chunks`` does not divide raises ``ValueError``.
+    Args:
+        batch: a ``collate`` batch of ``B`` rows.
+        num_chunks: micro-batches; must divide ``B`` (NeMo's ``split_batch_into_thd_chunks``
+            floors ``B // num_chunks`` and silently drops the remainder rows: here it raises).
+
+    Returns:
+        ``num_chunks`` BSHD batches, each equal to ``collate`` of its packs (``seq_lens`` /
+        ``seq_lens_padded`` keep as many columns as its fullest row).
 
     >>> batch = {"input_ids": torch.arange(12).view(3, 4), "labels": torch.arange(12).view(3, 4),
     ...          "position_ids": torch.tensor([[0, 1, 2, 3], [0, 1, 0, 1], [0, 0, 1, 2]]),

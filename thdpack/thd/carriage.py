@@ -1,25 +1,13 @@
 """How a THD batch carries its record: ``thd["thd_meta"]``, taken without reading a tensor.
 
-The record travels with its batch, as flash-attn's ``bert_padding.unpad_input`` returns
-``indices``, ``cu_seqlens`` and ``max_seqlen`` together: every batch thdpack makes (``to_thd``,
-``thd_collate``, ``cp.shard`` / ``unshard`` / ``gather``, ``thd_to_device``, ``thd_pin_memory``)
-holds its :class:`~thdpack.thd.meta.ThdMeta` under :data:`META_KEY`, and :func:`thd_meta` takes it
-from there. It is the one carrier of a shard's ``cp_size`` / ``cp_rank``. It pickles with the
-batch (into and out of DataLoader workers) and still describes the batch on the other side.
-
-A record describes the ``cu_seqlens`` / ``cu_seqlens_padded`` tensors it was attached to. When
-the batch holds other ones (replaced, moved by something other than ``thd_to_device``, copied by
-DataLoader's ``pin_memory``) or they were changed in place, or the batch's ``max_seqlen`` /
-``cp_size`` / ``cp_rank`` keys say otherwise, the record is stale and is never used:
-:func:`thd_meta` builds the record afresh from the tensors (a host copy of the two ``cu``
-tensors, a device sync on an accelerator), keeping the stale record's ``cp_size`` / ``cp_rank``
-and placement unless the batch's keys give them (no tensor says which shard a batch is), and
-stores it in the batch in place of the stale one.
-
-A mapping made elsewhere (NeMo's, Transformer Engine's: ``cu_seqlens`` and optional
-``cu_seqlens_padded``, ``max_seqlen``, ``cp_size``, ``cp_rank``) is validated from its tensors
-by the first :func:`thd_meta`, which stores the record in it (when it is a mutable mapping),
-so the next call (the next layer) finds it.
+Every batch thdpack makes holds its ``ThdMeta`` under :data:`META_KEY`, as flash-attn's
+``unpad_input`` returns ``indices``, ``cu_seqlens`` and ``max_seqlen`` together; it pickles with
+the batch and is the one carrier of a shard's ``cp_size`` / ``cp_rank``. A record describes the
+exact ``cu_seqlens`` / ``cu_seqlens_padded`` tensors it was attached to: when the batch holds
+others, or they changed in place, :func:`thd_meta` rebuilds it from the tensors (keeping the
+shard's ``cp_size`` / ``cp_rank`` and placement, which no tensor says), so a stale record is never
+used. A mapping made elsewhere (NeMo's, TE's) is validated by the first call, which stores the
+record in it for the next layer.
 """
 
 from __future__ import annotations

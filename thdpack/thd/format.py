@@ -1,43 +1,13 @@
 """The BSHD and THD batch formats: their keys, the -1000 sentinel, and their validation.
 
-Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``S`` most sequences in one row,
-``T = B*L`` packed tokens, ``S`` sequences (of the whole batch, or the most in one row for the
-(B, S) length matrices).
+A BSHD batch (``thdpack.collate``) stacks packs into (B, L) rows with (B, S) length matrices
+padded by ``SEQ_LENS_SENTINEL``; a THD batch (``thdpack.to_thd``) flattens the rows to (T,) and
+describes the sequences by ``cu_seqlens`` / ``cu_seqlens_padded`` (CONTRACT.md "THD batch"; the
+table of keys is in docs/concepts.md). Sequence ``i`` occupies
+``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``, its real tokens a prefix of that slot.
 
-BSHD batch (``thdpack.collate``): ``input_ids``, ``labels``, ``position_ids`` (B, L) int64;
-``seq_lens`` (real lengths) and ``seq_lens_padded`` (slot widths) (B, S) int64, each row
-right-padded with ``SEQ_LENS_SENTINEL``; packs of a per-sequence CP placement also
-``cp_group_size`` / ``cp_group_start`` (B, S) int64 alike (:data:`PLACEMENT_KEYS`), and those of
-a ``cp_placement="auto"`` plan ``cp_a2a`` (:data:`A2A_KEY`); extra
-per-token keys (B, L, ...). (``to_thd`` also takes
-(B, L, H) input embeddings as ``input_ids``, as NeMo AutoModel's pipeline stages pass them.)
-
-THD batch (a plain ``dict``; CONTRACT.md "THD batch"):
-
-=====================  ===================  ===========================================
-key                    shape, dtype         meaning
-=====================  ===================  ===========================================
-``input_ids``          (T,) int64           all rows flattened, row-major
-``labels``             (T,) int64           already shifted; -100 on padding
-``position_ids``       (T,) int64           restart at 0 per sequence, run on through padding
-``cu_seqlens``         (S+1,) int32         ``[0] + cumsum(real lengths)`` (TE's ``cu_seqlens``)
-``cu_seqlens_padded``  (S+1,) int32         ``[0] + cumsum(slot widths)``; ``[-1] == T``
-``max_seqlen``         Python int           the widest padded slot (see ``to_thd``)
-``padding_mask``       (T,) bool            True = padding, from the layout only
-``thd_meta``           ``ThdMeta``          the validated record of the layout (below)
-any other key          (T, ...)             per-token extras (``loss_mask``), flattened alike
-=====================  ===================  ===========================================
-
-Sequence ``i`` occupies storage ``[cu_seqlens_padded[i], cu_seqlens_padded[i+1])``; its
-``cu_seqlens[i+1] - cu_seqlens[i]`` real tokens are a prefix of that slot.
-
-Every batch thdpack makes carries its :class:`~thdpack.thd.meta.ThdMeta` under ``"thd_meta"``,
-so attention, masks, sharding and the loss take the layout from it without validating again; a
-CP shard (``thdpack.cp.shard``) keeps the table's keys (``T / cp_size`` rows, the GLOBAL
-``cu_seqlens``, ``cu_seqlens_padded``, ``max_seqlen``) and its record says which shard it is
-(``cp_size``, ``cp_rank``). A mapping made elsewhere may instead carry ``cp_size`` / ``cp_rank``
-keys, as NeMo AutoModel's ``make_cp_batch_for_te`` does; ``thdpack.thd.meta`` says how a record
-is found, checked and rebuilt.
+Legend: ``B`` rows (packs), ``L`` row length (pack_size), ``T = B*L`` packed tokens, ``S``
+sequences (of the whole batch, or the most in one row for the (B, S) length matrices).
 """
 
 from __future__ import annotations
@@ -79,6 +49,12 @@ THDBatch = dict[str, Any]
 
 def validate_thd(thd: Mapping[str, Any]) -> ThdMeta:
     """Check a THD batch (global, or a CP shard); return its record.
+
+    Args:
+        thd: the batch (``thdpack.to_thd``'s keys, or another framework's with the same meaning).
+
+    Returns:
+        Its ``ThdMeta``.
 
     The layout is checked by its record (:func:`thdpack.thd.carriage.thd_meta`: ``cu_seqlens`` and
     ``cu_seqlens_padded`` (S+1,), ``[0] == 0``, non-decreasing, real ``<=`` padded per sequence,

@@ -1,19 +1,12 @@
 """ThdMeta: the one host-side record of a THD batch's layout, built once, carried by the batch.
 
-A THD batch (``thdpack.to_thd`` / ``thd_collate`` / ``cp.shard``) stores ``S`` sequences in
-``T`` tokens: sequence ``s`` occupies a slot of ``lengths_padded[s]`` tokens whose first
-``lengths[s]`` are real. Under context parallelism a shard keeps ``T / cp_size`` of them while
-the metadata stays global. :class:`ThdMeta` holds exactly that (host ints: reading it never
-syncs a device) and checks every fact about a layout, each by one method with one message:
-:meth:`ThdMeta.from_lengths` (the lengths, ``max_seqlen``, the CP slot rule),
-:meth:`~ThdMeta.for_rank` (a shard's ``cp_size`` / ``cp_rank``), :meth:`~ThdMeta.check_token_count`
-(a per-token tensor has one row per token), :meth:`~ThdMeta.cu_tensor` (``cu_seqlens`` int32 on
-the kernel's device) and :meth:`~ThdMeta.check_cp_group` (the process group the batch was sharded for).
-
-Under a per-sequence CP placement (``plan_packs(..., cp_placement="adaptive")``,
-``thdpack.layout``) the record also holds every entry's group (:class:`EntryGroups`) and the CP
-size the placement is for; the parts a shard's rank computes are ``thdpack.thd.parts``. How a
-batch carries its record (and when a carried record is stale) is ``thdpack.thd.carriage``.
+Sequence ``s`` occupies a slot of ``lengths_padded[s]`` tokens whose first ``lengths[s]`` are
+real; a CP shard keeps ``T / cp_size`` tokens while the record stays global. The record holds host
+ints (reading it never syncs a device) and checks each fact of a layout by one method with one
+message: the lengths, ``max_seqlen`` and the CP slot rule (:meth:`ThdMeta.from_lengths`), a
+shard's rank (:meth:`~ThdMeta.for_rank`), a per-token tensor's rows
+(:meth:`~ThdMeta.check_token_count`), the process group (:meth:`~ThdMeta.check_cp_group`). Under a
+per-sequence placement it also holds every entry's group (:class:`EntryGroups`).
 
 Legend: ``S`` sequences, ``T`` tokens.
 """

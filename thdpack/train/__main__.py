@@ -5,13 +5,9 @@
     torchrun --nproc-per-node 4 -m thdpack.train parallel.cp_size=2 train.steps=200 packing.pack_size=2048
     torchrun --nproc-per-node 2 -m thdpack.train train.resume=true   # continue from the last checkpoint
 
-Configs: ``configs/train.yaml`` composes the groups ``data model packing parallel attention
-train`` (``configs/<group>/*.yaml``) over the typed schema in ``thdpack.train.config``.
-
-Exit codes: 0 done, 2 a bad setting or input (the message says which and what to do), 1 a failure
-while training (a non-finite step, a checkpoint that could not be written, a rank that did not
-come within ``parallel.timeout_s``). A fatal signal (SIGSEGV, SIGBUS, ...) prints every thread's
-Python stack first (``faulthandler``).
+``configs/train.yaml`` composes the groups over the typed schema of ``thdpack.train.config``.
+Exit codes: 0 done, 2 a bad setting or input (named, with the fix), 1 a failure while training.
+A fatal signal prints every thread's Python stack first (``faulthandler``).
 """
 
 from __future__ import annotations

@@ -158,8 +158,11 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate (AdamW), reached after warmup_steps, cosine-decayed to min_lr."""
     min_lr: float = 3e-4
+    """Learning rate at the last step, the end of the cosine decay; 0 <= min_lr <= lr."""
     warmup_steps: int = 10
+    """Steps of linear warmup from 0 to lr."""
     weight_decay: float = 0.1
+    """AdamW's decoupled weight decay; finite, >= 0."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 disables)."""
     loss_reduction: str = "token_mean"

@@ -1,15 +1,12 @@
 """One optimizer step's forward and backward on packed, CP-sharded THD micro-batches.
 
-The trainer runs these functions, and so does ``thdpack verify`` (``thdpack.verify.exactness``):
-what verify proves exact is the training step itself. :class:`StepHooks` are the points where
-verify plants known faults; the trainer passes none.
-
-1. ``prepare_micro_batches``: each global (unsharded) micro-batch gets its per-sequence loss
-   weights (``sequence_mean``) on the host, is CP-sharded (``cp.shard``) and moved to the device;
-2. ``forward_backward``: one collective counts the step's global loss denominator and loss tokens
-   (``loss.StepLoss``); each micro-batch's loss is ``sum(token losses) / denominator *
-   grad_average_size``, because DDP / FSDP2 average gradients over their group while the step's
-   gradient is the SUM of every rank's share; gradients synchronise on the last micro-batch only.
+The trainer runs these functions and so does ``thdpack verify``, so what verify proves exact is
+the training step itself (:class:`StepHooks` are where verify plants known faults).
+``prepare_micro_batches`` gives each global micro-batch its loss weights, shards it and moves it;
+``forward_backward`` counts the step's loss tokens with one collective (``StepLoss``) and
+back-propagates each micro-batch's ``sum(token losses) / denominator * grad_average_size``
+(DDP / FSDP2 average, the step's gradient is a sum), synchronising gradients on the last
+micro-batch only.
 
 Legend: ``T`` tokens of a micro-batch on this rank, ``V`` vocabulary.
 """

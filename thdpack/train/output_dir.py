@@ -1,17 +1,11 @@
 """One run per output_dir: rank 0 holds the folder's lock for the run's lifetime.
 
-Two runs writing one ``train.output_dir`` used to interleave ``metrics.jsonl`` and prune each
-other's checkpoints, both exiting 0. Now rank 0 takes the lock ``thdpack prepare`` takes for its
-folder (``thdpack.files.lock.FolderLock``: an exclusive ``flock`` on ``.<name>.lock`` beside the
-folder) before anything is written there, and holds it until the run ends; the other ranks learn
-the outcome from rank 0, so a second run stops at once on every rank, naming the first (pid and
-host). Only rank 0 locks: the ranks of one run share the folder by design (each writes its part
-of every checkpoint).
-
-A run that dies never blocks the next one: the kernel releases a ``flock`` when its holder exits,
-however it exits (``kill -9`` included), so the next run takes the lock at once and overwrites the
-stale holder line the dead run left in the lock file. Only a live holder blocks, a stopped one
-(``kill -STOP``) included.
+Two runs writing one ``train.output_dir`` would interleave ``metrics.jsonl`` and prune each
+other's checkpoints. Rank 0 takes the folder's lock (``thdpack.files.lock.FolderLock``, an
+exclusive ``flock``) before anything is written and holds it until the run ends; the other ranks
+learn the outcome from rank 0, so a second run stops at once on every rank, naming the first.
+Only rank 0 locks: a run's ranks share the folder by design. A run that dies never blocks the
+next, since the kernel releases a ``flock`` with its holder.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Numeric precision of a training run: where the weights live and what the matmuls compute in.
 
-``fp32`` and ``fp64`` train in one dtype. ``bf16-mixed`` is mixed precision the way AMP, NeMo
-and torchtitan do it: fp32 master weights and fp32 AdamW state, bf16 compute, the loss in fp32
-(``loss.cross_entropy_sum`` upcasts the logits), fp32 checkpoints.
-
-* DDP: the forward pass runs under ``torch.autocast(bfloat16)`` (CUDA and CPU): matmuls in bf16,
-  the residual stream, norms and rotary angles stay fp32; gradients arrive in fp32.
-* FSDP2: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: FSDP all-gathers bf16
-  copies of the sharded fp32 weights for compute and reduce-scatters the gradients in fp32
-  into the fp32 shards (torchtitan's setting); autocast is not needed on top.
-
-Pure bf16 (bf16 weights and optimizer state) is not offered: an AdamW update of 6e-4 on a
-weight of 1.0 rounds away in bf16 (its spacing at 1.0 is 2**-7 = 7.8e-3), so norm gains never
-move and weight decay does nothing.
+``fp32`` and ``fp64`` train in one dtype. ``bf16-mixed`` keeps fp32 master weights, AdamW state
+and checkpoints and computes in bf16 (the loss in fp32): under ``torch.autocast`` with DDP, by
+FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with FSDP. Pure bf16 is not
+offered: an AdamW update of 6e-4 on a weight of 1.0 rounds away in bf16 (its spacing there is
+2**-7), so norm gains would never move.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """The next steps' batches, made on the host while the device trains on this one.
 
-Planning a step, building its packs, collating them to THD and CP-sharding them is host work (a
-few hundred microseconds to milliseconds per step, ``benchmarks/thd_bench.py``). Done between two
-steps it leaves the GPU idle; :class:`StepPrefetcher` does it in a background thread, ``depth``
-steps ahead, and on CUDA pins the batches so that the trainer's ``non_blocking`` copies overlap
-with compute. The stream's order is kept (one producer), and each prepared step carries the
-stream's state right after it, which is what a checkpoint after that step must save: the thread
-has already advanced the stream further.
-
-The work releases the GIL in its numpy / torch kernels, so the thread overlaps with the training
-step's Python too. ``depth=0`` prepares each step in the calling thread (no thread at all).
+Planning, building, collating and CP-sharding a step is host work; between two steps it would
+leave the GPU idle. :class:`StepPrefetcher` does it in a background thread ``depth`` steps ahead
+(the numpy / torch kernels release the GIL) and pins the batches on CUDA, so the trainer's
+``non_blocking`` copies overlap with compute. One producer keeps the stream's order, and each
+prepared step carries the stream's state right after it: what a checkpoint after that step must
+save, since the thread has moved the stream further. ``depth=0`` works in the calling thread.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """The process's place in the run: torchrun environment, process group, device, and the dp x cp
-``CpTopology`` (``thdpack.cp.topology``: rank ``r`` is CP rank ``r % cp_size`` of replica ``r // cp_size``).
+``CpTopology``.
 
     torchrun --nproc-per-node 4 -m thdpack.train parallel.cp_size=2   # dp 2 x cp 2
 
-Without torchrun (``python -m thdpack.train``) the run is one process on its own gloo group.
-
-Every process group of the run waits ``parallel.timeout_s`` for a collective, the mesh's
-subgroups included (torch gives a subgroup its backend's default, 30 minutes for gloo, unless
-told otherwise). The waits before training that are expected to be long (the local main rank
-builds the token cache or verifies a large store while the others wait) go through
-``Runtime.long_barrier``, a gloo group without that limit.
+Without torchrun the run is one process on its own gloo group. Every process group of the run
+waits ``parallel.timeout_s`` for a collective (torch would give a subgroup its backend's default,
+30 minutes for gloo); the long waits before training (the local main rank building the token
+cache) go through ``Runtime.long_barrier``, a group without that limit.
 """
 
 from __future__ import annotations

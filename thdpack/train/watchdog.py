@@ -1,22 +1,12 @@
-"""A rank that stops (``kill -STOP``, a hung driver, a debugger) stalls every other rank in its next
-collective, and ``torchrun`` cannot tell: the process is alive. Two things end that:
+"""The watchdog: name the rank the others wait for, long before the collective's timeout fails the job.
 
-- the process groups' timeout, ``parallel.timeout_s`` (``thdpack.train.runtime``), fails the job
-  when a collective has waited that long;
-- long before, the watchdog says which rank the others are waiting for.
-
-Every rank runs a :class:`Watchdog` thread during training. Every ``beat`` seconds it writes the
-rank's heartbeat, ``output_dir/heartbeats/rank_<r>.json``: pid, host, the step the rank is in and
-when it began, and the time of the beat. A stopped process's threads stop too, so its heartbeat
-goes stale; a rank still in an earlier step shows that step. When this rank's current step has run
-longer than ``max(10 x the median step, report_after)`` (at most half the timeout, so that the
-report comes before the job fails), the thread reads every heartbeat and logs a report naming the
-ranks that have not arrived (stale, or behind), once per step. Rank 0 reports;
-when rank 0 is the stale one, the lowest rank whose heartbeat is fresh does. The heartbeat files
-stay after the run: after a crash they show where each rank was.
-
-The thread only reads clocks and writes a small file (no collective, no CUDA call), and the
-training thread blocked in a collective releases the GIL, so the thread runs while its rank waits.
+A stopped rank (``kill -STOP``, a hung driver) stalls every other rank in its next collective,
+and ``torchrun`` cannot tell: the process is alive. Every rank writes a heartbeat
+(``output_dir/heartbeats/rank_<r>.json``: pid, host, step) every few seconds from a thread; a
+stopped process's heartbeat goes stale. When this rank's step has run longer than ``max(10 x the
+median step, report_after)`` (at most half ``parallel.timeout_s``), the thread logs which ranks
+have not arrived. It reads clocks and writes a small file only (no collective, no CUDA call), so
+it runs while its rank waits in a collective.
 """
 
 from __future__ import annotations

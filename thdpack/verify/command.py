@@ -5,15 +5,11 @@
     thdpack verify --cp-size 2 --dp-size 2 --dtype float32 --reduction sequence_mean
     thdpack verify --cp-size 2 --inject-fault local_positions   # watch it catch a RoPE bug
 
-It starts ``dp_size * cp_size`` processes itself (no torchrun; a file:// rendezvous): NCCL on one
-GPU per rank when that many GPUs are visible, else gloo on the CPU. Every rank builds the same
-small decoder (``ModelConfig.preset``) and the same random sequences, then runs one optimizer
-step of 2 accumulation micro-steps on packed, CP-sharded THD batches with the global loss
-normalisation, and the same step on every sequence alone (``thdpack.verify.exactness``). It
-prints the max abs difference of the loss, of every real token's logits and of every parameter's
-gradient, and exits 0 when all are within the dtype's tolerance (float64 1e-10, float32 1e-5;
-bfloat16: the packed error against an fp32 reference at most twice the error of the plain,
-unpacked bf16 step), 1 when one is not, 2 on an error.
+It starts ``dp_size * cp_size`` processes itself (a file:// rendezvous; NCCL when that many GPUs
+are visible, else gloo), runs one training step of the reference decoder packed and CP-sharded
+and the same step on every sequence alone (``thdpack.verify.exactness``), prints the largest
+differences and exits 0 when all are within the dtype's tolerance (float64 1e-10, float32 1e-5,
+bfloat16 twice plain bf16's error), 1 when one is not, 2 on an error.
 """
 
 from __future__ import annotations
@@ -100,8 +96,14 @@ class VerifyJob:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    """Run the check described by ``args`` (``add_verify_arguments``); print the table; return
-    0 (exact), 1 (a difference over tolerance) or 2 (a rank failed)."""
+    """Run the check described by ``args`` and print the table of differences.
+
+    Args:
+        args: the parsed options of ``thdpack verify`` (``add_verify_arguments``).
+
+    Returns:
+        0 (exact), 1 (a difference over tolerance) or 2 (a rank failed).
+    """
     job = _job(args)
     world = job.spread.world_size
     try:

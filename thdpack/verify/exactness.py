@@ -1,19 +1,12 @@
 """Model-level exactness: one packed, CP-sharded, DP-spread, gradient-accumulated training step of
 the reference decoder against the same step on every sequence alone.
 
-The packed step is the whole thdpack pipeline, as a trainer runs it:
-
-    plan_packs (TE's layout or a per-sequence CP placement) -> build_pack
-    -> deal packs to (micro-step, DP rank) -> thd_collate -> cp.shard
-    -> Transformer(shard, cp_group=topology) -> thdpack.loss.StepLoss (global denominator) -> backward
-    -> gradients all-reduced (average) over the flattened DP x CP group, G = dp_size * cp_size
-
-The unpacked step runs each sequence alone (its own THD batch, no CP, no padding) and takes the
-mean over the whole global batch (token mean, or the mean of per-sequence means). Both start
-from identical weights (``Transformer(config, seed=...)``). ``differences`` gives the max abs
-difference of the loss, of every real token's logits and of every parameter's gradient.
-``thdpack verify`` and the distributed tests run it; ``Fault`` plants a known layout bug, so one
-can watch the comparison catch it.
+The packed step is the pipeline as a trainer runs it (plan, packs dealt to micro-steps and DP
+ranks, ``thd_collate``, ``cp.shard``, the decoder with the topology, ``StepLoss``, gradients
+averaged over DP x CP); the unpacked step runs each sequence alone and takes the global mean.
+Both start from identical weights; ``differences`` gives the largest difference of the loss, the
+real tokens' logits and every gradient. ``Fault`` plants a known layout bug, so one can watch the
+comparison catch it.
 
 Legend: ``T`` tokens of a micro-batch on this rank, ``V`` vocabulary, ``S`` sequences.
 """

@@ -1,31 +1,13 @@
 """The contract every attention backend meets, and the record a call hands it.
 
-A backend is one row of :data:`thdpack.attention.select.BACKEND_TABLE`, an
-:class:`AttentionBackend`: its ``name``, ``kernel_problem(situation)`` (why its own kernel cannot
-run: a missing package, the device, the dtype, a needed LSE), ``attend(q, k, v, call)`` and
-``cp``, how it runs a context-parallel shard. ``problem(situation)`` combines the two: a call
-without CP needs the kernel; a call with CP needs the algorithm ``cp`` names for its
-``cp_comm_type``:
-
-==================  ===========================================================================
-``"own"``           the backend exchanges K/V itself (Transformer Engine); its kernel must run
-``"ring_math"``     thdpack's P2P ring (:mod:`thdpack.attention.ring`) with exact math tiles
-``"ring_flash"``    the same ring with PyTorch's FlashAttention-2 tiles (CUDA fp16 / bf16)
-``"all_gather"``    thdpack's all-gather of K/V (:mod:`thdpack.attention.allgather`), math tiles
-``"a2a"``           thdpack's all-to-all (:mod:`thdpack.attention.a2a`): the backend's own kernel
-                    on whole sequences for ``Nq / cp`` heads; the kernel must run (without CP)
-==================  ===========================================================================
-
-A shard of a per-sequence CP placement (``CallFacts.placed``) runs in parts
-(:mod:`thdpack.attention.placed`): its split sequences through the algorithm ``cp`` names (a
-backend without one, ``sdpa`` / ``flex``, through thdpack's math algorithms:
-:meth:`AttentionBackend.split_algorithm`), its whole sequences through the backend's own kernel.
-With ``cp_comm_type="a2a"`` it needs no parts: thdpack's all-to-all gathers whole sequences from
-any layout, so every backend (``te`` too) runs its kernel inside it.
-
-:class:`AttentionCall` is the one record a backend receives besides q/k/v: the batch, its
-validated :class:`~thdpack.thd.meta.ThdMeta`, the :class:`AttentionConfig`, the
-resolved softmax scale, the CP group and, when the caller passed it, the run's ``CpTopology``.
+A backend (:class:`AttentionBackend`, one row of ``select.BACKEND_TABLE``) says why its kernel
+cannot run a call (``kernel_problem``), attends whole sequences (``attend``) and names, per
+``cp_comm_type``, the algorithm that runs a CP shard (``cp``: ``"own"`` when it exchanges K/V
+itself, as Transformer Engine does, else thdpack's ``"ring_math"``, ``"ring_flash"``,
+``"all_gather"`` or ``"a2a"``). A placed shard runs in parts: split sequences by the backend's
+``split_algorithm``, whole ones by its kernel. :class:`AttentionCall` is the one record a
+backend receives besides q/k/v: the batch, its ``ThdMeta``, the config, the resolved scale, the
+CP group and the topology.
 
 Legend: ``T`` tokens on this rank, ``N`` heads (``Nq`` query, ``Nkv`` key/value), ``H`` head dim.
 """

@@ -1,15 +1,9 @@
 """``flash`` backend: flash-attn's ``flash_attn_varlen_func`` (CUDA, fp16 / bf16), one device.
 
-A thin adapter, true to flash-attn's API (research/ring_attention.md section 3): q/k/v
-``(T, N, H)``, int32 ``cu_seqlens``, Python-int ``max_seqlen``, GQA when ``Nq % Nkv == 0``,
-``return_attn_probs=True`` for the ``(Nq, T)`` fp32 LSE (flash-attn >= 2.6). Padding:
-:meth:`~thdpack.attention.backends.base.AttentionCall.varlen_operands`; padded query rows of a
-non-causal call see the real keys of their sequence.
-
-Under context parallelism thdpack's ring runs instead, with PyTorch's built-in FlashAttention-2
-tiles (:mod:`thdpack.attention.flash_kernel`): flash-attn itself is then not needed. With
-``cp_comm_type="a2a"`` this kernel runs on the whole sequences the all-to-all delivers
-(:mod:`thdpack.attention.a2a`).
+A thin adapter to flash-attn's API: ``(T, N, H)`` q/k/v, int32 ``cu_seqlens``, Python-int
+``max_seqlen``, GQA, ``return_attn_probs=True`` for the ``(Nq, T)`` fp32 LSE (flash-attn >= 2.6).
+Under CP thdpack's ring runs with PyTorch's own FlashAttention-2 tiles, so flash-attn is not
+needed there; with ``cp_comm_type="a2a"`` this kernel runs on the whole sequences.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """

@@ -1,16 +1,12 @@
 """``te`` backend: Transformer Engine's ``DotProductAttention`` in THD format, CP included.
 
-A thin adapter, true to TE's documented API (research/nemo_te_spec.md 1.8, 2.5): local q/k/v,
-GLOBAL ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``, ``qkv_format="thd"``,
-``attn_mask_type="padding_causal"`` (or ``"padding"``), and under CP
-``set_context_parallel_group(group, ranks, stream, cp_comm_type)``: TE runs every CP exchange
-itself (``p2p``, ``all_gather`` from TE 2.18 with THD, ``a2a`` from TE 2.10 with THD). TE's
-all-to-all needs ``cp`` to divide both head counts; where it does not divide the KV heads, they
-are repeated first, as thdpack's own all-to-all does (:func:`thdpack.attention.heads.kv_replication`).
-``pad_between_seqs=True`` is passed whenever slots hold padding: TE's auto-detection path without
-it drops real keys (TE issue #3331). TE returns no LSE. Which of TE's own backends (FlashAttention,
-cuDNN, unfused) can take a call is predicted from TE's rules (``te_rules``) before TE is called, so
-``auto`` falls back, and a forced ``te`` refuses with TE's reason, instead of TE raising "no backend".
+A thin adapter to TE's documented API: local q/k/v, global ``cu_seqlens`` /
+``cu_seqlens_padded`` / ``max_seqlen``, ``qkv_format="thd"``, and under CP
+``set_context_parallel_group``, after which TE runs every exchange itself. KV heads are repeated
+where ``cp`` does not divide them, as thdpack's own all-to-all does. ``pad_between_seqs=True`` is
+passed whenever slots hold padding: without it TE's auto-detection drops real keys (TE issue
+#3331). Which of TE's backends can take a call is predicted beforehand (``te_rules``). TE returns
+no LSE.
 
 Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 """

@@ -1,37 +1,11 @@
 """Whether Transformer Engine can attend a thdpack call: TE's own backend rules, applied beforehand.
 
-``DotProductAttention`` picks one of three backends in ``get_attention_backend``
-(``transformer_engine/pytorch/attention/dot_product_attention/utils.py``): FlashAttention (2 or 3),
-FusedAttention (cuDNN) or its unfused PyTorch kernel, each kept or dropped by a list of filters,
-and raises "No dot product attention backend is available" when none is left. Its context-parallel
-functions (``context_parallel.py``) assert more. A thdpack call is always THD self-attention
-(``qkv_format="thd"``, ``padding_causal`` or ``padding``, equal ``max_seqlen_q`` and
-``max_seqlen_kv``), without bias, dropout, window or sink softmax, and ``pad_between_seqs=True``
-whenever a slot holds padding (under CP almost every batch: slots are padded to ``2*cp``).
-:func:`te_problem` applies, to the facts of such a call, the filters that can drop a backend for
-it, as each TE release has them, so ``auto`` falls back before TE raises, and ``backend="te"``
-refuses with TE's reason:
-
-===================  ========================================================================
-FlashAttention 2     sm80+, fp16/bf16, not FP8; head dims (after padding to the larger one) a
-                     multiple of 8, <= 256 (> 192 only on sm80/90/100/120); never with
-                     ``pad_between_seqs``
-FlashAttention 3     sm90 only; not FP8 training; head dims: both <= 128 (TE < 2.8), else
-                     ``_is_fa3_supported`` (qk <= 256, MLA pairs); ``pad_between_seqs`` from
-                     TE 2.16 (``seqused_q`` / ``seqused_k``); deterministic training needs both
-                     head dims < 256 (TE 2.15+)
-FusedAttention       sm80+, fp16/bf16; sm120 with THD: never (TE 2.9 to 2.13), cuDNN >= 9.18.1
-                     (TE 2.14+); deterministic training: sm90+; TE's all-to-all CP: even
-                     head counts (TE 2.15+); FP8 attention with THD under CP: never (after
-                     TE 2.18)
-unfused              no CP; not FP8; THD from TE 2.11; never with ``pad_between_seqs`` (TE 2.16+)
-===================  ========================================================================
-
-TE's CP functions assert ``head_dim % 8 == 0``: the P2P ring before TE 2.8, the all-gather and
-the all-to-all before TE 2.15. What is not predicted: cuDNN's own sub-backend choice
-(``nvte_get_fused_attn_backend``, C++: its head-dim and sequence limits per cuDNN version); FP8
-recipes beyond "FP8 attention on or off". Versions are the TransformerEngine repository's tags
-(v2.5 to v2.18) and its main branch.
+``DotProductAttention`` keeps or drops each of its backends (FlashAttention 2 and 3, cuDNN's
+FusedAttention, its unfused kernel) by a list of filters and raises when none is left.
+:func:`te_problem` applies, to a thdpack call's facts (THD self-attention, ``pad_between_seqs``
+whenever a slot holds padding), the filters each TE release (2.5 to 2.18) has, so ``auto`` falls
+back before TE raises and ``backend="te"`` refuses with TE's reason. cuDNN's own sub-backend
+choice and FP8 recipes are not predicted.
 
 >>> from dataclasses import replace
 >>> facts = TEFacts(version=(2, 18), capability=(8, 0), cudnn=(9, 10, 0), flash_attn_2=True, flash_attn_3=False,

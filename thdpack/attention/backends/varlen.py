@@ -1,17 +1,10 @@
 """``varlen`` backend: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA fp16/bf16).
 
-The signature changed between releases (research/ring_attention.md 1.1), so it is detected:
-torch 2.10 takes ``is_causal`` and has no ``scale`` / ``enable_gqa``; 2.11+ takes
-``window_size=(-1, 0)`` for causal and ``scale``; 2.12+ adds ``enable_gqa``. Without
-``enable_gqa`` K/V are repeated to the query heads (autograd sums their gradients back). The LSE
-comes from ``return_aux=AuxRequest(lse=True)`` with layout ``(Nq, T)`` fp32 (the 2.12/2.13
-docstring's ``(T, H)`` is wrong); its ``+inf`` empty-row sentinel becomes ``-inf``, and since the
-op's backward ignores the LSE's gradient, a loss using it raises instead of training wrongly.
-
-Padding: as for the ``flash`` backend
-(:meth:`~thdpack.attention.backends.base.AttentionCall.varlen_operands`); under context
-parallelism thdpack's ring with FlashAttention-2 tiles runs instead, or with ``cp_comm_type="a2a"``
-this kernel on the whole sequences the all-to-all delivers (:mod:`thdpack.attention.a2a`).
+Its signature changed between releases, so it is detected: 2.10 takes ``is_causal``; 2.11+
+``window_size=(-1, 0)`` and ``scale``; 2.12+ ``enable_gqa`` (before it K/V are repeated to the
+query heads). The LSE (``return_aux``) is ``(Nq, T)`` fp32 whatever the 2.12 / 2.13 docstring
+says, and the op's backward ignores its gradient, so a loss that uses it raises instead of
+training wrongly. Under CP thdpack's ring with FlashAttention-2 tiles runs instead.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """

@@ -1,48 +1,10 @@
 """Feed THD batches to Hugging Face ``transformers`` models, and run them on thdpack's attention.
 
-What Hugging Face supports for packed ("padding-free") training, one row of concatenated
-sequences with batch size 1 (transformers 5.x; research/ring_attention.md section 4):
-
-* ``attn_implementation="flash_attention_2"`` (also ``_3`` / ``_4``): given the
-  ``FlashAttentionKwargs`` ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (int) it calls the
-  varlen kernel once over the row: exact, no padding work. Without them it infers the
-  boundaries from ``position_ids`` (every position 0 starts a sequence), so positions MUST
-  restart per sequence there; thdpack's packs do.
-* ``"sdpa"``, ``"eager"``, ``"flex_attention"``: no varlen kernel; with no ``attention_mask`` AND
-  no cache the mask builder finds sequences from ``position_ids`` resets and builds a
-  block-diagonal causal mask (a dense T x T mask for sdpa / eager, a BlockMask for flex): exact,
-  but O(T^2) memory. ``use_cache`` defaults to True in transformers, and with a cache the
-  detection is skipped: every token then attends the whole row. ``hf_packed_kwargs`` passes
-  ``use_cache=False``; :func:`check_hf_attention` refuses implementations that are not exact.
-* No context parallelism: every one of those attends within the row it is given.
-* Sliding windows (Mistral's ``sliding_window``, Gemma 2/3's ``"sliding_attention"`` layers) and
-  attention softcapping (Gemma 2's ``attn_logit_softcapping``) are part of transformers' own
-  masks and scores: exact on a row with eager / sdpa / flex. thdpack's attention implements
-  neither: :func:`check_hf_attention` refuses a window shorter than a sequence of the batch, any
-  softcap, and layer kinds other than full and sliding attention (Llama 4's chunked layers).
-* ``flex_attention`` on the CPU takes float32 / float16 / bfloat16 only (torch's inductor
-  fails to compile float64 after seconds with an ``InductorError``); ``check_hf_attention``
-  refuses a float64 CPU model up front.
-* Float64 checks: transformers computes some steps in float32 whatever the model's dtype
-  (RMSNorm, RoPE, eager's softmax, the loss: ``.float()`` / ``.to(torch.float32)``), so a
-  float64 model agrees with itself packed vs alone only to float32 rounding (measured: 4e-8 on
-  logits with eager, where the float32 softmax sums rows of different lengths in a different
-  order). ``tests/support/hf_cases.py`` keeps those steps in float64 for the 1e-10 exactness tests.
-* The loss: ``labels`` are shifted inside the model unless ``shift_labels`` is given; thdpack's
-  labels are already shifted, so pass both (``hf_packed_kwargs(..., include_labels=True)``),
-  plus ``num_items_in_batch`` = ``thdpack.loss.count_loss_tokens(...)`` for the global token mean.
-
-thdpack's attention as a Hugging Face backend (adds CP, the TE / flash / math backends, real
-``cu_seqlens`` for exact bidirectional attention)::
-
-    from thdpack.models.hf.attention import hf_packed_kwargs, register_hf_attention
-    register_hf_attention("thdpack")              # transformers' AttentionInterface.register
-    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="thdpack")
-    out = model(**hf_packed_kwargs(cp.shard(thd, topology.cp_size, topology.cp_rank), cp_group=topology))
-
-An attention name without a registered mask function gets ``attention_mask=None`` (transformers
-skips mask building for such "custom" backends), and the keyword arguments of the model call
-reach the attention function, which is how the THD metadata and the topology (or CP group) get there.
+``hf_packed_kwargs`` turns a THD batch (or a CP shard) into a model call's keyword arguments,
+``register_hf_attention`` registers thdpack's attention as an ``attn_implementation``, and
+``check_hf_attention`` refuses what is not exact on a packed row or a CP shard (transformers'
+own implementations under CP, softcapping, short sliding windows, chunked layers). What
+transformers does with packed rows, and why those are refused: docs/guides/hugging-face.md.
 
 Legend: ``T`` tokens of the batch (this rank's under CP), ``N`` heads, ``H`` head dim.
 """
@@ -214,8 +176,14 @@ def hf_attention_forward(
 
 
 def register_hf_attention(name: str = "thdpack") -> str:
-    """Register ``hf_attention_forward`` with transformers' ``AttentionInterface`` under ``name``;
-    return ``name`` for ``attn_implementation=``. Needs ``transformers``."""
+    """Register ``hf_attention_forward`` with transformers' ``AttentionInterface``. Needs ``transformers``.
+
+    Args:
+        name: the attention implementation's name.
+
+    Returns:
+        ``name``, for ``from_pretrained(..., attn_implementation=name)``.
+    """
     transformers = require("transformers", "register_hf_attention")
     transformers.AttentionInterface.register(name, hf_attention_forward)
     _REGISTERED.add(name)
@@ -242,6 +210,13 @@ def check_hf_attention(model: torch.nn.Module, thd: Mapping[str, Any]) -> None:
     thdpack's attention also refuses a config whose attention it does not implement
     (``config.attn_logit_softcapping``, a ``config.sliding_window`` shorter than a sequence of
     ``thd``, ``config.layer_types`` other than full and sliding attention).
+
+    Args:
+        model: the transformers model (its ``config`` says its attention implementation).
+        thd: the THD batch or CP shard it is about to run.
+
+    Returns:
+        None; raises ``ValueError`` naming the setting and the fix.
     """
     config = getattr(model, "config", None)
     implementation = getattr(config, "_attn_implementation", None)

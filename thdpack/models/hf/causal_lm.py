@@ -1,18 +1,10 @@
 """A Hugging Face causal LM behind thdpack's model interface: ``model(thd, cp_group=...) -> logits_TV``.
 
-The trainer's ``model=hf`` group builds one of these: from ``path``, a local folder as
-``save_pretrained`` writes it (``config.json`` + safetensors weights), or, without a path, a
-random initialisation of ``arch`` (llama, qwen2, mistral, gemma) at the given sizes for a dry run.
-Its attention is thdpack's (registered with transformers under :data:`ATTENTION_NAME`), so the
-same model trains on packed rows and on CP shards, with the run's attention backend.
-:func:`save_hf_folder` writes a folder that transformers loads back with any of its own
-attention implementations.
-
-What CP (and thdpack's attention) requires of the model: no attention-logit softcapping, no
-sliding window shorter than a sequence of the batch, only full / sliding attention layers
-(``thdpack.models.hf.attention.check_hf_attention`` checks each batch). Llama, Qwen2 / Qwen2.5 / Qwen3,
-Mistral (window longer than the packs) and Gemma (1) qualify; Gemma 2 / 3 (softcapping,
-short windows) and Llama 4 (chunked layers) do not.
+The trainer's ``model=hf`` builds one from a local folder (``path``) or a random initialisation
+of ``arch`` at given sizes. Its attention is thdpack's (registered as :data:`ATTENTION_NAME`), so
+the same model trains on packed rows and on CP shards; :func:`save_hf_folder` writes a folder
+transformers loads back with any of its own attention implementations. What CP requires of the
+model: docs/guides/hugging-face.md.
 
 Legend: ``T`` tokens of the batch (this rank's under CP), ``V`` vocabulary.
 """
@@ -158,6 +150,11 @@ class HFCausalLM(nn.Module):
     Every call goes through ``hf_packed_kwargs`` (positions reset per sequence, no cache, the THD
     metadata and the topology for thdpack's attention) and ``check_hf_attention``, so a model
     whose attention cannot be exact on the batch is refused before it runs.
+
+    Args:
+        hf_model: a transformers causal LM with thdpack's attention registered (``build_hf_model``).
+        attention: the backend and CP exchange of thdpack's attention inside it (default:
+            ``AttentionConfig()``).
     """
 
     def __init__(self, hf_model: nn.Module, attention: AttentionConfig | None = None) -> None:
@@ -187,10 +184,16 @@ def build_hf_model(
 ) -> HFCausalLM:
     """The model of ``config`` with thdpack's attention, its parameters in ``dtype`` on ``device``.
 
-    A random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every rank
-    that builds it with the same seed holds identical weights. A folder (``config.path``) loads
-    with its weights exactly and only when its model is a causal LM
-    (``thdpack.models.hf.folder.load_hf_folder`` names what is missing, damaged or bidirectional).
+    Args:
+        config: a local folder (``path``) or an architecture and its sizes.
+        seed: a random initialisation draws from ``torch.manual_seed(seed)`` on the CPU, so every
+            rank that builds it with the same seed holds identical weights.
+        device, dtype: where the parameters live and their dtype.
+
+    Returns:
+        The ``HFCausalLM``. A folder loads with its weights exactly and only when its model is a
+        causal LM (``thdpack.models.hf.folder.load_hf_folder`` names what is missing, damaged or
+        bidirectional).
     """
     transformers = require("transformers", "model=hf")
     register_hf_attention(ATTENTION_NAME)
@@ -226,8 +229,15 @@ def save_hf_folder(
     """``save_pretrained`` into ``folder`` (config.json + model.safetensors), loadable by plain
     transformers with its own attention.
 
-    ``state_dict``: the full weights keyed like ``model.hf`` (FSDP2 gathers them first; None: the
-    model's own). ``tokenizer``: a tokenizer folder or tokenizer.json whose files are copied along.
+    Args:
+        model: the model to save.
+        folder: where to (created).
+        state_dict: the full weights keyed like ``model.hf`` (FSDP2 gathers them first; None: the
+            model's own).
+        tokenizer: a tokenizer folder or tokenizer.json whose files are copied along.
+
+    Returns:
+        ``folder``.
     """
     folder.mkdir(parents=True, exist_ok=True)
     # transformers does not save attn_implementation: the folder loads with its own attention

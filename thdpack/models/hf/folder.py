@@ -1,29 +1,12 @@
-"""A local Hugging Face model folder (``model=hf`` with ``model.path``): what it must hold, and
-loading it with every mismatch named instead of trained around.
+"""A local Hugging Face model folder (``model=hf`` with ``model.path``), loaded exactly or refused.
 
-``transformers.AutoModelForCausalLM.from_pretrained`` is lenient where a training run must not
-be: weights that ``config.json`` expects and the safetensors lack are initialised at random
-(a "MISSING ... newly initialized" report), weights it does not expect are dropped, and any
-architecture with a causal-LM head loads, bidirectional encoders included (a ``BertForMaskedLM``
-folder loads as ``BertLMHeadModel``, whose attention sees later tokens, so the targets leak).
-:func:`load_hf_folder` refuses each of these, naming what it found:
-
-- code shipped in the folder (``config.json``'s ``auto_map``): refused unless
-  ``model.trust_remote_code=true``; transformers is always told which, so it never asks on stdin;
-- no weights (``model.safetensors``, ``model.safetensors.index.json`` and its shards, or
-  ``pytorch_model.bin`` / ``pytorch_model.bin.index.json`` and its shards): the folder and what it holds;
-- a weights file cut short or damaged: the file (each safetensors header, and each pickled file's
-  zip directory and pickle, is read before loading);
-- pickled weights (``pytorch_model.bin``) that name anything but tensors and plain values: the
-  file and what it names (``thdpack.files.safe_load.UnsafeFileError``), never unpickled;
-- a ``config.json`` transformers rejects (an odd head dim, a hidden size its heads do not
-  divide, an unknown ``model_type``): the file and transformers' reason;
-- missing, unexpected or mis-shaped weights: their names;
-- attention that is not causal (an attention layer with ``is_causal=False``, or none that
-  declares ``is_causal``): the model class, ``model_type``, ``architectures`` and the layers.
-
-:func:`folder_tokenizer` finds the tokenizer a folder ships, which the trainer compares with the
-token store's (``thdpack.train.store_cache.check_model_tokenizer``).
+``from_pretrained`` is lenient where a training run must not be: it initialises missing weights
+at random, drops unexpected ones and loads bidirectional encoders as causal LMs (the targets
+leak). :func:`load_hf_folder` refuses each of these naming what it found, as well as shipped code
+without ``model.trust_remote_code``, missing or damaged weight files, pickled weights that name
+anything but tensors (never unpickled) and a ``config.json`` transformers rejects (the list:
+docs/guides/hugging-face.md). :func:`folder_tokenizer` finds the tokenizer a folder ships, which
+the trainer compares with the token store's.
 """
 
 from __future__ import annotations
