@@ -5,7 +5,8 @@ and, under ``"arrays"``, numpy arrays (the consumed pieces of an epoch: a bitmap
 sequences and a few index arrays). ``write_state(path, state)`` writes:
 
 - ``path`` (``.json``): ``{"state": the plain values, "arrays": {name: its sha256}, "sha256": ...}``,
-  the last digest over the other two (compact JSON, sorted keys), so a changed value or array is
+  the last digest over the other two (compact JSON, sorted keys; without arrays the record is
+  ``{"state", "sha256"}`` and the digest over the state alone), so a changed value or array is
   refused on reading;
 - ``path`` with ``.npz`` (only when there are arrays): the arrays, read back with
   ``allow_pickle=False``.
@@ -56,7 +57,8 @@ def _array_sha256(array: np.ndarray) -> str:
 
 
 def _record_sha256(plain: Mapping[str, Any], arrays: Mapping[str, str]) -> str:
-    return _sha256(json.dumps({"state": plain, "arrays": arrays}, sort_keys=True).encode())
+    covered = {"state": plain, "arrays": arrays} if arrays else plain
+    return _sha256(json.dumps(covered, sort_keys=True).encode())
 
 
 def write_state(path: Path, state: Mapping[str, Any]) -> Path:
@@ -73,7 +75,8 @@ def write_state(path: Path, state: Mapping[str, Any]) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temp, arrays_path(path))
-    write_json_atomic(path, {"state": plain, "arrays": digests, "sha256": _record_sha256(plain, digests)})
+    record = {"state": plain, **({"arrays": digests} if digests else {}), "sha256": _record_sha256(plain, digests)}
+    write_json_atomic(path, record)
     return path
 
 
@@ -84,7 +87,7 @@ def read_state(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path} is missing")
     try:
         record = json.loads(path.read_text())
-        plain, digests = record["state"], record["arrays"]
+        plain, digests = record["state"], record.get("arrays", {})
         intact = record["sha256"] == _record_sha256(plain, digests)
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"{path} is damaged ({type(err).__name__}: {err})") from None

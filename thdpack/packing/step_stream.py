@@ -332,8 +332,13 @@ class StepStream:
                 f"its epoch cannot be planned again with other settings ({change}); resume with the settings that "
                 "made it"
             )
-        rest = self.epochs.rest(epoch, saved_pieces(state, "consumed", self.epochs.lengths), replans=replans + 1)
+        consumed = saved_pieces(state, "consumed", self.epochs.lengths)
         now = ", ".join(f"{name(key)}={_shown(value)}" for key, (_, value) in plan_changed.items())
+        if not len(consumed):  # the epoch has not begun: its own plan, as a fresh run with these settings makes it
+            self.epoch, self.position, self._rest = epoch, 0, None
+            message = f"{change}: epoch {epoch} (not begun) and the later ones are planned with {now}"
+            return StreamChange(epoch=epoch, settings=settings, layout=layout, replanned=None, message=message)
+        rest = self.epochs.rest(epoch, consumed, replans=replans + 1)
         if rest is None:
             self.epoch, self.position, self._rest = epoch + 1, 0, None
             message = f"{change}: epoch {epoch} was consumed; epoch {epoch + 1} on is planned with {now}"
