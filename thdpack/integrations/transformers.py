@@ -265,7 +265,9 @@ class ThdpackTrainerMixin:
         saved = read_stream_state(checkpoint)
         recorded, mine = saved.get("data"), self._samples.identity()
         if recorded is None:
-            log.warning("thdpack: %s records no digest of its data (an older thdpack wrote it): not compared", checkpoint)
+            log.warning(
+                "thdpack: %s records no digest of its data (an older thdpack wrote it): not compared", checkpoint
+            )
             return saved
         if recorded == mine:
             return saved

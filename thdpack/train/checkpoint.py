@@ -437,7 +437,9 @@ def _on_every_rank(action: Callable[[], Any]) -> Any:
             said.setdefault(message, []).append(rank)
     if said:
         everyone = len(said) == 1 and len(next(iter(said.values()))) == len(errors)
-        raise ValueError("; ".join(m if everyone else f"{m} (on rank {', '.join(map(str, r))})" for m, r in said.items()))
+        raise ValueError(
+            "; ".join(m if everyone else f"{m} (on rank {', '.join(map(str, r))})" for m, r in said.items())
+        )
     return result
 
 
@@ -469,7 +471,12 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: torch.op
     if rank == 0 and isinstance(saved, int) and saved < dist.get_world_size():
         log.info(
             "checkpoint %s was saved by %d ranks: ranks %d..%d continue the RNG state of rank r %% %d (every rank "
-            "is seeded alike with train.seed)", folder, saved, saved, dist.get_world_size() - 1, saved
+            "is seeded alike with train.seed)",
+            folder,
+            saved,
+            saved,
+            dist.get_world_size() - 1,
+            saved,
         )
     trainer = read_trainer_state(folder)
     return Restored(step=int(trainer["step"]), trainer=trainer)
