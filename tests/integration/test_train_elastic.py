@@ -225,3 +225,20 @@ def test_a_resize_across_an_epoch_boundary(tmp_path, store):
     for state in later:
         arrays = {key: state["arrays"][f"consumed.{key}"] for key in ("whole", "sample", "start", "length")}
         assert Pieces.from_arrays(arrays, lengths_S) == plan_pieces(fresh.plan, fresh.order[: state["position"]])
+
+
+def test_a_resume_error_on_one_rank_stops_every_rank_with_it(tmp_path, store):
+    """A crafted RNG file of rank 1 only: both ranks stop with the refusal, naming rank 1 (before,
+    rank 1 alone raised and rank 0 died on gloo's "Connection closed by peer")."""
+    from test_train_checkpoints import RunsCode, _craft
+
+    out = tmp_path / "out"
+    run = ("parallel.cp_size=1", "train.steps=3", "train.checkpoint_every=1")
+    launch(out, store, *run, "train.stop_at=2")
+    folder = out / "checkpoints" / "step_000002"
+    _craft(folder, "rng/rank_1.pt", RunsCode(tmp_path / "payload_ran"))
+    result = launch(out, store, *run, "train.resume=true", check=False)
+    assert result.returncode != 0 and not (tmp_path / "payload_ran").exists()
+    refusal = f"thdpack.train: error: {folder / 'rng' / 'rank_1.pt'} is refused: it asks for the global posix.system"
+    assert result.stderr.count(refusal) == 2, result.stderr[-3000:]
+    assert "(on rank 1)" in result.stderr and "Connection closed" not in result.stderr
