@@ -296,26 +296,13 @@ class StepStream:
         plan_changed = {key: pair for key, pair in settings.items() if key not in _DEALING}
         saved_layout = state.get("layout", {})
         layout = {k: (saved_layout[k], v) for k, v in self.layout().items() if saved_layout.get(k, v) != v}
-        epoch, position = int(state["epoch"]), int(state["position"])
-        replans = int(state.get("replans", 0))
         change = _changes({**settings, **layout}, name)
         if not plan_changed:
-            self.epoch, self.position = epoch, position
-            self._rest = None
-            if replans:
-                before = saved_pieces(state, "consumed_before", self.epochs.lengths)
-                self._rest = self.epochs.rest(epoch, before, replans=replans)
-            made = None if self._rest is None else len(self._rest)
-            if state.get("plan_packs") is not None and len(self.current()) != state["plan_packs"]:
-                raise ValueError(
-                    f"epoch {epoch}'s plan has {len(self.current()):,} packs, the saved one {state['plan_packs']:,} "
-                    f"with the same settings{'' if made is None else ' (its rest, planned again)'}: the plan is not "
-                    "reproducible here (another thdpack version?); resume with the thdpack that saved it"
-                )
+            self._continue(state)
             if settings:
-                message = (
-                    f"{change}: epoch {epoch}'s remaining {len(self.current()) - position:,} packs are the same, "
-                    f"{self.packs_per_step} per step; losses will differ from an unchanged run"
+                message: str | None = (
+                    f"{change}: epoch {self.epoch}'s remaining {len(self.current()) - self.position:,} packs are the "
+                    f"same, {self.packs_per_step} per step; losses will differ from an unchanged run"
                 )
             elif layout:
                 message = (
@@ -325,29 +312,59 @@ class StepStream:
                 )
             else:
                 message = None
-            return StreamChange(epoch=epoch, settings=settings, layout=layout, replanned=None, message=message)
+            return StreamChange(epoch=self.epoch, settings=settings, layout=layout, replanned=None, message=message)
         if not versioned:
             raise ValueError(
                 f"the checkpoint's data position was saved without the sequences it consumed (an older thdpack), so "
                 f"its epoch cannot be planned again with other settings ({change}); resume with the settings that "
                 "made it"
             )
-        consumed = saved_pieces(state, "consumed", self.epochs.lengths)
+        epoch = int(state["epoch"])
         now = ", ".join(f"{name(key)}={_shown(value)}" for key, (_, value) in plan_changed.items())
-        if not len(consumed):  # the epoch has not begun: its own plan, as a fresh run with these settings makes it
-            self.epoch, self.position, self._rest = epoch, 0, None
+        left = self._plan_rest(state)
+        if left is None:
             message = f"{change}: epoch {epoch} (not begun) and the later ones are planned with {now}"
-            return StreamChange(epoch=epoch, settings=settings, layout=layout, replanned=None, message=message)
+        elif left == 0:
+            message = f"{change}: epoch {epoch} was consumed; epoch {epoch + 1} on is planned with {now}"
+        else:
+            message = (
+                f"{change}: the remaining {left:,} sequences of epoch {epoch} are planned again with {now}; losses "
+                "will differ from an unchanged run"
+            )
+        return StreamChange(epoch=epoch, settings=settings, layout=layout, replanned=left, message=message)
+
+    def _continue(self, state: Mapping[str, Any]) -> None:
+        """Stand where ``state`` stood, in the same plan: the epoch's own, or its rest planned again
+        from the same consumed pieces with the same settings; ``ValueError`` when that plan is not
+        the saved one."""
+        self.epoch, self.position, self._rest = int(state["epoch"]), int(state["position"]), None
+        replans = int(state.get("replans", 0))
+        if replans:
+            before = saved_pieces(state, "consumed_before", self.epochs.lengths)
+            self._rest = self.epochs.rest(self.epoch, before, replans=replans)
+        saved_packs = state.get("plan_packs")
+        if saved_packs is not None and len(self.current()) != saved_packs:
+            rest = "" if self._rest is None else " (its rest, planned again)"
+            raise ValueError(
+                f"epoch {self.epoch}'s plan{rest} has {len(self.current()):,} packs with the saved settings, the saved "
+                f"one {saved_packs:,}: the plan is not reproducible here (another thdpack version?); resume with the "
+                "thdpack that saved it"
+            )
+
+    def _plan_rest(self, state: Mapping[str, Any]) -> int | None:
+        """Continue the saved epoch with the pieces it has not consumed planned again with this
+        stream's settings; returns how many sequences that plan holds (whole or their rest: 0 when the
+        epoch was consumed, the stream then at the next one), None when the epoch had not begun (its
+        own plan, as a fresh run with these settings makes it)."""
+        epoch, replans = int(state["epoch"]), int(state.get("replans", 0))
+        consumed = saved_pieces(state, "consumed", self.epochs.lengths)
+        self.epoch, self.position, self._rest = epoch, 0, None
+        if not len(consumed):
+            return None
         rest = self.epochs.rest(epoch, consumed, replans=replans + 1)
         if rest is None:
-            self.epoch, self.position, self._rest = epoch + 1, 0, None
-            message = f"{change}: epoch {epoch} was consumed; epoch {epoch + 1} on is planned with {now}"
-            return StreamChange(epoch=epoch, settings=settings, layout=layout, replanned=0, message=message)
-        self.epoch, self.position, self._rest = epoch, 0, rest
+            self.epoch += 1
+            return 0
+        self._rest = rest
         assert rest.items is not None
-        left = rest.items.count_sequences()
-        message = (
-            f"{change}: the remaining {left:,} sequences of epoch {epoch} are planned again with {now}; losses will "
-            "differ from an unchanged run"
-        )
-        return StreamChange(epoch=epoch, settings=settings, layout=layout, replanned=left, message=message)
+        return rest.items.count_sequences()

@@ -313,3 +313,14 @@ def test_a_damaged_record_is_refused():
     state["arrays"]["consumed.sample"] = state["arrays"]["consumed.sample"] + 1
     with pytest.raises(ValueError, match="the stream state's consumed pieces do not match their sha256"):
         Run(cp_size=1).resume(state)
+
+
+def test_a_change_at_an_epoch_start_plans_that_epoch_as_a_fresh_run_would():
+    first = Run(cp_size=2)
+    first.until_epoch(1)  # one pack a step: the stream stands at the start of epoch 1
+    state = first.streams[0].state_dict()
+    assert (state["epoch"], state["position"], state["consumed"]["tokens"]) == (1, 0, 0)
+    other = Run(cp_size=1)
+    (said,) = other.resume(state, cp_size="parallel.cp_size")
+    assert said == "parallel.cp_size 2 -> 1: epoch 1 (not begun) and the later ones are planned with parallel.cp_size=1"
+    assert other.streams[0].current() is other.datasets[0].epochs[1]
