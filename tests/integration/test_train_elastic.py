@@ -35,6 +35,7 @@ import pytest
 from short_records import T, write_short_store
 from test_train import REPO, losses, torchrun
 from test_train_checkpoints import config
+from test_train_processes import descendants
 
 from thdpack.data.store import TokenStore
 from thdpack.files.state_file import read_state
@@ -128,15 +129,6 @@ def check_epoch_consumed_once(out: Path, lengths_S: np.ndarray, epoch: int = 0) 
 
 
 # -- runs killed between changes ---------------------------------------------------------------
-
-
-def descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            for child in map(int, (task / "children").read_text().split()):
-                found += [child, *descendants(child)]
-    return found
 
 
 def run_until(out: Path, store: Path, nproc: int, overrides: list[str], done, logs: Path) -> str:

@@ -102,7 +102,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state({**numpy_state, "state": {**numpy_state["state"], "key": key}})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw: a node with fewer GPUs restores as many as it has
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 @dataclass(frozen=True)
