@@ -5,6 +5,7 @@
     thdpack verify --cp-size N [--dp-size M] [--dtype float64]
     thdpack plan --suggest LENGTHS --model CONFIG --profile h100_sxm --gpus N [--json out.json]
     thdpack calibrate --model CONFIG --out machine.json     (under torchrun: the links between ranks too)
+    thdpack checkpoint info DIR                             (what a checkpoint's data stream consumed)
 
 A subcommand's module is imported only when that subcommand runs (``verify`` needs torch,
 ``stats`` does not).
@@ -44,6 +45,12 @@ COMMANDS: dict[str, tuple[str, str, str, str]] = {
         "thdpack.calibrate.command",
         "add_calibrate_arguments",
         "run_calibrate",
+    ),
+    "checkpoint": (
+        "print what a training checkpoint's data stream consumed and what remains, with its digest",
+        "thdpack.train.checkpoint_command",
+        "add_checkpoint_arguments",
+        "run_checkpoint",
     ),
     "verify": (
         "prove on this machine that packed, CP-sharded training equals unpacked training",

@@ -41,22 +41,22 @@ from thdpack.thd.carriage import META_KEY
 
 from support.hf_cases import keep_float64
 from support.trainer_cases import (
-    CLIP,
     MIXED_LENGTHS,
-    RecordLosses,
     chat_tokenizer,
     chats,
     checkpoint,
-    cpu_arguments,
     join_launch,
     max_difference,
     placement_kinds,
+    recording_classes,
     reference_run,
+    sft_arguments,
     sgd,
     step_examples,
     step_losses,
     tiny_llama,
     token_examples,
+    trainer_arguments,
     weights,
 )
 
@@ -72,33 +72,6 @@ TRAINER_CASES = {
     "adaptive_cp4": dict(lengths=MIXED_LENGTHS, pack_size=48, cp_size=4, cp_placement="adaptive"),
 }
 """ThdpackTrainer's exactness cases: examples (None: ``LENGTHS``) and ``PackingArguments``."""
-
-
-def _trainer_classes():
-    from thdpack.integrations.transformers import ThdpackTrainer
-    from thdpack.integrations.trl import SFTTrainer
-
-    return type("RecordingTrainer", (RecordLosses, ThdpackTrainer), {}), type(
-        "RecordingSFTTrainer", (RecordLosses, SFTTrainer), {}
-    )
-
-
-# one step: two micro-batches, clipped, logged, seeded
-STEP = dict(gradient_accumulation_steps=2, logging_steps=1, max_grad_norm=CLIP, seed=0)
-
-
-def _trainer_args(output_dir: str, **overrides):
-    from transformers import TrainingArguments
-
-    return cpu_arguments(TrainingArguments, output_dir, **{**STEP, "per_device_train_batch_size": 1, **overrides})
-
-
-def _sft_args(output_dir: str, **overrides):
-    from thdpack.integrations.trl import SFTConfig
-
-    # keep_float64's torch-function mode does not reach checkpointing's recompute in backward
-    sft = dict(max_length=64, assistant_only_loss=True, per_device_train_batch_size=2, gradient_checkpointing=False)
-    return cpu_arguments(SFTConfig, output_dir, **{**STEP, **sft, **overrides})
 
 
 def _exactness(trainer, examples, steps: int) -> dict:
@@ -128,13 +101,13 @@ def _exactness(trainer, examples, steps: int) -> dict:
 def trainer_exactness(world: int, output_dir: str, case: str) -> dict:
     from thdpack.integrations.transformers import PackingArguments
 
-    recording, _ = _trainer_classes()
+    recording, _ = recording_classes()
     settings = dict(TRAINER_CASES[case])
     lengths = settings.pop("lengths")
     model, examples = tiny_llama(), token_examples(*([lengths] if lengths else []))
     trainer = recording(
         model=model,
-        args=_trainer_args(output_dir, max_steps=STEPS[world]),
+        args=trainer_arguments(output_dir, max_steps=STEPS[world]),
         train_dataset=examples,
         optimizers=sgd(model),
         packing=PackingArguments(**settings),
@@ -147,12 +120,12 @@ def trl_exactness(world: int, output_dir: str) -> dict:
 
     from thdpack.integrations.transformers import PackingArguments
 
-    _, recording = _trainer_classes()
+    _, recording = recording_classes()
     tokenizer = chat_tokenizer()
     model = tiny_llama(vocab_size=len(tokenizer))
     trainer = recording(
         model=model,
-        args=_sft_args(output_dir, max_steps=STEPS[world]),
+        args=sft_arguments(output_dir, max_steps=STEPS[world]),
         train_dataset=Dataset.from_list(chats(24)),
         processing_class=tokenizer,
         optimizers=sgd(model),
@@ -169,13 +142,13 @@ def resume(output_dir: str) -> dict:
     Trainer epoch's last step, each compared with the uninterrupted run."""
     from thdpack.integrations.transformers import PackingArguments
 
-    recording, _ = _trainer_classes()
+    recording, _ = recording_classes()
 
     def run(folder: str, resume_from: str | None = None):
         model = tiny_llama()
         trainer = recording(
             model=model,
-            args=_trainer_args(folder, max_steps=4, save_strategy="steps", save_steps=1),
+            args=trainer_arguments(folder, max_steps=4, save_strategy="steps", save_steps=1),
             train_dataset=token_examples(),  # 2 steps per Trainer epoch: a mid-epoch and a boundary checkpoint
             optimizers=sgd(model),
             packing=PackingArguments(pack_size=32, cp_size=CP),
@@ -211,7 +184,7 @@ def probe(rank: int, output_dir: str) -> dict:
     model = tiny_llama(vocab_size=len(tokenizer))
     trainer = SFTTrainer(
         model=model,
-        args=_sft_args(output_dir, max_length=32, assistant_only_loss=False, per_device_train_batch_size=1),
+        args=sft_arguments(output_dir, max_length=32, assistant_only_loss=False, per_device_train_batch_size=1),
         train_dataset=Dataset.from_dict({"input_ids": documents}),
         processing_class=tokenizer,
         # TE's layout puts both documents' chunks on every rank (adaptive would give each its own)
@@ -259,7 +232,7 @@ def refusals(output_dir: str) -> dict:
         try:
             ThdpackTrainer(
                 model=model,
-                args=_trainer_args(output_dir, max_steps=1),
+                args=trainer_arguments(output_dir, max_steps=1),
                 train_dataset=token_examples(),
                 packing=PackingArguments(pack_size=32, cp_size=CP),
             )

@@ -113,6 +113,35 @@ def chats(n: int, seed: int = 0) -> list[dict[str, Any]]:
     ]
 
 
+def recording_classes() -> tuple[type, type]:
+    """``ThdpackTrainer`` and TRL's ``SFTTrainer`` through thdpack, each recording its micro-batch losses."""
+    from thdpack.integrations.transformers import ThdpackTrainer
+    from thdpack.integrations.trl import SFTTrainer
+
+    return type("RecordingTrainer", (RecordLosses, ThdpackTrainer), {}), type(
+        "RecordingSFTTrainer", (RecordLosses, SFTTrainer), {}
+    )
+
+
+STEP = dict(gradient_accumulation_steps=2, logging_steps=1, max_grad_norm=CLIP, seed=0)
+"""One step: two micro-batches, clipped, logged, seeded."""
+
+
+def trainer_arguments(output_dir: str | Path, **overrides: Any) -> transformers.TrainingArguments:
+    """``TrainingArguments`` of a ``STEP`` with one pack per micro-batch, then ``overrides``."""
+    settings = {**STEP, "per_device_train_batch_size": 1, **overrides}
+    return cpu_arguments(transformers.TrainingArguments, output_dir, **settings)
+
+
+def sft_arguments(output_dir: str | Path, **overrides: Any) -> Any:
+    """TRL's ``SFTConfig`` of a ``STEP`` on 64-token packs, two a micro-batch, assistant-only loss."""
+    from thdpack.integrations.trl import SFTConfig
+
+    # keep_float64's torch-function mode does not reach checkpointing's recompute in backward
+    sft = dict(max_length=64, assistant_only_loss=True, per_device_train_batch_size=2, gradient_checkpointing=False)
+    return cpu_arguments(SFTConfig, output_dir, **{**STEP, **sft, **overrides})
+
+
 def sgd(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
     """Plain SGD at a constant ``LR``: the updated weights show the step's gradient directly."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)

@@ -12,7 +12,7 @@ import dataclasses
 from typing import ClassVar
 
 from thdpack._config_forms import Part, config_of, from_flat, twin
-from thdpack._settings import Check, check_fields, integer, optional, setting
+from thdpack._settings import Check, check_fields, flag, integer, optional, setting
 from thdpack.attention.config import AttentionConfig
 from thdpack.packing.dataset import PackedDatasetConfig
 from thdpack.plan.config import TRAINING_CP_PLACEMENT, PlanConfig
@@ -73,7 +73,7 @@ def packing_arguments(plan_config: type[PlanConfig] = PlanConfig) -> type:
     """The ``PackingArguments`` dataclass: every field of ``plan_config`` and of ``PackedDatasetConfig``
     (their help, checks and defaults; ``cp_placement``'s the training default) but the seed (the
     Trainer's ``data_seed`` / ``seed``) and ``remainder`` (the step stream needs none), plus the CP
-    size and the attention settings."""
+    size, the attention settings and whether a resume may change the data."""
     return twin(
         [Part(plan_config), Part(PackedDatasetConfig)],
         name="PackingArguments",
@@ -96,6 +96,17 @@ def packing_arguments(plan_config: type[PlanConfig] = PlanConfig) -> type:
                     "both are set they must agree.",
                     default=None,
                     check=optional(integer(1)),
+                ),
+            ),
+            (
+                "resume_data_changed",
+                bool,
+                setting(
+                    "Resume from a checkpoint trained on other data (another train_dataset, or the same number of "
+                    "other examples): its model, optimizer and schedule continue, and the pack stream starts at "
+                    "this data's beginning. Without it such a resume is refused.",
+                    default=False,
+                    check=flag,
                 ),
             ),
             (

@@ -1,4 +1,5 @@
-"""The pack stream's state in a Trainer checkpoint folder: ``thdpack_stream.json``, checksummed.
+"""The pack stream's state in a Trainer checkpoint folder: ``thdpack_stream.json`` (and, with the
+consumed pieces of the epoch, ``thdpack_stream.npz``), checksummed (``thdpack.files.state_file``).
 
 A damaged or missing file is refused on resume: the stream's position would be unknown, and a
 run resumed elsewhere would silently train on other packs than the uninterrupted one.
@@ -12,29 +13,19 @@ run resumed elsewhere would silently train on other packs than the uninterrupted
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from thdpack.files.publish import write_json_atomic
+from thdpack.files.state_file import read_state, write_state
 
 STATE_FILE = "thdpack_stream.json"
 """The pack stream's state in each Trainer checkpoint folder."""
 
 
 def write_stream_state(folder: Path, state: Mapping[str, Any]) -> Path:
-    """``folder/STATE_FILE``: ``{"state": state, "sha256": its digest}``, written atomically (fsync, rename)."""
-    path = folder / STATE_FILE
-    write_json_atomic(path, {"state": state, "sha256": _state_sha256(state)})
-    return path
-
-
-def _state_sha256(state: Mapping[str, Any]) -> str:
-    """The digest of ``state`` as compact JSON with sorted keys: the record's layout (indentation)
-    may change without changing it."""
-    return hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    """``folder/STATE_FILE`` (and its ``.npz`` when ``state`` holds arrays), written atomically."""
+    return write_state(folder / STATE_FILE, state)
 
 
 def read_stream_state(folder: Path) -> dict[str, Any]:
@@ -46,11 +37,6 @@ def read_stream_state(folder: Path) -> dict[str, Any]:
             "is unknown; resume from a checkpoint of this trainer"
         )
     try:
-        record = json.loads(path.read_text())
-        state = record["state"]
-        ok = _state_sha256(state) == record["sha256"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path} is damaged ({err}); resume from another checkpoint") from err
-    if not ok:
-        raise ValueError(f"{path} is damaged (its checksum does not match); resume from another checkpoint")
-    return state
+        return read_state(path)
+    except ValueError as err:
+        raise ValueError(f"{err}; resume from another checkpoint") from None

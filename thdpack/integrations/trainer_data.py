@@ -23,7 +23,9 @@ Legend: ``T`` tokens of a micro-batch on this rank (a CP shard).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import functools
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,7 +38,7 @@ from thdpack.layout.rules import IGNORE_INDEX
 from thdpack.packing.dataset import PackedDataset, PackedDatasetConfig
 from thdpack.packing.packer import check_token_ids
 from thdpack.packing.runtime import PackingRuntime
-from thdpack.packing.step_stream import StepStream
+from thdpack.packing.step_stream import StepStream, StreamChange
 from thdpack.perf.time_cost import timing_of
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.format import THDBatch
@@ -133,6 +135,42 @@ class HFSamples(Sequence[dict[str, np.ndarray]]):
             return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
         return np.fromiter((len(ex["input_ids"]) for ex in self.dataset), dtype=np.int64, count=len(self.dataset))
 
+    @functools.cached_property
+    def sha256(self) -> str:
+        """sha256 of what thdpack reads of every example, in row order: for ``input_ids`` and then
+        ``labels``, the key, every example's token count (-1 for an example without the key) and
+        the tokens, all as little-endian int64. The same examples give the same digest as a
+        ``datasets.Dataset`` (read from its Arrow columns, chunk by chunk) or as a list. Computed
+        once, when a checkpoint first records it."""
+        sha = hashlib.sha256()
+        for key in ("input_ids", "labels"):
+            sha.update(key.encode())
+            counts, chunks = self._column(key)
+            sha.update(np.ascontiguousarray(counts, dtype="<i8").tobytes())
+            for chunk in chunks:
+                sha.update(np.ascontiguousarray(chunk, dtype="<i8").tobytes())
+        return sha.hexdigest()
+
+    def _column(self, key: str) -> tuple[np.ndarray, Iterator[np.ndarray]]:
+        """(N,) token counts of ``key`` in every example (-1: absent) and its tokens, in chunks."""
+        columns = getattr(self.dataset, "column_names", None)
+        if columns is None:
+            values = [self.dataset[i].get(key) for i in range(len(self.dataset))]
+            counts = np.array([-1 if v is None else len(v) for v in values], dtype=np.int64)
+            return counts, (np.asarray(v, dtype=np.int64) for v in values if v is not None)
+        if key not in columns:
+            return np.full(len(self.dataset), -1, dtype=np.int64), iter(())
+        import pyarrow.compute as pc
+
+        column = self.dataset.with_format("arrow")[key]
+        counts = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        chunks = getattr(column, "chunks", [column])
+        return counts, (pc.list_flatten(c).to_numpy(zero_copy_only=False) for c in chunks)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint records of the data (and a resume compares): the examples and their digest."""
+        return {"examples": len(self), "sha256": self.sha256}
+
     def check_token_ids(self) -> None:
         """``ValueError`` naming the first example and position whose id or label is outside
         ``vocab_size``. Up front, on every rank alike: so all ranks stop together with the reason,
@@ -180,10 +218,13 @@ class StepSource(Dataset):
         device: torch.device,
         num_examples: int,
         steps_done: int = 0,
+        data: Callable[[], Mapping[str, Any]] | None = None,
     ) -> None:
         self.stream = stream
         self.cp_size, self.cp_rank, self.device = cp_size, cp_rank, device
         self.num_examples = num_examples
+        self.data = data
+        """The data's identity (``HFSamples.identity``), recorded with the state; called when saving."""
         self.steps_done = steps_done
         """Steps the stream has built: the index of the next one."""
         self._micro: list[THDBatch] = []
@@ -215,14 +256,22 @@ class StepSource(Dataset):
         self.steps_done += 1
 
     def state_dict(self) -> dict[str, Any]:
-        """Steps built and the stream's state after them (what a checkpoint saves)."""
-        return {"steps_done": self.steps_done, "stream": self.stream.state_dict()}
+        """Steps built, the stream's state after them (its arrays under ``"arrays"``, as
+        ``thdpack.files.state_file`` writes them) and the data's identity: what a checkpoint saves."""
+        stream = self.stream.state_dict()
+        arrays = stream.pop("arrays")
+        out = {"steps_done": self.steps_done, "stream": stream, "arrays": arrays}
+        if self.data is not None:
+            out["data"] = dict(self.data())
+        return out
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue after ``state["steps_done"]`` steps; raises when the stream's settings differ."""
-        self.stream.load_state_dict(dict(state["stream"]))
+    def load_state_dict(self, state: Mapping[str, Any], *, names: Mapping[str, str] | None = None) -> StreamChange:
+        """Continue after ``state["steps_done"]`` steps, from the stream's saved position with this
+        stream's settings (``StepStream.load_state_dict``, ``names`` for its message and errors)."""
+        change = self.stream.load_state_dict({**state["stream"], "arrays": state.get("arrays", {})}, names=names)
         self.steps_done = int(state["steps_done"])
         self._micro = []
+        return change
 
 
 class StepSampler(Sampler[list[tuple[int, int]]]):

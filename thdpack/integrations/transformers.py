@@ -38,8 +38,15 @@ What the trainer does instead of the Trainer's own batches and loss:
 - Accelerate's CP. With ``ParallelismConfig(cp_size=N)`` thdpack takes its place: the CP group is
   accelerate's mesh dimension ``"cp"``, and accelerate's ``context_parallel`` hook (which would
   replace every layer's mask with plain causal attention over the whole packed row) never runs.
-- Resume. Each checkpoint holds ``thdpack_stream.json`` (the stream's position and settings,
-  with a checksum); ``train(resume_from_checkpoint=...)`` continues with the very next step's packs.
+- Resume. Each checkpoint holds ``thdpack_stream.json`` and ``.npz`` (the stream's position,
+  settings, the consumed pieces of the epoch and the data's digest, checksummed);
+  ``train(resume_from_checkpoint=...)`` continues with the very next step's packs, also on another
+  number of processes or accumulation steps (the same packs in the same steps while the packs per
+  step stay the same) or with other packing settings (the rest of the epoch planned again with
+  them; one log line says what changed). Other data is refused unless
+  ``PackingArguments(resume_data_changed=True)``.
+- One run per ``output_dir``: the main process locks it for ``train()``, and a fresh run into a
+  folder that holds another run's ``checkpoint-N`` is refused (transformers would overwrite them).
 
 Refused, each with the reason: an attention implementation that is not exact on a packed row or
 CP shard; softcapping, sliding windows shorter than a sequence and chunked layers under CP
@@ -89,8 +96,10 @@ from thdpack.models.hf.attention import (
     register_hf_attention,
 )
 from thdpack.packing.packer import pack_from_segments
+from thdpack.plan.config import PlanConfig
 from thdpack.plan.overflow import Overflow
 from thdpack.thd.batch import thd_collate
+from thdpack.train.output_dir import hold_output_dir
 
 transformers = require("transformers", "thdpack.integrations.transformers")
 require("accelerate", "thdpack.integrations.transformers")  # the Trainer's own dependency: name the extra
@@ -103,6 +112,18 @@ log = logging.getLogger(__name__)
 
 ATTENTION_NAME = "thdpack"
 """The ``attn_implementation`` name thdpack's attention is registered under."""
+STREAM_SETTING_NAMES = {
+    "cp_size": "cp_size (PackingArguments / ParallelismConfig)",
+    "micro_batches": "gradient_accumulation_steps",
+    "packs_per_micro_batch": "per_device_train_batch_size",
+    "dp_size": "data-parallel size (processes / cp_size)",
+    "seed": "data_seed (or seed)",
+    "pack_size": "pack size (PackingArguments.pack_size, SFTConfig.max_length)",
+    "timing_sha256": "step-time model (PackingArguments.profile, model_shape)",
+    **{key: f"PackingArguments.{key}" for key in ("shuffle", "balance", *PlanConfig.__dataclass_fields__)
+       if key not in ("seed", "pack_size")},
+}  # fmt: skip
+"""What the Trainer integrations' users call each setting of the pack stream (its resume message)."""
 
 
 class ThdpackTrainerMixin:
@@ -130,7 +151,7 @@ class ThdpackTrainerMixin:
         samples = HFSamples(self.train_dataset, vocab_size=_vocab_size(self.accelerator.unwrap_model(self.model)))
         lengths = samples.lengths()
         samples.check_token_ids()
-        self._num_examples = len(samples)
+        self._samples = samples
         args = self.args
         config = packing.dataset_config(
             pack_size=pack_size, overflow=overflow, seed=args.data_seed if args.data_seed is not None else args.seed
@@ -199,17 +220,24 @@ class ThdpackTrainerMixin:
             cp_size=self.topology.cp_size,
             cp_rank=self.topology.cp_rank,
             device=args.device,
-            num_examples=self._num_examples,
+            num_examples=len(self._samples),
+            data=self._samples.identity,
         )
-        if self._resume_state is not None:
-            source.load_state_dict(self._resume_state)
+        saved = self._resume_state
+        if saved is not None and saved.get("stream") is None:  # other data (resume_data_changed): its beginning
+            source.steps_done = int(saved["steps_done"])
+        elif saved is not None:
+            change = source.load_state_dict(saved, names=STREAM_SETTING_NAMES)
+            if change.message is not None and self.accelerator.is_main_process:
+                log.warning("thdpack: resumed pack stream: %s", change.message)
         steps_per_epoch = max(1, math.ceil(self.packed_dataset.stats.num_packs / stream.packs_per_step))
         return packed_step_loader(
             source, steps_per_epoch=steps_per_epoch, micro_batches=args.gradient_accumulation_steps
         )
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
-        """``Trainer.train``; a resumed run first restores the pack stream saved in the checkpoint."""
+        """``Trainer.train`` holding ``output_dir`` (one run per folder: the module docstring); a
+        resumed run first restores the pack stream saved in the checkpoint."""
         checkpoint = resume_from_checkpoint
         if checkpoint is True:
             checkpoint = get_last_checkpoint(self.args.output_dir)
@@ -220,8 +248,42 @@ class ThdpackTrainerMixin:
                     "ignore_data_skip=True would retrain the packs the checkpoint already trained on; thdpack resumes "
                     "the pack stream exactly where the checkpoint left it: leave ignore_data_skip=False"
                 )
-            self._resume_state = read_stream_state(Path(checkpoint))
-        return super().train(checkpoint if checkpoint is not None else resume_from_checkpoint, *args, **kwargs)
+            self._resume_state = self._saved_stream(Path(checkpoint))
+        out = Path(self.args.output_dir)
+        resumed = None if not isinstance(checkpoint, str) else Path(checkpoint)
+        with hold_output_dir(
+            out, is_main=self.accelerator.is_main_process, setting="output_dir",
+            check=lambda: refuse_other_checkpoints(out, resumed),
+        ):  # fmt: skip
+            return super().train(checkpoint if checkpoint is not None else resume_from_checkpoint, *args, **kwargs)
+
+    def _saved_stream(self, checkpoint: Path) -> dict[str, Any]:
+        """The checkpoint's pack stream state, its data compared with this run's first: another
+        dataset (other examples, or the same number of other ones) is refused unless
+        ``PackingArguments(resume_data_changed=True)``, which starts the stream at this data's
+        beginning (its ``"stream"`` is then None)."""
+        saved = read_stream_state(checkpoint)
+        recorded, mine = saved.get("data"), self._samples.identity()
+        if recorded is None:
+            log.warning(
+                "thdpack: %s records no digest of its data (an older thdpack wrote it): not compared", checkpoint
+            )
+            return saved
+        if recorded == mine:
+            return saved
+        differs = "; ".join(
+            f"{key}: checkpoint {_short(recorded.get(key))}, this run {_short(mine[key])}"
+            for key in mine
+            if recorded.get(key) != mine[key]
+        )
+        if not self.packing.resume_data_changed:
+            raise ValueError(
+                f"checkpoint {checkpoint} was trained on other data than this train_dataset ({differs}); resume with "
+                "the data it was trained on, or pass PackingArguments(resume_data_changed=True) to continue its model "
+                "on this data (the pack stream then starts at this data's beginning)"
+            )
+        log.warning("thdpack: resuming on other data (%s): the pack stream starts at this data's beginning", differs)
+        return {"steps_done": saved["steps_done"], "stream": None}
 
     # -- loss --------------------------------------------------------------------------------
     def compute_loss(
@@ -275,6 +337,27 @@ class ThdpackTrainer(ThdpackTrainerMixin, Trainer):
         if packing.pack_size is None:
             raise ValueError("ThdpackTrainer needs packing=PackingArguments(pack_size=...), the tokens per pack")
         self._setup_packing(packing, pack_size=packing.pack_size, overflow=packing.overflow or "error")
+
+
+def _short(value: Any) -> str:
+    """A sha256 as its first 12 digits (enough to tell two apart in a message)."""
+    return f"{value[:12]}..." if isinstance(value, str) and len(value) == 64 else str(value)
+
+
+def refuse_other_checkpoints(out: Path, resumed: Path | None) -> None:
+    """``ValueError`` when ``out`` holds ``checkpoint-N`` folders of another run: a fresh run (or one
+    resumed from a checkpoint elsewhere) would overwrite them, and the Trainer's rotation delete them."""
+    found = sorted(
+        (p for p in out.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.is_dir() and p.name.split("-")[-1].isdigit()),
+        key=lambda p: int(p.name.split("-")[-1]),
+    )
+    if not found or (resumed is not None and resumed.resolve().parent == out.resolve()):
+        return
+    shown = ", ".join(p.name for p in found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    raise ValueError(
+        f"output_dir={out} holds the checkpoints of an earlier run ({shown}); continue it with "
+        "train(resume_from_checkpoint=True), write to a new output_dir, or delete them"
+    )
 
 
 def refuse_data_collator(init: Callable, args: tuple, kwargs: dict[str, Any]) -> None:

@@ -222,12 +222,11 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> Pack:
         epoch, position = self._position_of(i)
-        return self.epoch_pack(epoch.number, position)
+        return self.epoch_pack(epoch, position)
 
-    def epoch_pack(self, epoch: int, index: int) -> Pack:
-        """Pack ``index`` of epoch ``epoch``'s whole order (all ranks' packs; ``step_stream`` deals them)."""
-        found = self.epochs[epoch]
-        return build_pack(self.samples, found.plan, int(found.order[index]), pad_id=self.runtime.pad_id)
+    def epoch_pack(self, epoch: Epoch, index: int) -> Pack:
+        """Pack ``index`` of ``epoch``'s whole order (all ranks' packs; ``step_stream`` deals them)."""
+        return build_pack(self.samples, epoch.plan, int(epoch.order[index]), pad_id=self.runtime.pad_id)
 
     def step_stream(self, *, micro_batches: int, packs_per_micro_batch: int) -> StepStream:
         """Optimizer steps over every epoch's packs, dealt to this dataset's data-parallel rank

@@ -6,6 +6,10 @@ This module alone decides which packs a data-parallel rank sees:
   derived from ``(seed, e)`` (:func:`plan_epoch`; ``thdpack prepare`` plans epoch 0 with it too),
   and its packs are put in an order shuffled by a second seed derived from ``(seed, e)``. Every
   rank computes the same epochs, so the global order needs no communication;
+- **the rest of an epoch** (:meth:`Epochs.rest`): a run resumed with other plan settings plans
+  the pieces of the epoch's sequences it has not consumed (``Epoch.consumed``,
+  :class:`thdpack.packing.pieces.Pieces`) again, seeded by ``(seed, e, k)`` for its ``k``-th re-plan
+  of the epoch: every sequence of the epoch is still consumed exactly once;
 - **balanced steps** (:func:`deal`): a step's packs go to the ranks with equal counts and
   balanced work, what :class:`thdpack.packing.step_stream.StepStream` (the trainer's stream) does;
 - **the map-style share** (:func:`rank_share`): an epoch's order dealt round robin, with the
@@ -34,6 +38,7 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
+from thdpack.packing.pieces import Pieces
 from thdpack.plan.api import plan_with
 from thdpack.plan.auto import PlanTiming
 from thdpack.plan.config import PlanConfig
@@ -50,15 +55,17 @@ BALANCES: tuple[str, ...] = get_args(Balance)
 # -- the epochs ----------------------------------------------------------------------------
 
 
-def epoch_seeds(seed: int | None, epoch: int) -> tuple[int | None, int]:
-    """(plan seed, order seed) of ``epoch``: independent streams derived from ``(seed, epoch)``.
+def epoch_seeds(seed: int | None, epoch: int, replans: int = 0) -> tuple[int | None, int]:
+    """(plan seed, order seed) of ``epoch``: independent streams derived from ``(seed, epoch)``, and
+    from ``(seed, epoch, replans)`` for the rest of the epoch planned again the ``replans``-th time.
 
     ``seed=None`` keeps the planner deterministic (the same plan every epoch); the order is then
     shuffled by a seed derived from the epoch alone.
     """
+    tail = [replans] if replans else []
     if seed is None:
-        return None, int(np.random.SeedSequence([epoch]).generate_state(1)[0])
-    plan_seed, order_seed = np.random.SeedSequence([seed, epoch]).generate_state(2)
+        return None, int(np.random.SeedSequence([epoch, *tail]).generate_state(1)[0])
+    plan_seed, order_seed = np.random.SeedSequence([seed, epoch, *tail]).generate_state(2)
     return int(plan_seed), int(order_seed)
 
 
@@ -73,12 +80,24 @@ def plan_epoch(
 
 @dataclass(frozen=True)
 class Epoch:
-    """One epoch: its plan and the order of all its packs (every rank's)."""
+    """One epoch: its plan and the order of all its packs (every rank's).
+
+    A run resumed with other plan settings continues the epoch with the plan of its rest
+    (``Epochs.rest``): then ``consumed_before`` holds the pieces of its sequences consumed before
+    that plan, and ``items`` what the plan was made over (the other pieces).
+    """
 
     number: int
     plan: PackPlan
     order: np.ndarray
     """(P,) pack indices of the plan in the epoch's (shuffled) order."""
+    replans: int = 0
+    """How many times the rest of the epoch was planned again (0: the epoch's own plan)."""
+    consumed_before: Pieces | None = None
+    """The pieces of the epoch's sequences consumed before this plan was made (None: none, the
+    epoch's own plan)."""
+    items: Pieces | None = None
+    """The pieces this plan was made over (None: every sequence whole)."""
 
     def __len__(self) -> int:
         return len(self.order)
@@ -86,6 +105,62 @@ class Epoch:
     def segments(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``plan.segments`` of the pack at ``index`` of the order."""
         return self.plan.segments(int(self.order[index]))
+
+    def consumed(self, packs: int) -> Pieces:
+        """The pieces of the epoch's sequences consumed once the first ``packs`` packs of the order
+        are trained: ``consumed_before``, every entry of those packs and, where the plan cut a
+        sequence short (``overflow="truncate"``), the cut-off rest of each piece whose entry was
+        trained (the epoch does not train it). ``ValueError`` when a token would be consumed twice.
+
+        >>> plan = PackPlan(np.array([1, 0, 2]), np.array([0, 1, 3]), sequence_lengths=np.array([3, 5, 4]),
+        ...                 pack_size=8, cp_size=1, algorithm="bfd", seed=None, stats=None)
+        >>> done = Epoch(number=0, plan=plan, order=np.array([1, 0])).consumed(1)   # pack 1: sequences 0 and 2
+        >>> done.sample.tolist(), done.length.tolist()
+        ([0, 2], [3, 4])
+        """
+        plan = self.plan
+        trained = plan_pieces(plan, self.order[:packs])
+        if plan.entry_lengths is not None and len(trained):  # entries may be cut: a truncated rest is consumed too
+            items = self.items if self.items is not None else Pieces.whole(plan.sequence_lengths)
+            cut = items.minus(plan_pieces(plan, np.arange(len(plan))))
+            touched = np.isin(items.owners(cut), items.owners(trained))
+            trained = trained.union(cut.select(touched))
+        return trained if self.consumed_before is None else self.consumed_before.union(trained)
+
+
+def plan_pieces(plan: PackPlan, packs: np.ndarray) -> Pieces:
+    """The pieces of the sequences that the packs ``packs`` of ``plan`` hold (its entries)."""
+    packs = np.asarray(packs, dtype=np.int64)
+    first = plan.offsets[packs]
+    counts = plan.offsets[packs + 1] - first
+    entry = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(counts) - counts), counts)
+    sample = plan.indices[entry]
+    start = np.zeros(len(entry), dtype=np.int64) if plan.entry_starts is None else plan.entry_starts[entry]
+    length = plan.sequence_lengths[sample] if plan.entry_lengths is None else plan.entry_lengths[entry]
+    return Pieces.of(sample, start, length)
+
+
+def plan_on_sequences(plan: PackPlan, items: Pieces, lengths_S: np.ndarray) -> PackPlan:
+    """``plan``, made over the pieces ``items`` (its entry ``j`` is of piece ``plan.indices[j]``),
+    as a plan over the pieces' sequences (of lengths ``lengths_S``): the same packs, each entry
+    the tokens of its sequence it holds."""
+    item = plan.indices
+    inside = np.zeros(len(item), dtype=np.int64) if plan.entry_starts is None else plan.entry_starts
+    return PackPlan(
+        items.sample[item],
+        plan.offsets,
+        sequence_lengths=lengths_S,
+        pack_size=plan.pack_size,
+        cp_size=plan.cp_size,
+        algorithm=plan.algorithm,
+        seed=plan.seed,
+        stats=plan.stats,
+        entry_starts=items.start[item] + inside,
+        entry_lengths=items.length[item] if plan.entry_lengths is None else plan.entry_lengths,
+        placement=plan.placement,
+        cost_model=plan.cost_model,
+        a2a_packs=plan.a2a_packs,
+    )
 
 
 class Epochs:
@@ -130,10 +205,27 @@ class Epochs:
         return found
 
     def _order(self, epoch: int, plan: PackPlan) -> Epoch:
-        n = len(plan)
-        _, order_seed = epoch_seeds(self.config.seed, epoch)
-        order = np.random.default_rng(order_seed).permutation(n) if self.shuffle else np.arange(n)
-        return Epoch(number=epoch, plan=plan, order=order)
+        return Epoch(number=epoch, plan=plan, order=self._shuffled(len(plan), epoch_seeds(self.config.seed, epoch)[1]))
+
+    def _shuffled(self, packs: int, order_seed: int) -> np.ndarray:
+        return np.random.default_rng(order_seed).permutation(packs) if self.shuffle else np.arange(packs)
+
+    def rest(self, number: int, consumed: Pieces, *, replans: int) -> Epoch | None:
+        """Epoch ``number``'s pieces not in ``consumed``, planned with these settings as the
+        epoch's ``replans``-th re-plan (seeds derived from ``(seed, number, replans)``, so every
+        rank, and a run resumed with the same settings, plans the same); None when nothing is left.
+        Sequences whole in the rest are planned as sequences, the rest of a sequence cut by the
+        consumed pieces as a sequence of its own (the packer takes its labels from the sequence)."""
+        items = Pieces.whole(self.lengths).minus(consumed)
+        if not len(items):
+            return None
+        plan_seed, order_seed = epoch_seeds(self.config.seed, number, replans)
+        config = dataclasses.replace(self.config, seed=plan_seed)
+        over_items = plan_with(items.length, config, cp_size=self.cp_size, timing=self.timing)
+        self.plans_made += 1
+        plan = plan_on_sequences(over_items, items, self.lengths)
+        order = self._shuffled(len(plan), order_seed)
+        return Epoch(number=number, plan=plan, order=order, replans=replans, consumed_before=consumed, items=items)
 
     def _check_first_plan(self, plan: PackPlan) -> None:
         want = {

@@ -2,9 +2,13 @@
 
 Layout of ``<output_dir>/checkpoints/``::
 
-    step_000020/dcp/          model + optimizer, torch.distributed.checkpoint (works for DDP and FSDP2)
-    step_000020/trainer.pt    scheduler, data stream, step, config and the run's identity: its
-                              data, tokenizer and model (``thdpack.train.identity``; rank 0)
+    step_000020/dcp/          model + optimizer, torch.distributed.checkpoint (works for DDP and FSDP2,
+                              and loads on any number of ranks: it reshards)
+    step_000020/trainer.pt    scheduler, step, config and the run's identity: its data, tokenizer
+                              and model (``thdpack.train.identity``; rank 0)
+    step_000020/stream.json   the data stream's position: the epoch, its plan's settings, the
+    step_000020/stream.npz    consumed pieces of its sequences and their digest (JSON and arrays,
+                              ``thdpack.files.state_file``; ``thdpack checkpoint info`` prints it)
     step_000020/rng/rank_<r>.pt
     step_000020/checksums.json  size and sha256 of every file above, written last
     latest                    the newest complete checkpoint's folder name
@@ -19,6 +23,12 @@ falls back past damaged or unfinished ones with a warning naming the file
 (``verify_checkpoint(folder)`` runs the same check on its own). Checksums catch accidents, not a
 crafted folder: every file is read back as tensors and plain values only (``thdpack.files.safe_load``,
 ``thdpack.files.safe_dcp``), so a file asking to run code stops the resume, named.
+
+A checkpoint resumes on another number of ranks: the model and optimizer reshard, the data
+stream continues from its global position (``thdpack.packing.step_stream``), and a rank the
+saving run did not have continues the RNG state of rank ``r % saved ranks`` (every rank of a run
+is seeded alike with ``train.seed``, so that is the state it would hold had it been there). A
+resume error on one rank is raised on every rank (``_on_every_rank``), never one rank alone.
 
 One output_dir holds the checkpoints of one run: a fresh run into a folder that holds
 checkpoints is refused unless it resumes them (``train.resume=true``) or clears them
@@ -59,6 +69,8 @@ from thdpack.files.publish import (
 )
 from thdpack.files.safe_dcp import load_dcp
 from thdpack.files.safe_load import load_plain
+from thdpack.files.state_file import read_state, write_state
+from thdpack.packing.step_stream import StreamState
 
 log = logging.getLogger(__name__)
 LATEST = "latest"
@@ -68,6 +80,8 @@ CHECKPOINT_FORMAT = "thdpack-checkpoint"
 CHECKPOINT_VERSION = 1
 REQUIRED_FILES = ("trainer.pt", "dcp/.metadata")
 """Files every checkpoint's manifest lists (the rank files depend on the world size)."""
+STREAM_FILE = "stream.json"
+"""The data stream's state in a checkpoint (with ``stream.npz``); older checkpoints hold it in ``trainer.pt``."""
 _STEP_FOLDER = re.compile(r"step_(\d+)")
 
 
@@ -88,7 +102,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state({**numpy_state, "state": {**numpy_state["state"], "key": key}})
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per GPU the saving process saw: a node with fewer GPUs restores as many as it has
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
 @dataclass(frozen=True)
@@ -201,10 +216,12 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
+    stream: StreamState,
     keep: int,
     export: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Save step ``step`` on every rank (collective); returns its folder.
+    """Save step ``step`` on every rank (collective); returns its folder. ``stream``: the data
+    stream's state right after the step (rank 0 writes it, ``STREAM_FILE``).
 
     ``export(folder)`` (collective, optional) writes more files into the folder before the
     checksums are taken, so they are verified and pruned with it (the Hugging Face folder of a
@@ -226,6 +243,7 @@ def save_checkpoint(
         torch.save(rng_state(), folder / "rng" / f"rank_{rank}.pt")
         if rank == 0:
             torch.save({"step": step, **trainer_state}, folder / "trainer.pt")
+            write_state(folder / STREAM_FILE, stream.state_dict())
         if export is not None:
             export(folder)
     except (OSError, RuntimeError, CheckpointException) as err:
@@ -265,8 +283,16 @@ def _save_failed(folder: Path, error: BaseException) -> CheckpointSaveError:
 
 
 def read_trainer_state(folder: Path) -> dict[str, Any]:
-    """The ``trainer.pt`` of checkpoint ``folder``: step, scheduler, data stream, config, identity."""
+    """The ``trainer.pt`` of checkpoint ``folder``: step, scheduler, config, identity."""
     return load_plain(folder / "trainer.pt")
+
+
+def read_stream_state(folder: Path, trainer: dict[str, Any]) -> dict[str, Any]:
+    """The data stream's state saved in checkpoint ``folder`` (its ``trainer.pt``'s ``trainer`` holds
+    it in checkpoints written before ``STREAM_FILE``)."""
+    if (folder / STREAM_FILE).is_file() or "stream" not in trainer:
+        return read_state(folder / STREAM_FILE)
+    return trainer["stream"]
 
 
 def _prune(root: Path, step: int, keep: int) -> None:
@@ -395,17 +421,63 @@ def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = lr
 
 
+def _on_every_rank(action: Callable[[], Any]) -> Any:
+    """``action()`` on every rank (collective); a ``ValueError`` it raises on any rank is raised on
+    every rank, naming the ranks it came from when not all: no rank stops alone, leaving the others
+    to fail on a closed connection."""
+    result, error = None, None
+    try:
+        result = action()
+    except ValueError as err:
+        error = str(err)
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    said: dict[str, list[int]] = {}
+    for rank, message in enumerate(errors):
+        if message is not None:
+            said.setdefault(message, []).append(rank)
+    if said:
+        everyone = len(said) == 1 and len(next(iter(said.values()))) == len(errors)
+        raise ValueError(
+            "; ".join(m if everyone else f"{m} (on rank {', '.join(map(str, r))})" for m, r in said.items())
+        )
+    return result
+
+
+def rng_file_of(folder: Path, rank: int, manifest: dict[str, Any]) -> Path:
+    """The RNG state rank ``rank`` resumes from: its own, or for a rank the saving run did not have,
+    rank ``rank % saved ranks``'s (module docstring)."""
+    saved = sorted(int(name[len("rng/rank_") : -len(".pt")]) for name in manifest["files"] if name.startswith("rng/"))
+    if not saved:
+        raise ValueError(f"{folder} holds no RNG state (rng/rank_<r>.pt); resume from a checkpoint thdpack wrote")
+    return folder / "rng" / f"rank_{rank if rank in saved else saved[rank % len(saved)]}.pt"
+
+
 def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
-    """Restore model, optimizer and this rank's RNG from ``folder``; returns the trainer state."""
+    """Restore model, optimizer and this rank's RNG from ``folder`` on any number of ranks
+    (collective); returns the trainer state. Every rank raises the same ``ValueError`` when one
+    cannot load its part."""
     rank = dist.get_rank()
     _materialize_optimizer_state(optimizer)
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     load_dcp(state, folder / "dcp")
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rng_file = folder / "rng" / f"rank_{rank}.pt"
-    if not rng_file.exists():
-        raise ValueError(f"{folder} has no RNG state for rank {rank}: resume with the world size that saved it")
-    set_rng_state(load_plain(rng_file))
+    manifest, why = _read_manifest(folder)
+    if manifest is None:
+        raise ValueError(why)
+    rng_file = rng_file_of(folder, rank, manifest)
+    _on_every_rank(lambda: set_rng_state(load_plain(rng_file)))
+    saved = manifest.get("world_size")
+    if rank == 0 and isinstance(saved, int) and saved < dist.get_world_size():
+        log.info(
+            "checkpoint %s was saved by %d ranks: ranks %d..%d continue the RNG state of rank r %% %d (every rank "
+            "is seeded alike with train.seed)",
+            folder,
+            saved,
+            saved,
+            dist.get_world_size() - 1,
+            saved,
+        )
     trainer = read_trainer_state(folder)
     return Restored(step=int(trainer["step"]), trainer=trainer)

@@ -177,8 +177,12 @@ class TrainConfig:
     resume: bool = False
     """Continue from the newest valid checkpoint in output_dir; damaged checkpoints are skipped with
     a warning naming the file. The checkpoint's data (the store's checksums), tokenizer and model
-    settings must be this run's (a difference is refused, naming it), and so must the batch
-    settings."""
+    settings must be this run's (a difference is refused, naming it). The layout may change (the
+    processes, nodes, micro_batches, packs_per_micro_batch, DDP or FSDP, parallel.cp_size and the
+    packing settings): the data stream continues from the checkpoint's position, the same packs in
+    the same steps when the packs per step and the plan settings are unchanged, else the rest of
+    the epoch planned again with the new settings (one line says what changed); the learning-rate
+    schedule continues by steps."""
     resume_data_changed: bool = False
     """With resume: continue the checkpoint's model, optimizer and schedule on data (or a
     tokenizer) other than the checkpoint's; the data stream then starts at the new data's

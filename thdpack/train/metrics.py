@@ -37,6 +37,9 @@ class StepMetrics:
     imbalance_attention: float
     data_wait_seconds: float = 0.0
     """How long the step waited for its batches from the prefetch thread (host stall)."""
+    packs_sha256: str = ""
+    """The step's packs, all ranks' (``Step.packs_sha256``): runs that train the same packs in a
+    step log the same digest, whatever their data-parallel layout."""
 
     def line(self, steps: int) -> str:
         return (

@@ -15,10 +15,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from thdpack._settings import check_int
-from thdpack.packing.step_stream import Step, StepStream
+from thdpack.packing.step_stream import Step, StepStream, StreamState
 from thdpack.thd.format import THDBatch
 
 _POLL_SECONDS = 0.1
@@ -31,8 +30,8 @@ class PreparedStep:
     step: Step
     micro_batches: list[THDBatch]
     """This rank's micro-batches as ``prepare`` returned them (host; pinned on CUDA)."""
-    stream_state: dict[str, Any]
-    """``stream.state_dict()`` right after this step: what a checkpoint after it saves."""
+    stream_state: StreamState
+    """``stream.state()`` right after this step: what a checkpoint after it saves."""
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class StepPrefetcher:
     >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4, 7)]
     >>> stream = PackedDataset(samples, 8, seed=0).step_stream(micro_batches=1, packs_per_micro_batch=1)
     >>> with StepPrefetcher(stream, lambda step: [], depth=2) as steps:
-    ...     [steps.next().stream_state["position"] for _ in range(3)]
+    ...     [steps.next().stream_state.position for _ in range(3)]
     [1, 2, 3]
     """
 
@@ -78,7 +77,7 @@ class StepPrefetcher:
         if self.before_read is not None:
             self.before_read()
         step = self.stream.next_step()
-        return PreparedStep(step=step, micro_batches=self.prepare(step), stream_state=self.stream.state_dict())
+        return PreparedStep(step=step, micro_batches=self.prepare(step), stream_state=self.stream.state())
 
     def _produce(self) -> None:
         while not self._stop.is_set():

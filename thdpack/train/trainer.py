@@ -35,10 +35,17 @@ from thdpack.packing.packer import Pack
 from thdpack.packing.runtime import PackingRuntime
 from thdpack.packing.step_stream import Step, StepStream
 from thdpack.perf.time_cost import timing_of
+from thdpack.plan.config import PlanConfig
 from thdpack.thd.batch import thd_pin_memory, thd_to_device
 from thdpack.thd.format import THDBatch
 from thdpack.train.activation_checkpointing import checkpoint_layers
-from thdpack.train.checkpoint import load_checkpoint, open_checkpoints, read_trainer_state, save_checkpoint
+from thdpack.train.checkpoint import (
+    load_checkpoint,
+    open_checkpoints,
+    read_stream_state,
+    read_trainer_state,
+    save_checkpoint,
+)
 from thdpack.train.config import Config, TrainConfig
 from thdpack.train.export import checkpoint_export, publish_hf_folder
 from thdpack.train.forward_backward import (
@@ -62,7 +69,11 @@ log = logging.getLogger(__name__)
 
 
 def lr_lambda(train: TrainConfig):
-    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step (a factor of lr)."""
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step (a factor of lr).
+
+    The schedule counts optimizer steps, as ``train.steps``, ``warmup_steps``, ``stop_at`` and
+    ``checkpoint_every`` do: a run resumed with another global batch continues it by steps (each
+    step then holds the new number of packs)."""
 
     def factor(step: int) -> float:
         if step < train.warmup_steps:
@@ -272,11 +283,28 @@ def open_resume(cfg: Config, runtime: Runtime, identity: dict[str, Any]) -> Resu
     return resume
 
 
+STREAM_SETTING_NAMES = {
+    "cp_size": "parallel.cp_size",
+    "micro_batches": "train.micro_batches",
+    "packs_per_micro_batch": "train.packs_per_micro_batch",
+    "dp_size": "data-parallel size (processes / parallel.cp_size)",
+    "timing_sha256": "step-time model (packing.profile, packing.model_shape on these nodes)",
+    **{key: f"packing.{key}" for key in ("shuffle", "balance", *PlanConfig.__dataclass_fields__)},
+}
+"""What the trainer's users call each setting of the data stream (``StepStream.load_state_dict``)."""
+
+
 def resume_training(
     cfg: Config, runtime: Runtime, training: Training, stream: StepStream, resume: Resume | None
 ) -> int:
     """The first step to run: 1, or the step after the checkpoint ``resume`` (model, optimizer,
-    schedule, data stream and RNG restored; with other data, the stream starts at its beginning)."""
+    schedule, data stream and RNG restored; with other data, the stream starts at its beginning).
+
+    The checkpoint may come from another layout: another number of processes or nodes, of
+    micro-batches, DDP or FSDP2, other packing or CP settings. The stream continues from its global
+    position (``StepStream.load_state_dict``: the same packs in the same steps when the packs per
+    step and the plan settings are the same, else the rest of the epoch planned again), and one
+    line says what changed and what it means."""
     if resume is None:
         return 1
     restored = load_checkpoint(resume.folder, model=training.model, optimizer=training.optimizer)
@@ -293,8 +321,11 @@ def resume_training(
             "the model, optimizer and schedule continue, the data stream starts at this data's beginning",
         )
     else:
-        stream.load_state_dict(restored.trainer["stream"])
+        saved = read_stream_state(resume.folder, restored.trainer)
+        change = stream.load_state_dict(saved, names=STREAM_SETTING_NAMES)
         _say(runtime, f"resumed from {resume.folder} (step {restored.step})")
+        if change.message is not None:
+            _say(runtime, f"data: {change.message}")
     return restored.step + 1
 
 
@@ -421,6 +452,7 @@ def _loop(
                 imbalance_tokens=step.imbalance.tokens,
                 imbalance_attention=step.imbalance.attention,
                 data_wait_seconds=steps.wait_seconds,
+                packs_sha256=step.packs_sha256,
             )
             metrics.write(record)
             if step_number % train.log_every == 0 or step_number == train.steps:
@@ -428,12 +460,7 @@ def _loop(
         _check_finite(step_number, loss, grad_norm, bool(finite_t), training.inner, folder)
         every = train.checkpoint_every
         if step_number == last_step or (every and step_number % every == 0):
-            trainer_state = {
-                "scheduler": scheduler.state_dict(),
-                "stream": prepared.stream_state,
-                "config": _plain(cfg),
-                "identity": identity,
-            }
+            trainer_state = {"scheduler": scheduler.state_dict(), "config": _plain(cfg), "identity": identity}
             export = None
             if isinstance(training.inner, HFCausalLM) and (train.save_hf or step_number == last_step):
                 export = checkpoint_export(model, training.inner, cfg.data.tokenizer)
@@ -443,6 +470,7 @@ def _loop(
                 model=model,
                 optimizer=optimizer,
                 trainer_state=trainer_state,
+                stream=prepared.stream_state,
                 keep=train.keep_checkpoints,
                 export=export,
             )

@@ -49,7 +49,7 @@ def test_every_plan_and_dataset_setting_is_a_packing_argument_with_its_help():
         f.name for f in dataclasses.fields(PackedDatasetConfig)
     }
     # the seed is the Trainer's data_seed, remainder plays no part in a step stream, plan is listed flat
-    assert set(names) == wanted - {"seed", "remainder", "plan"} | {"cp_size", "attention"}
+    assert set(names) == wanted - {"seed", "remainder", "plan"} | {"cp_size", "attention", "resume_data_changed"}
     for f in dataclasses.fields(PlanConfig):
         if f.name != "seed":
             assert names[f.name].metadata["help"].startswith(f.metadata["help"])

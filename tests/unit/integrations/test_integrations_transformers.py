@@ -7,6 +7,7 @@ tests/distributed/test_integrations_distributed.py."""
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -185,16 +186,22 @@ def test_resuming_with_ignore_data_skip_is_refused(tmp_path):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
 
 
-def test_resuming_with_another_cp_placement_is_refused(tmp_path):
-    """The placement is part of the stream state a checkpoint saves (the PlanConfig's fingerprint)."""
-    trainer = _trainer(tmp_path, args=_args(tmp_path, save_strategy="steps", save_steps=1))
+def test_resuming_with_another_cp_placement_plans_the_rest_of_the_epoch_again(tmp_path, caplog):
+    """The placement is part of the stream state a checkpoint saves (the PlanConfig's fingerprint);
+    another one plans the epoch's rest again with it, saying so (before: refused)."""
+    one_pack = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps", save_steps=1)
+    trainer = _trainer(tmp_path, args=_args(tmp_path, **one_pack))
     trainer.train()
     folder = tmp_path / "checkpoint-1"
-    stream = read_stream_state(folder)["stream"]
-    assert (stream["cp_placement"], stream["cost_model"]) == ("adaptive", "tiles")
-    other = _trainer(tmp_path, packing=PackingArguments(pack_size=32, cp_placement="te"))
-    with pytest.raises(ValueError, match="cp_placement: saved 'adaptive', now 'te'"):
+    settings = read_stream_state(folder)["stream"]["settings"]
+    assert (settings["cp_placement"], settings["cost_model"]) == ("adaptive", "tiles")
+    te = PackingArguments(pack_size=32, cp_placement="te")
+    other = _trainer(tmp_path, args=_args(tmp_path, **{**one_pack, "max_steps": 2}), packing=te)
+    with caplog.at_level("WARNING", logger="thdpack.integrations.transformers"):
         other.train(resume_from_checkpoint=str(folder))
+    assert "thdpack: resumed pack stream: PackingArguments.cp_placement adaptive -> te: the remaining " in caplog.text
+    assert " sequences of epoch 0 are planned again with PackingArguments.cp_placement=te; losses will" in caplog.text
+    assert other.state.global_step == 2
 
 
 def test_a_checkpoint_from_another_trainer_is_refused(tmp_path):
@@ -247,3 +254,73 @@ def test_token_ids_outside_the_models_vocabulary_are_named_before_training(tmp_p
             train_dataset=examples,
             packing=PackingArguments(pack_size=32),
         )
+
+
+ONE_PACK = dict(per_device_train_batch_size=1, gradient_accumulation_steps=1, save_strategy="steps", save_steps=1)
+"""A step of one pack, a checkpoint after each: checkpoint-1 is mid-epoch."""
+
+
+def test_a_resume_on_other_data_of_the_same_size_is_refused_unless_told(tmp_path):
+    """Issue 26 item 8: the stream state recorded only the number of sequences, so other examples of
+    the same lengths resumed silently. Now it records the data's digest, as thdpack's trainer does."""
+    _trainer(tmp_path, args=_args(tmp_path, **ONE_PACK)).train()
+    folder = tmp_path / "checkpoint-1"
+
+    def on_other_data(packing):
+        args = _args(tmp_path, **{**ONE_PACK, "max_steps": 2})
+        return ThdpackTrainer(model=tiny_llama(), args=args, train_dataset=token_examples(seed=1), packing=packing)
+
+    refusal = (
+        rf"checkpoint {folder} was trained on other data than this train_dataset \(sha256: checkpoint "
+        r"[0-9a-f]{12}\.\.\., this run [0-9a-f]{12}\.\.\.\); resume with the data it was trained on, or pass "
+        r"PackingArguments\(resume_data_changed=True\) to continue its model on this data"
+    )
+    with pytest.raises(ValueError, match=refusal):
+        on_other_data(PackingArguments(pack_size=32)).train(resume_from_checkpoint=str(folder))
+    trainer = on_other_data(PackingArguments(pack_size=32, resume_data_changed=True))
+    trainer.train(resume_from_checkpoint=str(folder))
+    assert trainer.state.global_step == 2
+    saved, now = (read_stream_state(tmp_path / f"checkpoint-{k}") for k in (1, 2))
+    assert saved["data"]["examples"] == now["data"]["examples"] and saved["data"]["sha256"] != now["data"]["sha256"]
+    assert now["stream"]["position"] == 1  # the stream started at the other data's beginning
+
+
+def test_the_data_digest_is_the_same_for_a_list_and_a_dataset():
+    from datasets import Dataset
+
+    examples = token_examples()
+    assert HFSamples(examples).sha256 == HFSamples(Dataset.from_list(examples)).sha256
+    assert HFSamples(examples).sha256 != HFSamples(token_examples(seed=1)).sha256
+    unlabelled = [{"input_ids": ex["input_ids"]} for ex in examples]
+    assert HFSamples(unlabelled).sha256 == HFSamples(Dataset.from_list(unlabelled)).sha256 != HFSamples(examples).sha256
+
+
+def test_a_fresh_run_into_an_output_dir_with_another_runs_checkpoints_is_refused(tmp_path):
+    """Issue 26 item 9: transformers overwrote another run's checkpoint-N silently. Now the trainer
+    applies thdpack's one-run-per-folder rule: such a folder is refused, and so is one that another
+    live run holds."""
+    from thdpack.files.lock import FolderLock
+
+    _trainer(tmp_path, args=_args(tmp_path, **ONE_PACK)).train()
+    kept = (tmp_path / "checkpoint-1" / "thdpack_stream.json").read_bytes()
+    refusal = (
+        f"output_dir={tmp_path} holds the checkpoints of an earlier run (checkpoint-1); continue it with "
+        "train(resume_from_checkpoint=True), write to a new output_dir, or delete them"
+    )
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        _trainer(tmp_path, args=_args(tmp_path, **ONE_PACK)).train()
+    assert (tmp_path / "checkpoint-1" / "thdpack_stream.json").read_bytes() == kept
+    other_run = tmp_path / "other"
+    _trainer(other_run, args=_args(other_run, **ONE_PACK)).train()
+    with pytest.raises(ValueError, match=re.escape(refusal)):  # resumed from another folder's checkpoint into this one
+        _trainer(tmp_path, args=_args(tmp_path, **{**ONE_PACK, "max_steps": 2})).train(
+            resume_from_checkpoint=str(other_run / "checkpoint-1")
+        )
+
+    busy = tmp_path / "busy"
+    holder = FolderLock(busy).acquire()
+    try:
+        with pytest.raises(ValueError, match=rf"output_dir={busy} is being written by another process \(pid "):
+            _trainer(busy, args=_args(busy)).train()
+    finally:
+        holder.release()

@@ -28,7 +28,7 @@ def _collate(step):
 
 def _summary(prepared):
     ids = [mb["input_ids"].tolist() for mb in prepared.micro_batches]
-    return prepared.step.epoch, ids, prepared.stream_state["epoch"], prepared.stream_state["position"]
+    return prepared.step.epoch, ids, prepared.stream_state.epoch, prepared.stream_state.position
 
 
 @pytest.mark.parametrize("depth", [1, 2, 5])
@@ -48,7 +48,7 @@ def test_each_step_carries_the_stream_state_right_after_it():
         prepared = [steps.next() for _ in range(4)]
         time.sleep(0.2)  # the thread runs ahead
     resumed = _stream()
-    resumed.load_state_dict(prepared[1].stream_state)
+    resumed.load_state_dict(prepared[1].stream_state.state_dict())
     with StepPrefetcher(resumed, _collate, depth=0) as steps:
         assert [_summary(steps.next()) for _ in range(2)] == [_summary(p) for p in prepared[2:]]
 
