@@ -34,8 +34,20 @@ HOST_CHAIN = 200
 """Multiplications in the chain the host's op cost is timed on (forward and backward: twice as many ops)."""
 
 
-def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The fastest wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, synchronised on a GPU."""
+def timed_runs(
+    fn: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    *,
+    before: Callable[[], object] | None = None,
+    wait_for_device: bool = True,
+) -> list[float]:
+    """Wall seconds of each of ``repeats`` runs of ``fn()``, after one warm-up run.
+
+    On a GPU the device is synchronised before each run and, with ``wait_for_device``, after it,
+    so a run's time holds its kernels; ``wait_for_device=False`` times the host alone.
+    ``before`` runs ahead of each run, outside its time (a barrier, so every rank starts together).
+    """
 
     def sync() -> None:
         if device.type == "cuda":
@@ -44,12 +56,20 @@ def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int
     fn()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         sync()
         start = time.perf_counter()
         fn()
-        sync()
+        if wait_for_device:
+            sync()
         samples.append(time.perf_counter() - start)
-    return min(samples)
+    return samples
+
+
+def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The fastest wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, synchronised on a GPU."""
+    return min(timed_runs(fn, device, repeats))
 
 
 @dataclass(frozen=True)
@@ -155,12 +175,4 @@ def host_op_seconds(*, device: torch.device, repeats: int) -> float:
             y = y * 1.0
         y.sum().backward()
 
-    chain()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        chain()
-        samples.append(time.perf_counter() - start)
-    return min(samples) / (2 * HOST_CHAIN)
+    return min(timed_runs(chain, device, repeats, wait_for_device=False)) / (2 * HOST_CHAIN)

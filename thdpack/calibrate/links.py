@@ -17,7 +17,6 @@ over the group.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from thdpack.calibrate.kernels import timed_runs
 from thdpack.cp.comm import RingComm, all_gather_rows, all_to_all_blocks, reduce_scatter_rows
 from thdpack.perf.machine import COLLECTIVES
 
@@ -46,21 +46,8 @@ class LinkFit:
 
 def _group_seconds(fn: Callable[[], object], group: dist.ProcessGroup, device: torch.device, repeats: int) -> float:
     """The slowest rank's fastest seconds of ``fn()`` (every rank of ``group`` calls it together)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    slowest = torch.tensor([min(samples)], dtype=torch.float64, device=device)
+    fastest = min(timed_runs(fn, device, repeats, before=lambda: dist.barrier(group=group)))
+    slowest = torch.tensor([fastest], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest)
 
