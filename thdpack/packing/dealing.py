@@ -146,20 +146,11 @@ def plan_on_sequences(plan: PackPlan, items: Pieces, lengths_S: np.ndarray) -> P
     the tokens of its sequence it holds."""
     item = plan.indices
     inside = np.zeros(len(item), dtype=np.int64) if plan.entry_starts is None else plan.entry_starts
-    return PackPlan(
-        items.sample[item],
-        plan.offsets,
+    return plan.replace(
+        indices=items.sample[item],
         sequence_lengths=lengths_S,
-        pack_size=plan.pack_size,
-        cp_size=plan.cp_size,
-        algorithm=plan.algorithm,
-        seed=plan.seed,
-        stats=plan.stats,
         entry_starts=items.start[item] + inside,
         entry_lengths=items.length[item] if plan.entry_lengths is None else plan.entry_lengths,
-        placement=plan.placement,
-        cost_model=plan.cost_model,
-        a2a_packs=plan.a2a_packs,
     )
 
 
