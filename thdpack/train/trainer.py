@@ -13,6 +13,7 @@ The loss and gradients then equal those of the same global batch run unpacked on
 The model and optimizer are built by ``thdpack.train.model_setup``; a resumed run's checkpoint is
 chosen, checked and restored by ``thdpack.train.resume``.
 """
+
 from __future__ import annotations
 
 import contextlib
