@@ -1,19 +1,10 @@
 """What one rank's device and host do in a given time: ``thdpack calibrate``'s kernel timings.
 
-- **attention**: ``thd_attention`` with the run's backend and head dims on batches of equal
-  sequences (``tokens`` in all, ``tokens // n`` sequences of ``n``), for ``n`` from the shortest
-  length up: the causal forward, the full (non-causal) forward, and the full backward (forward +
-  backward, less the forward), as achieved FLOP/s (``4 x heads x head_dim`` per (query, key)
-  pair, ``n^2 / 2`` pairs causal, 2.5x backward: ``thdpack.perf.kernels``' conventions), and the
-  time of one call on a sequence of one token (the kernel's fixed cost);
-- **matmul**: the model's linear layers as GEMMs of ``tokens`` rows (QKV, output, MLP, logits),
-  FLOPs over seconds of all of them;
-- **memory**: a copy of a large buffer, bytes read and written per second;
-- **host**: one eager op: a chain of small multiplications with autograd, forward and backward,
-  seconds per op (``thdpack.perf.host``'s unit), timed on the host without waiting for the device.
-
-Times are the fastest of ``repeats`` after one warm-up, the device synchronised around each (on a
-GPU): on a shared machine a slower run is another process's time, not the kernel's.
+The attention kernel's achieved FLOP/s against sequence length (causal forward, full forward,
+backward) and its fixed cost per call, the model's GEMMs, a large copy, and one eager op on the
+host, in ``thdpack.perf``'s units and conventions. Each time is the fastest of ``repeats`` runs
+after one warm-up (``timed_runs``): on a shared machine a slower run is another process's time,
+not the kernel's.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """

@@ -1,18 +1,8 @@
 """How fast the ranks talk: ``thdpack calibrate``'s timings of sends and collectives.
 
-Over a process group (every rank of it calls together), for a few buffer sizes:
-
-- the ring exchange thdpack's ring runs (``thdpack.cp.comm.RingComm.send_recv``: each rank sends a
-  buffer to the next rank and receives one from the previous), fitted as ``latency + bytes /
-  bandwidth``: the group's link (``thdpack.perf.comm``'s one-hop send);
-- all-reduce, all-gather, reduce-scatter and all-to-all (``thdpack.cp.comm``'s row collectives,
-  ``dist.all_reduce``), fitted as ``intercept + slope x bytes`` with nccl-tests' bytes (the
-  reduced buffer, the gathered output, the scattered input, the exchanged buffer); the bus factor
-  of each is ``slope x bandwidth x n / (n - 1)``, what nccl-tests calls busBw / algBw, measured
-  instead of assumed.
-
-A rank's time is the slowest rank's (the group waits for it): each timing is all-reduced with MAX
-over the group.
+Over a process group, at a few buffer sizes: the ring exchange thdpack's ring runs, fitted as
+``latency + bytes / bandwidth``, and the four collectives of ``thdpack.perf.comm``, whose bus factors
+are measured instead of assumed. Each timing is the slowest rank's: the group waits for it.
 """
 
 from __future__ import annotations
