@@ -74,6 +74,7 @@ from thdpack.attention.merge import differentiable_attention
 from thdpack.attention.placed import part_batch
 from thdpack.attention.ring import RingPass, TileKernel
 from thdpack.attention.select import BACKEND_TABLE
+from thdpack.calibrate.kernels import timed_runs
 from thdpack.cp.partition import shard
 from thdpack.thd.batch import thd_collate, thd_to_device
 from thdpack.thd.carriage import thd_meta
@@ -176,19 +177,8 @@ def lengths_of_data(case: Case) -> tuple[str, np.ndarray]:
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()  # warm-up: builds the record's caches (placements, part batches), as a step's first layer does
-    samples = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    # the warm-up run builds the record's caches (placements, part batches), as a step's first layer does
+    return statistics.median(timed_runs(fn, device, repeats))
 
 
 def _qkv(tokens: int, heads: int, kv_heads: int, case: Case, device: torch.device) -> tuple[torch.Tensor, ...]:

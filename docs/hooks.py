@@ -24,7 +24,7 @@ def on_config(config):
         if isinstance(section, dict) and "Reference" in section:
             for entry in section["Reference"]:
                 if entry.get("API") == "reference/api/index.md":
-                    entry["API"] = ["reference/api/index.md", *(f"reference/api/{slug}.md" for slug, *_ in api.PAGES)]
+                    entry["API"] = ["reference/api/index.md", *(f"reference/api/{p.slug}.md" for p in api.PAGES)]
     return config
 
 

@@ -17,44 +17,49 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (page, title, module, what the page is for); the order is the nav's and the pipeline's
-PAGES: tuple[tuple[str, str, str, str], ...] = (
-    ("layout", "thdpack.layout", "thdpack.layout", "The context-parallel layout, numpy only."),
-    ("plan", "thdpack.plan", "thdpack.plan", "Packing plans: which sequences share a pack, numpy only."),
-    (
-        "packing",
-        "thdpack.packing",
-        "thdpack.packing",
-        "Packs from samples and plans, and the datasets that serve them.",
-    ),
-    ("thd", "thdpack.thd", "thdpack.thd", "THD batches: collate, to_thd, and their validation."),
-    ("cp", "thdpack.cp", "thdpack.cp", "Context parallelism's data side: shards and the topology."),
-    (
-        "attention",
-        "thdpack.attention",
-        "thdpack.attention",
-        "Exact attention over THD batches, on one rank or a CP group.",
-    ),
-    (
-        "loss",
-        "thdpack.loss",
-        "thdpack",
-        "The front door's names defined outside a stage package: the loss, IGNORE_INDEX.",
-    ),
-    ("models", "thdpack.models", "thdpack.models", "thdpack's reference decoder."),
-    ("models-hf", "thdpack.models.hf", "thdpack.models.hf", "Hugging Face causal LMs over THD batches."),
-    ("data", "thdpack.data", "thdpack.data", "Sources, tokenization, token stores."),
-    ("verify", "thdpack.verify", "thdpack.verify", "`thdpack verify` from Python."),
-    ("perf", "thdpack.perf", "thdpack.perf", "The step-time model, numpy only."),
-    (
+
+@dataclass(frozen=True)
+class Page:
+    """One reference page: ``reference/api/<slug>.md``, titled ``thdpack.<slug with dots>``."""
+
+    slug: str
+    blurb: str
+    """What the page is for: its first line, and its row in the index."""
+    face: str | None = None
+    """The module whose ``__all__`` the page documents, where it is not the title's."""
+
+    @property
+    def title(self) -> str:
+        return "thdpack." + self.slug.replace("-", ".")
+
+    @property
+    def module(self) -> str:
+        return self.face or self.title
+
+
+# the order is the nav's and the pipeline's
+PAGES: tuple[Page, ...] = (
+    Page("layout", "The context-parallel layout, numpy only."),
+    Page("plan", "Packing plans: which sequences share a pack, numpy only."),
+    Page("packing", "Packs from samples and plans, and the datasets that serve them."),
+    Page("thd", "THD batches: collate, to_thd, and their validation."),
+    Page("cp", "Context parallelism's data side: shards and the topology."),
+    Page("attention", "Exact attention over THD batches, on one rank or a CP group."),
+    Page("loss", "The front door's names defined outside a stage package: the loss, IGNORE_INDEX.", "thdpack"),
+    Page("models", "thdpack's reference decoder."),
+    Page("models-hf", "Hugging Face causal LMs over THD batches."),
+    Page("data", "Sources, tokenization, token stores."),
+    Page("verify", "`thdpack verify` from Python."),
+    Page("perf", "The step-time model, numpy only."),
+    Page(
         "integrations",
-        "thdpack.integrations",
-        "thdpack.integrations.transformers",
         "transformers' Trainer and TRL's SFTTrainer with thdpack's packing, CP and loss.",
+        "thdpack.integrations.transformers",
     ),
-    ("integrations-trl", "thdpack.integrations.trl", "thdpack.integrations.trl", "TRL's SFTTrainer, thdpack inside."),
-    ("compat-nemo", "thdpack.compat.nemo", "thdpack.compat.nemo", "NeMo AutoModel drop-ins."),
+    Page("integrations-trl", "TRL's SFTTrainer, thdpack inside."),
+    Page("compat-nemo", "NeMo AutoModel drop-ins."),
 )
+PAGE = {p.slug: p for p in PAGES}
 
 
 @dataclass(frozen=True)
@@ -111,10 +116,10 @@ def homes() -> dict[tuple[str, str], str]:
     """(defining module, name) -> the page that renders it: the first stage page whose face exports
     it; the front door's own page (``loss``) takes only what no stage package exports."""
     out: dict[tuple[str, str], str] = {}
-    for page, _, module, _ in sorted(PAGES, key=lambda p: p[0] == "loss"):
-        for item in names(module):
+    for page in sorted(PAGES, key=lambda p: p.slug == "loss"):
+        for item in names(page.module):
             if item.internal:
-                out.setdefault((item.source, item.name), page)
+                out.setdefault((item.source, item.name), page.slug)
     return out
 
 
@@ -155,7 +160,7 @@ def _entry(item: Name, page: str) -> str:
         return f"## `{item.module}.{item.name}`\n\n`{item.source}.{item.name}`, re-exported as it is.\n"
     home = homes()[(item.source, item.name)]
     if home != page:
-        target = dict((p, m) for p, _, m, _ in PAGES)[home]
+        target = PAGE[home].module
         return (
             f"## `{item.module}.{item.name}`\n\nThe same object as "
             f"[`{target}.{item.name}`]({home}.md#{target}.{item.name}).\n"
@@ -165,8 +170,7 @@ def _entry(item: Name, page: str) -> str:
 
 
 def page(slug: str) -> str:
-    _, title, module, blurb = next(p for p in PAGES if p[0] == slug)
-    lines = [f"# {title}\n", f"{blurb}\n"]
+    lines = [f"# {PAGE[slug].title}\n", f"{PAGE[slug].blurb}\n"]
     if slug == "loss":
         lines.append(
             "These names are imported from `thdpack` itself: `thdpack.StepLoss`, "
@@ -174,7 +178,7 @@ def page(slug: str) -> str:
         )
         items = [n for n in names("thdpack") if homes().get((n.source, n.name)) == "loss"]
     else:
-        items = names(module)
+        items = names(PAGE[slug].module)
     lines += [_entry(item, slug) for item in items]
     return "\n".join(lines)
 
@@ -190,16 +194,15 @@ def front_door() -> str:
         "| name | documented as |",
         "|---|---|",
     ]
-    page_module = {p: m for p, _, m, _ in PAGES}
     for item in names("thdpack"):
         home = homes()[(item.source, item.name)]
-        target = page_module[home]
+        target = PAGE[home].module
         lines.append(f"| `thdpack.{item.name}` | [`{target}.{item.name}`]({home}.md#{target}.{item.name}) |")
     lines += ["", "## The packages\n", "| package | what it holds |", "|---|---|"]
-    lines += [f"| [`{title}`]({slug}.md) | {blurb} |" for slug, title, _, blurb in PAGES]
+    lines += [f"| [`{p.title}`]({p.slug}.md) | {p.blurb} |" for p in PAGES]
     return "\n".join(lines) + "\n"
 
 
 def pages() -> list[tuple[str, str]]:
     """``(path under docs/, Markdown)`` of every reference page."""
-    return [("reference/api/index.md", front_door())] + [(f"reference/api/{slug}.md", page(slug)) for slug, *_ in PAGES]
+    return [("reference/api/index.md", front_door())] + [(f"reference/api/{p.slug}.md", page(p.slug)) for p in PAGES]

@@ -37,21 +37,21 @@ def tiles(monkeypatch):
     calls: dict[int, list[tuple]] = {}
     plan, forward, backward = ring._tile_plan, math_kernel.tile_forward, math_kernel.tile_backward
 
-    def tile_plan(meta, the_ring, step, causal, device):
+    def tile_plan(meta, the_ring, step, causal, scale, device):
         local.rank, local.step = the_ring.rank, step
-        return plan(meta, the_ring, step, causal, device)
+        return plan(meta, the_ring, step, causal, scale, device)
 
-    def record(kind, q, k, q_side, k_side, causal):
+    def record(kind, q, k, tile):
         shapes = (tuple(q.shape), tuple(k.shape))
-        calls.setdefault(local.rank, []).append((kind, local.step, *shapes, _side(q_side), _side(k_side), causal))
+        calls.setdefault(local.rank, []).append((kind, local.step, *shapes, _side(tile.q), _side(tile.k), tile.causal))
 
-    def tile_forward(q, k, v, q_side, k_side, *, causal, scale):
-        record("forward", q, k, q_side, k_side, causal)
-        return forward(q, k, v, q_side, k_side, causal=causal, scale=scale)
+    def tile_forward(q, k, v, tile):
+        record("forward", q, k, tile)
+        return forward(q, k, v, tile)
 
-    def tile_backward(dout, q, k, v, lse, delta, q_side, k_side, *, causal, scale):
-        record("backward", q, k, q_side, k_side, causal)
-        return backward(dout, q, k, v, lse, delta, q_side, k_side, causal=causal, scale=scale)
+    def tile_backward(dout, q, k, v, lse, delta, tile):
+        record("backward", q, k, tile)
+        return backward(dout, q, k, v, lse, delta, tile)
 
     monkeypatch.setattr(ring, "_tile_plan", tile_plan)
     monkeypatch.setattr(math_kernel, "tile_forward", tile_forward)

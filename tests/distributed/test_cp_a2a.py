@@ -40,7 +40,7 @@ from thdpack.testing import run_distributed
 from thdpack.thd.carriage import thd_meta
 from thdpack.thd.cu import cu_from_lengths
 
-from support.attention_cases import max_errors, random_case, reference_results, worst_errors
+from support.attention_cases import assert_within_2x_plain, max_errors, random_case, reference_results, worst_errors
 
 pytestmark = pytest.mark.distributed
 
@@ -350,10 +350,4 @@ def test_a2a_on_gpus_is_within_2x_plain_bf16_error(gpu_a2a_runs, backend):
     """TE's own a2a (``te``) and thdpack's around flash / varlen / flex, bf16, cp 2: each within 2x
     plain bf16 attention's error; a backend that cannot run here is a skip naming why, and one that
     raises fails (it was dropped silently, either way)."""
-    for rank, results in enumerate(gpu_a2a_runs):
-        outcome, plain = results[backend], results["plain bf16"]
-        if "skip" in outcome:
-            pytest.skip(f"{backend} cannot run here: {outcome['skip']}")
-        assert "error" not in outcome, f"rank {rank}: {outcome.get('error')}"
-        for name, err in outcome["errors"].items():
-            assert err <= 2 * plain[name] + 1e-6, (rank, backend, name, outcome, plain)
+    assert_within_2x_plain(gpu_a2a_runs, backend, "plain bf16", "here")

@@ -24,7 +24,7 @@ from thdpack.cp.topology import CpTopology
 from thdpack.testing import run_distributed
 from thdpack.thd.carriage import thd_meta
 
-from support.attention_cases import random_case
+from support.attention_cases import assert_within_2x_plain, random_case
 from support.placement_cases import MIXED_PACKS, placed_metadata, shard_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.distributed]
@@ -95,10 +95,4 @@ def test_cuda_backends_on_placed_shards_are_within_2x_plain_bf16_error(placed_ru
     """A backend that cannot run here is a skip naming why, one that raises fails (it was dropped
     silently, either way)."""
     cp_size, results = placed_runs
-    for rank, result in enumerate(results):
-        outcome, plain = result[backend], result["plain"]
-        if "skip" in outcome:
-            pytest.skip(f"{backend} cannot run on a placed cp {cp_size} shard here: {outcome['skip']}")
-        assert "error" not in outcome, f"rank {rank}: {outcome.get('error')}"
-        for name, err in outcome["errors"].items():
-            assert err <= 2 * plain[name] + 1e-6, (rank, backend, name, outcome, plain)
+    assert_within_2x_plain(results, backend, "plain", f"on a placed cp {cp_size} shard here")

@@ -46,8 +46,10 @@ def _step_vs_unpacked(rank: int, world: int, cp_size: int, reduction: str, shard
     from thdpack.models.transformer import Transformer
     from thdpack.packing.dataset import PackedDataset
     from thdpack.train.config import ParallelConfig
+    from thdpack.train.forward_backward import forward_backward
+    from thdpack.train.model_setup import build_model
     from thdpack.train.runtime import init_runtime
-    from thdpack.train.trainer import build_model, forward_backward, shard_micro_batches
+    from thdpack.train.trainer import shard_micro_batches
     from thdpack.verify.exactness import unpacked_step
 
     cfg = _config(cp_size, reduction, sharding)

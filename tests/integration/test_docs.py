@@ -112,8 +112,8 @@ def test_config_reference_has_every_key():
 def test_api_reference_has_every_public_name():
     pages = dict(api.pages())
     rendered = "\n".join(pages.values())
-    for _, _, module, _ in api.PAGES:
-        for item in api.names(module):
+    for page in api.PAGES:
+        for item in api.names(page.module):
             assert f"{item.module}.{item.name}" in rendered, f"{item.module}.{item.name}"
     for name in api.exported("thdpack"):
         if name != "__version__":

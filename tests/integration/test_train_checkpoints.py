@@ -112,7 +112,7 @@ def test_fresh_run_into_a_used_output_dir_is_refused_or_overwritten(tmp_path, ca
     assert losses(tmp_path) == three_steps  # metrics.jsonl untouched
 
     # the reported case: pruning deleted the step_000001 just saved and `latest` named it
-    with caplog.at_level(logging.WARNING, logger="thdpack.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="thdpack.train.resume"):
         train(tmp_path, cache, "train.steps=3", "train.stop_at=1", "train.overwrite=true")
     assert f"train.overwrite=true: deleting {checkpoints} (latest, step_000002, step_000003)" in caplog.text
     assert folders(checkpoints) == ["latest", "step_000001"]
@@ -184,7 +184,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(stopped_copy, cache, straig
     file, says = damage(checkpoints / "step_000003")
     problem = f"{checkpoints / 'step_000003' / file} {says}"
     assert verify_checkpoint(checkpoints / "step_000003")[0].startswith(problem)
-    with caplog.at_level(logging.WARNING, logger="thdpack.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="thdpack.train.resume"):
         train(stopped_copy, cache, "train.resume=true")
     assert f"skipping checkpoint step_000003: {problem}" in caplog.text
     assert f"moved step_000003 to {checkpoints / 'damaged'} (inspect, then delete)" in caplog.text
@@ -202,7 +202,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint(stopped_copy, cache, straig
 def test_empty_latest_resumes_from_the_newest_valid_checkpoint(stopped_copy, cache, straight, caplog, capsys):
     checkpoints = stopped_copy / "checkpoints"
     (checkpoints / "latest").write_text("")
-    with caplog.at_level(logging.WARNING, logger="thdpack.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="thdpack.train.resume"):
         train(stopped_copy, cache, "train.resume=true")
     assert f"{checkpoints / 'latest'} named ''; it now names step_000003" in caplog.text
     assert f"resumed from {checkpoints / 'step_000003'} (step 3)" in capsys.readouterr().out

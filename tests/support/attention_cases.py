@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import pytest
 import torch
 
 import thdpack._optional as _optional
@@ -133,3 +134,16 @@ def autograd_results(case: dict, attend: Callable, *, with_dlse: bool = True) ->
 def global_errors(got: dict, want: dict, valid: torch.Tensor) -> dict[str, float]:
     """:func:`max_errors` over all (real) rows of a global batch."""
     return max_errors(got, want, torch.arange(len(valid)), valid)
+
+
+def assert_within_2x_plain(per_rank: list[dict], backend: str, plain: str, where: str) -> None:
+    """Every rank's errors of ``backend`` within 2x those of plain bf16 attention (``per_rank[r][plain]``),
+    as the GPU criterion reads; a backend that cannot run is a skip naming why (``where`` it was run),
+    one that raised fails (it was dropped silently, either way)."""
+    for rank, results in enumerate(per_rank):
+        outcome, baseline = results[backend], results[plain]
+        if "skip" in outcome:
+            pytest.skip(f"{backend} cannot run {where}: {outcome['skip']}")
+        assert "error" not in outcome, f"rank {rank}: {outcome.get('error')}"
+        for name, err in outcome["errors"].items():
+            assert err <= 2 * baseline[name] + 1e-6, (rank, backend, name, outcome, baseline)

@@ -104,26 +104,20 @@ def _to_sequence(
     return out
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One of the two exchanges, differentiable: its gradient is the other exchange."""
+
     @staticmethod
-    def forward(ctx: Any, order: GatherOrder, group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> Any:
-        ctx.order, ctx.group = order, group
-        return tuple(_to_heads(tensors, order, group))
+    def forward(
+        ctx: Any, to_heads: bool, order: GatherOrder, group: dist.ProcessGroup | None, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.to_heads, ctx.order, ctx.group = to_heads, order, group
+        return tuple((_to_heads if to_heads else _to_sequence)(tensors, order, group))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, *_to_sequence(grads, ctx.order, ctx.group))
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, order: GatherOrder, group: dist.ProcessGroup | None, *tensors: torch.Tensor) -> Any:
-        ctx.order, ctx.group = order, group
-        return tuple(_to_sequence(tensors, order, group))
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        return (None, None, *_to_heads(grads, ctx.order, ctx.group))
+        back = _to_sequence if ctx.to_heads else _to_heads
+        return (None, None, None, *back(grads, ctx.order, ctx.group))
 
 
 def sequence_to_heads(
@@ -141,7 +135,7 @@ def sequence_to_heads(
         (T, N_i / W, H_i) per tensor: every token of the batch in global order, with rank ``r``'s
         heads ``r*N_i/W .. (r+1)*N_i/W - 1``.
     """
-    return _SequenceToHeads.apply(order, group, *tensors_TNH)
+    return _AllToAll.apply(True, order, group, *tensors_TNH)
 
 
 def heads_to_sequence(
@@ -149,7 +143,7 @@ def heads_to_sequence(
 ) -> tuple[torch.Tensor, ...]:
     """The second all-to-all, the inverse of :func:`sequence_to_heads`: (T, n_i, H_i) every token
     with this rank's heads -> (T_local, n_i * W, H_i) this rank's rows with every head."""
-    return _HeadsToSequence.apply(order, group, *tensors_TnH)
+    return _AllToAll.apply(False, order, group, *tensors_TnH)
 
 
 def a2a_attention(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from thdpack.attention.backends.math import tiled_attention
+from thdpack.attention.math_kernel import Tile
 from thdpack.cp.comm import all_gather_rows, reduce_scatter_rows
 from thdpack.cp.partition import gather_order, local_placement
 from thdpack.thd.meta import ThdMeta
@@ -78,4 +79,4 @@ def allgather_attention(
     order = gather_order(meta, device).gathered_of_global_T
     k_glob, v_glob = GatherKV.apply(k_TNH, v_TNH, order, cp_group)
     q_rows, kv_rows = local_placement(meta, device), global_placement(meta, device)
-    return tiled_attention(q_TNH, k_glob, v_glob, q_rows, kv_rows, causal=causal, scale=scale)
+    return tiled_attention(q_TNH, k_glob, v_glob, Tile(q_rows, kv_rows, causal, scale))

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from thdpack.attention.math_kernel import Tile
 from thdpack.attention.merge import normalize_lse
-from thdpack.thd.tokens import TokenPlacement
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -62,38 +62,30 @@ def unavailable_reason(
     return None
 
 
-def _tile_lengths(
-    q: TokenPlacement, k: TokenPlacement, causal: bool
-) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, int, int]]:
+def _tile_lengths(tile: Tile) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor, int, int]]:
     """(key rows to keep or None, the kernels' ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``)."""
-    if causal or not k.has_padding:
+    q, k = tile.q, tile.k
+    if tile.causal or not k.has_padding:
         # causal: padding follows every real token, so no real query ever sees a padded key
         return None, (q.cu, k.cu, max(q.counts), max(k.counts))
     return k.valid_index, (q.cu, k.valid_cu, max(q.counts), max(k.valid_counts))
 
 
 def tile_forward(
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    q: TokenPlacement,
-    k: TokenPlacement,
-    *,
-    causal: bool,
-    scale: float,
+    q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, tile: Tile
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`thdpack.attention.math_kernel.tile_forward`; out in q's dtype.
 
-    ``q`` and ``k`` must have equal per-sequence row counts when ``causal`` (square tiles).
+    ``tile.q`` and ``tile.k`` must have equal per-sequence row counts when ``tile.causal`` (square tiles).
     """
-    keep, lengths = _tile_lengths(q, k, causal)
+    keep, lengths = _tile_lengths(tile)
     if keep is not None:
         k_TNH, v_TNH = k_TNH.index_select(0, keep), v_TNH.index_select(0, keep)
     if lengths[3] == 0 or q_TNH.shape[0] == 0:
         out = q_TNH.new_zeros((q_TNH.shape[0], q_TNH.shape[1], v_TNH.shape[-1]))
         return out, q_TNH.new_full((q_TNH.shape[1], q_TNH.shape[0]), float("-inf"), dtype=torch.float32)
     out_TNH, lse_NT = torch.ops.aten._flash_attention_forward(
-        q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous(), *lengths, 0.0, causal, False, scale=scale
+        q_TNH.contiguous(), k_TNH.contiguous(), v_TNH.contiguous(), *lengths, 0.0, tile.causal, False, scale=tile.scale
     )[:2]
     return out_TNH, normalize_lse(lse_NT)
 
@@ -105,18 +97,14 @@ def tile_backward(
     v_TNH: torch.Tensor,
     out_TNH: torch.Tensor,
     lse_NT: torch.Tensor,
-    q: TokenPlacement,
-    k: TokenPlacement,
-    *,
-    causal: bool,
-    scale: float,
+    tile: Tile,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tile gradients from the rows' GLOBAL ``out`` (q's dtype) and ``lse`` (fp32, -inf = empty).
 
     The kernel computes ``delta = rowsum(dout * out)`` itself, so this path cannot take a
     gradient of the LSE; callers use the math kernel when one arrives.
     """
-    keep, lengths = _tile_lengths(q, k, causal)
+    keep, lengths = _tile_lengths(tile)
     k_in, v_in = (k_TNH, v_TNH) if keep is None else (k_TNH.index_select(0, keep), v_TNH.index_select(0, keep))
     if lengths[3] == 0 or q_TNH.shape[0] == 0:
         return torch.zeros_like(q_TNH), torch.zeros_like(k_TNH), torch.zeros_like(v_TNH)
@@ -125,7 +113,7 @@ def tile_backward(
     lse_for_kernel = lse_NT.float().masked_fill(torch.isneginf(lse_NT), float("inf")).contiguous()
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
         dout_TNH.contiguous(), q_TNH.contiguous(), k_in.contiguous(), v_in.contiguous(), out_TNH.contiguous(),
-        lse_for_kernel, *lengths, 0.0, causal, rng_state, unused, scale=scale,
+        lse_for_kernel, *lengths, 0.0, tile.causal, rng_state, unused, scale=tile.scale,
     )  # fmt: skip
     if keep is not None:
         dk = torch.zeros_like(k_TNH).index_copy(0, keep, dk)

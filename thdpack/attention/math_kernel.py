@@ -14,6 +14,8 @@ Legend: ``T`` rows (``Tq`` query, ``Tk`` key), ``N`` heads (``Nq`` query, ``Nkv`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from thdpack.attention.masks import visible
@@ -25,6 +27,19 @@ _SCORE_BUDGET = 1 << 22
 # short sequences share a block up to this size (fewer kernel launches); beyond it the work
 # wasted on cross-sequence pairs outweighs the saved overhead
 _GROUP_BUDGET = 1 << 16
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile's facts besides its tensors: rows of side ``q`` attend rows of side ``k`` (same
+    number of sequences, same device)."""
+
+    q: TokenPlacement
+    k: TokenPlacement
+    causal: bool
+    """Apply ``pos_q >= pos_k``."""
+    scale: float
+    """The softmax scale."""
 
 
 def plan_blocks(
@@ -63,11 +78,12 @@ def plan_blocks(
     return blocks
 
 
-def _visible(q: TokenPlacement, k: TokenPlacement, qa: int, qb: int, ka: int, kb: int, causal: bool) -> torch.Tensor:
+def _visible(tile: Tile, qa: int, qb: int, ka: int, kb: int) -> torch.Tensor:
     """(rows, keys) bool of one block: :func:`thdpack.attention.masks.visible` over its pairs."""
+    q, k = tile.q, tile.k
     return visible(
         q.seg_T[qa:qb, None], q.pos_T[qa:qb, None], k.seg_T[None, ka:kb], k.pos_T[None, ka:kb], k.valid_T[None, ka:kb],
-        causal,
+        tile.causal,
     )  # fmt: skip
 
 
@@ -82,24 +98,15 @@ def _scores(
 
 
 def tile_forward(
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    q: TokenPlacement,
-    k: TokenPlacement,
-    *,
-    causal: bool,
-    scale: float,
+    q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, tile: Tile
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``q``'s rows over ``k``'s rows.
+    """Attention of ``tile.q``'s rows over ``tile.k``'s rows.
 
     Args:
-        q_TNH: (Tq, Nq, H) queries, rows as described by ``q``.
-        k_TNH / v_TNH: (Tk, Nkv, H) / (Tk, Nkv, Hv) keys and values, rows as described by ``k``;
-            ``Nq % Nkv == 0`` (query head h uses KV head ``h // (Nq // Nkv)``).
-        q, k: the two sides (same number of sequences, same device).
-        causal: apply ``pos_q >= pos_k``.
-        scale: softmax scale.
+        q_TNH: (Tq, Nq, H) queries, rows as described by ``tile.q``.
+        k_TNH / v_TNH: (Tk, Nkv, H) / (Tk, Nkv, Hv) keys and values, rows as described by
+            ``tile.k``; ``Nq % Nkv == 0`` (query head h uses KV head ``h // (Nq // Nkv)``).
+        tile: the two sides, the mask type and the softmax scale.
 
     Returns:
         ``out_TNH`` (Tq, Nq, Hv) and ``lse_NT`` (Nq, Tq) natural-log LSE, both in the
@@ -109,8 +116,8 @@ def tile_forward(
     tq, nq = q_TNH.shape[:2]
     out_TNH = q_TNH.new_zeros((tq, nq, v_TNH.shape[-1]), dtype=acc)
     lse_NT = q_TNH.new_full((nq, tq), float("-inf"), dtype=acc)
-    for qa, qb, ka, kb in plan_blocks(q, k, nq, causal_self=causal and q is k):
-        s_KGQT = _scores(q_TNH[qa:qb], k_TNH[ka:kb], _visible(q, k, qa, qb, ka, kb, causal), scale, acc)
+    for qa, qb, ka, kb in plan_blocks(tile.q, tile.k, nq, causal_self=tile.causal and tile.q is tile.k):
+        s_KGQT = _scores(q_TNH[qa:qb], k_TNH[ka:kb], _visible(tile, qa, qb, ka, kb), tile.scale, acc)
         lse_KGQ = torch.logsumexp(s_KGQT, dim=-1)
         # rows with no visible key have lse -inf; measuring against 0 keeps P = exp(-inf) = 0
         p_KGQT = s_KGQT.sub_(lse_KGQ.masked_fill(torch.isneginf(lse_KGQ), 0.0).unsqueeze(-1)).exp_()
@@ -127,17 +134,13 @@ def tile_backward(
     v_TNH: torch.Tensor,
     lse_NT: torch.Tensor,
     delta_NT: torch.Tensor,
-    q: TokenPlacement,
-    k: TokenPlacement,
-    *,
-    causal: bool,
-    scale: float,
+    tile: Tile,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradient contributions of one tile, given its rows' GLOBAL softmax statistics.
 
     Args:
         dout_TNH: (Tq, Nq, Hv) gradient of the final output rows.
-        q_TNH, k_TNH, v_TNH, q, k, causal, scale: as in :func:`tile_forward`.
+        q_TNH, k_TNH, v_TNH, tile: as in :func:`tile_forward`.
         lse_NT: (Nq, Tq) the rows' final LSE over ALL their keys (not just this tile's).
         delta_NT: (Nq, Tq) ``rowsum(dout * out) - dlse`` with the final ``out`` and the incoming
             gradient of the returned LSE (0 when unused): ``merge.output_grads``.
@@ -153,8 +156,8 @@ def tile_backward(
     dv_TNH = torch.zeros(v_TNH.shape, dtype=acc, device=v_TNH.device)
     lse_KGQ = lse_NT.to(acc).masked_fill(torch.isneginf(lse_NT), 0.0).unflatten(0, (nkv, -1))
     delta_KGQ = delta_NT.to(acc).unflatten(0, (nkv, -1))
-    for qa, qb, ka, kb in plan_blocks(q, k, q_TNH.shape[1], causal_self=causal and q is k):
-        s_KGQT = _scores(q_TNH[qa:qb], k_TNH[ka:kb], _visible(q, k, qa, qb, ka, kb, causal), scale, acc)
+    for qa, qb, ka, kb in plan_blocks(tile.q, tile.k, q_TNH.shape[1], causal_self=tile.causal and tile.q is tile.k):
+        s_KGQT = _scores(q_TNH[qa:qb], k_TNH[ka:kb], _visible(tile, qa, qb, ka, kb), tile.scale, acc)
         p_KGQT = s_KGQT.sub_(lse_KGQ[..., qa:qb, None]).exp_()
         do_QKGH = dout_TNH[qa:qb].to(acc).unflatten(1, (nkv, -1))
         q_QKGH = q_TNH[qa:qb].to(acc).unflatten(1, (nkv, -1))
@@ -162,7 +165,7 @@ def tile_backward(
         dv_TNH[ka:kb] += torch.einsum("kgqt,qkgh->tkh", p_KGQT, do_QKGH)
         dp_KGQT = torch.einsum("qkgh,tkh->kgqt", do_QKGH, v_TKH)
         # dS = P * (dP - delta), with the softmax scale folded in once for both dQ and dK
-        ds_KGQT = dp_KGQT.sub_(delta_KGQ[..., qa:qb, None]).mul_(p_KGQT).mul_(scale)
+        ds_KGQT = dp_KGQT.sub_(delta_KGQ[..., qa:qb, None]).mul_(p_KGQT).mul_(tile.scale)
         dq_TNH[qa:qb] = torch.einsum("kgqt,tkh->qkgh", ds_KGQT, k_TKH).flatten(1, 2)
         dk_TNH[ka:kb] += torch.einsum("kgqt,qkgh->tkh", ds_KGQT, q_QKGH)
     return dq_TNH, dk_TNH, dv_TNH

@@ -23,13 +23,14 @@ Legend: ``T`` local tokens, ``N`` heads, ``H`` head dim.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 import thdpack.attention.flash_kernel as flash_kernel
 import thdpack.attention.math_kernel as math_kernel
+from thdpack.attention.math_kernel import Tile
 from thdpack.attention.merge import (
     Gradients,
     OutputGrads,
@@ -75,11 +76,15 @@ def _take(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return x if rows is None else x.index_select(0, rows)
 
 
-def _tile_plan(meta: ThdMeta, ring: Ring, step: int, causal: bool, device: torch.device) -> tuple[Any, ...]:
+def _tile_plan(
+    meta: ThdMeta, ring: Ring, step: int, causal: bool, scale: float, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, Tile]:
+    """``(query rows, kv rows, tile)`` of the tile this rank computes at ``step`` (rows: indices
+    into the local and the held K/V block, None for all rows)."""
     q_section, kv_section, tile_causal = tile_sections(step, ring.rank, causal)
     q_rows, q_side = _rows(local_placement(meta, device, ring.rank), q_section)
     kv_rows, kv_side = _rows(local_placement(meta, device, (ring.rank - step) % ring.size), kv_section)
-    return q_rows, q_side, kv_rows, kv_side, tile_causal
+    return q_rows, kv_rows, Tile(q_side, kv_side, tile_causal, scale)
 
 
 def ring_forward(
@@ -102,16 +107,8 @@ def ring_forward(
     kv = [k_TNH, v_TNH]
     for step in range(ring.size):
         incoming = ring.send_recv(kv) if step + 1 < ring.size else None
-        q_rows, q_side, kv_rows, kv_side, tile_causal = _tile_plan(meta, ring, step, causal, q_TNH.device)
-        part_out, part_lse = tile_forward(
-            _take(q_TNH, q_rows),
-            _take(kv[0], kv_rows),
-            _take(kv[1], kv_rows),
-            q_side,
-            kv_side,
-            causal=tile_causal,
-            scale=scale,
-        )
+        q_rows, kv_rows, tile = _tile_plan(meta, ring, step, causal, scale, q_TNH.device)
+        part_out, part_lse = tile_forward(_take(q_TNH, q_rows), _take(kv[0], kv_rows), _take(kv[1], kv_rows), tile)
         if q_rows is None:
             out_TNH, lse_NT = merge_partials(out_TNH, lse_NT, part_out, part_lse)
         else:
@@ -150,20 +147,16 @@ def ring_backward(
     grads_in_flight = None
     for step in range(ring.size):
         incoming = ring.send_recv(kv) if step + 1 < ring.size else None
-        q_rows, q_side, kv_rows, kv_side, tile_causal = _tile_plan(meta, ring, step, causal, q_TNH.device)
+        q_rows, kv_rows, tile = _tile_plan(meta, ring, step, causal, scale, q_TNH.device)
         q_in, dout_in = _take(q_TNH, q_rows), _take(dout_TNH, q_rows)
         k_in, v_in = _take(kv[0], kv_rows), _take(kv[1], kv_rows)
         lse_in = lse_NT if q_rows is None else lse_NT[:, q_rows]
         if kernel == "flash":
-            dq, dk, dv = flash_kernel.tile_backward(
-                dout_in, q_in, k_in, v_in, _take(out_for_kernel, q_rows), lse_in, q_side, kv_side,
-                causal=tile_causal, scale=scale,
-            )  # fmt: skip
+            out_in = _take(out_for_kernel, q_rows)
+            dq, dk, dv = flash_kernel.tile_backward(dout_in, q_in, k_in, v_in, out_in, lse_in, tile)
         else:
             delta_in = delta_NT if q_rows is None else delta_NT[:, q_rows]
-            dq, dk, dv = math_kernel.tile_backward(
-                dout_in, q_in, k_in, v_in, lse_in, delta_in, q_side, kv_side, causal=tile_causal, scale=scale
-            )
+            dq, dk, dv = math_kernel.tile_backward(dout_in, q_in, k_in, v_in, lse_in, delta_in, tile)
         if grads_in_flight is not None:
             dk_TNH, dv_TNH = grads_in_flight.wait()
         _accumulate(dq_TNH, q_rows, dq)

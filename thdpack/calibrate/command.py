@@ -4,15 +4,10 @@
     torchrun --nproc-per-node 8 -m thdpack.cli calibrate --model CONFIG --out machine.json   # and links
         [--backend auto] [--rank-tokens N] [--base h100_sxm] [--budget-s 50]
 
-Every rank times its device and host at once (``thdpack.calibrate.kernels``: attention against
-sequence length for the model's heads and the run's backend, the model's matmuls, a copy, one
-eager op), as training loads them; the numbers are the ranks' mean. Then the ranks of each node
-time their link and the collectives over it (``thdpack.calibrate.links``), and, when the job spans
-nodes, one rank per node the network. Rank 0 writes the profile (``MachineProfile.to_json``): every
-measured number cites "measured by thdpack calibrate on <host>, <date>, <torch version>, <backend>";
-what this launch cannot measure (the network on one node; any link in one process; a GPU kernel's
-fixed cost, hidden behind its launch) comes from ``--base``, a shipped profile, with its sources.
-``torchrun`` says which ranks share a node (``LOCAL_WORLD_SIZE``, as ``CpTopology`` reads it).
+Every rank times its device and host (``thdpack.calibrate.kernels``), then the ranks of each node
+their link and collectives, and one rank per node the network (``thdpack.calibrate.links``). Rank 0
+writes the profile, every measured number citing where and when it was measured; what this launch
+cannot measure comes from ``--base``, a shipped profile, with its sources.
 """
 
 from __future__ import annotations

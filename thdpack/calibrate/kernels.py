@@ -1,19 +1,10 @@
 """What one rank's device and host do in a given time: ``thdpack calibrate``'s kernel timings.
 
-- **attention**: ``thd_attention`` with the run's backend and head dims on batches of equal
-  sequences (``tokens`` in all, ``tokens // n`` sequences of ``n``), for ``n`` from the shortest
-  length up: the causal forward, the full (non-causal) forward, and the full backward (forward +
-  backward, less the forward), as achieved FLOP/s (``4 x heads x head_dim`` per (query, key)
-  pair, ``n^2 / 2`` pairs causal, 2.5x backward: ``thdpack.perf.kernels``' conventions), and the
-  time of one call on a sequence of one token (the kernel's fixed cost);
-- **matmul**: the model's linear layers as GEMMs of ``tokens`` rows (QKV, output, MLP, logits),
-  FLOPs over seconds of all of them;
-- **memory**: a copy of a large buffer, bytes read and written per second;
-- **host**: one eager op: a chain of small multiplications with autograd, forward and backward,
-  seconds per op (``thdpack.perf.host``'s unit), timed on the host without waiting for the device.
-
-Times are the fastest of ``repeats`` after one warm-up, the device synchronised around each (on a
-GPU): on a shared machine a slower run is another process's time, not the kernel's.
+The attention kernel's achieved FLOP/s against sequence length (causal forward, full forward,
+backward) and its fixed cost per call, the model's GEMMs, a large copy, and one eager op on the
+host, in ``thdpack.perf``'s units and conventions. Each time is the fastest of ``repeats`` runs
+after one warm-up (``timed_runs``): on a shared machine a slower run is another process's time,
+not the kernel's.
 
 Legend: ``T`` tokens, ``N`` heads, ``H`` head dim.
 """
@@ -34,8 +25,20 @@ HOST_CHAIN = 200
 """Multiplications in the chain the host's op cost is timed on (forward and backward: twice as many ops)."""
 
 
-def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The fastest wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, synchronised on a GPU."""
+def timed_runs(
+    fn: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    *,
+    before: Callable[[], object] | None = None,
+    wait_for_device: bool = True,
+) -> list[float]:
+    """Wall seconds of each of ``repeats`` runs of ``fn()``, after one warm-up run.
+
+    On a GPU the device is synchronised before each run and, with ``wait_for_device``, after it,
+    so a run's time holds its kernels; ``wait_for_device=False`` times the host alone.
+    ``before`` runs ahead of each run, outside its time (a barrier, so every rank starts together).
+    """
 
     def sync() -> None:
         if device.type == "cuda":
@@ -44,12 +47,20 @@ def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int
     fn()
     samples = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         sync()
         start = time.perf_counter()
         fn()
-        sync()
+        if wait_for_device:
+            sync()
         samples.append(time.perf_counter() - start)
-    return min(samples)
+    return samples
+
+
+def fastest_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The fastest wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, synchronised on a GPU."""
+    return min(timed_runs(fn, device, repeats))
 
 
 @dataclass(frozen=True)
@@ -155,12 +166,4 @@ def host_op_seconds(*, device: torch.device, repeats: int) -> float:
             y = y * 1.0
         y.sum().backward()
 
-    chain()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        chain()
-        samples.append(time.perf_counter() - start)
-    return min(samples) / (2 * HOST_CHAIN)
+    return min(timed_runs(chain, device, repeats, wait_for_device=False)) / (2 * HOST_CHAIN)

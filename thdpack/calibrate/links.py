@@ -1,23 +1,12 @@
 """How fast the ranks talk: ``thdpack calibrate``'s timings of sends and collectives.
 
-Over a process group (every rank of it calls together), for a few buffer sizes:
-
-- the ring exchange thdpack's ring runs (``thdpack.cp.comm.RingComm.send_recv``: each rank sends a
-  buffer to the next rank and receives one from the previous), fitted as ``latency + bytes /
-  bandwidth``: the group's link (``thdpack.perf.comm``'s one-hop send);
-- all-reduce, all-gather, reduce-scatter and all-to-all (``thdpack.cp.comm``'s row collectives,
-  ``dist.all_reduce``), fitted as ``intercept + slope x bytes`` with nccl-tests' bytes (the
-  reduced buffer, the gathered output, the scattered input, the exchanged buffer); the bus factor
-  of each is ``slope x bandwidth x n / (n - 1)``, what nccl-tests calls busBw / algBw, measured
-  instead of assumed.
-
-A rank's time is the slowest rank's (the group waits for it): each timing is all-reduced with MAX
-over the group.
+Over a process group, at a few buffer sizes: the ring exchange thdpack's ring runs, fitted as
+``latency + bytes / bandwidth``, and the four collectives of ``thdpack.perf.comm``, whose bus factors
+are measured instead of assumed. Each timing is the slowest rank's: the group waits for it.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from thdpack.calibrate.kernels import timed_runs
 from thdpack.cp.comm import RingComm, all_gather_rows, all_to_all_blocks, reduce_scatter_rows
 from thdpack.perf.machine import COLLECTIVES
 
@@ -46,21 +36,8 @@ class LinkFit:
 
 def _group_seconds(fn: Callable[[], object], group: dist.ProcessGroup, device: torch.device, repeats: int) -> float:
     """The slowest rank's fastest seconds of ``fn()`` (every rank of ``group`` calls it together)."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append(time.perf_counter() - start)
-    slowest = torch.tensor([min(samples)], dtype=torch.float64, device=device)
+    fastest = min(timed_runs(fn, device, repeats, before=lambda: dist.barrier(group=group)))
+    slowest = torch.tensor([fastest], dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest)
 

@@ -51,10 +51,12 @@ def rewrite_fix(folder: Path) -> str:
 
 
 class StoreError(ValueError):
-    """A token store that is missing, unfinished or damaged.
+    """A token store that is missing, unfinished or damaged; ``str()`` joins the three arguments.
 
-    ``file``: the offending file; ``problem``: what is wrong with it (a predicate, e.g. "has 10
-    bytes, manifest.json says 18"); ``fix``: what to do. ``str()`` joins the three.
+    Args:
+        file: the offending file.
+        problem: what is wrong with it, a predicate (e.g. "has 10 bytes, manifest.json says 18").
+        fix: what to do; None: rewrite the store (``thdpack prepare ... --overwrite``).
     """
 
     def __init__(self, file: str | os.PathLike[str], problem: str, fix: str | None = None) -> None:

@@ -1,22 +1,11 @@
 """Hugging Face examples as thdpack samples, the trainers' ``PackedDataset`` of them, and the loader
 that gives a ``Trainer`` this rank's CP shard of every micro-batch of thdpack's step stream.
 
-Labels. Hugging Face datasets (and TRL's prepared ones) keep ``labels`` aligned with
-``input_ids``: ``labels[t]`` is token ``t`` itself or -100, and the model's loss shifts them, so
-position ``t`` predicts ``labels[t+1]``. thdpack's samples hold the shifted target of each
-position (``labels[t]`` is what ``input_ids[t]`` predicts). :func:`thdpack_sample` converts one
-into the other; the last token of every example predicts nothing, as in the unpacked loss.
-
-Micro-batches. ``Trainer`` pulls ``gradient_accumulation_steps`` micro-batches per optimizer
-step from its train data loader. :func:`packed_step_loader` serves them from
-``PackedDataset.step_stream``: micro-batch ``m`` of step ``k`` is the ``thd_collate`` of this data
-parallel rank's packs, CP-sharded with ``cp.shard`` for this CP rank (by the packs' placement
-when they carry one), on the device, plus the step's labels (for ``StepLoss``'s one collective
-per step). The batch sampler yields only the
-references ``(k, m)``; the stream builds step ``k`` when its first micro-batch is fetched. So
-when the Trainer resumes mid-epoch and skips the micro-batches it already trained on (accelerate's
-``skip_first_batches`` drops the sampler's first references), nothing is built for them: the
-stream was restored from the checkpoint at exactly the step that comes next.
+Hugging Face keeps ``labels`` aligned with ``input_ids`` (the model's loss shifts them); thdpack's
+samples hold each position's target (:func:`thdpack_sample` converts). :func:`packed_step_loader`
+serves the Trainer's micro-batches from ``PackedDataset.step_stream``: its batch sampler yields only
+``(step, micro-batch)`` references and the stream builds a step when its first micro-batch is
+fetched, so the micro-batches the Trainer skips on resume are never built.
 
 Legend: ``T`` tokens of a micro-batch on this rank (a CP shard).
 """

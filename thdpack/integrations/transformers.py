@@ -3,60 +3,14 @@
 One class changes (``ThdpackTrainer`` for ``Trainer``; ``thdpack.integrations.trl.SFTTrainer`` for
 TRL's)::
 
-    from thdpack.integrations.transformers import PackingArguments, ThdpackTrainer
-
-    args = TrainingArguments("out", per_device_train_batch_size=1, gradient_accumulation_steps=4,
-                             parallelism_config=ParallelismConfig(cp_size=2))   # or PackingArguments(cp_size=2)
-    trainer = ThdpackTrainer(model=model, args=args, train_dataset=tokenized,
-                             packing=PackingArguments(pack_size=8192))
+    trainer = ThdpackTrainer(model=model, args=TrainingArguments("out", gradient_accumulation_steps=4),
+                             train_dataset=tokenized, packing=PackingArguments(pack_size=8192, cp_size=2))
     trainer.train()          # torchrun --nproc-per-node 4 train.py   (dp 2 x cp 2)
 
-What the trainer does instead of the Trainer's own batches and loss:
-
-- Packs. ``train_dataset`` (``input_ids``, optional unshifted ``labels``) is planned by
-  ``PackedDataset`` (CP-aware BFD by default, or ``window`` to keep the order), re-planned and
-  shuffled every thdpack epoch. Each optimizer step takes the next ``dp x gradient_accumulation_steps
-  x per_device_train_batch_size`` packs of the stream (``PackedDataset.step_stream``), dealt to the
-  DP ranks with balanced attention work; ranks of one CP group get the same packs, each its
-  ``cp.shard`` of them. Under CP each pack carries its placement (``cp_placement``, default
-  ``"adaptive"`` as thdpack's own trainer: short sequences whole on one CP rank, long ones split
-  over an aligned group of ranks, docs/design/cp_placement.md; ``"te"``: every sequence split over
-  all CP ranks, Transformer Engine's layout), which ``cp.shard`` and thdpack's attention follow;
-  for cp >= 4 the trainer's ``CpTopology`` holds the process groups of the smaller groups of CP
-  ranks, made on every process. ``per_device_train_batch_size`` counts packs. A
-  Trainer epoch is ``ceil(packs of epoch 0 / packs per step)`` steps; the stream runs on through
-  thdpack's epochs without dropping or repeating a pack.
-- Attention. Under CP the model runs thdpack's attention (registered with transformers as
-  ``"thdpack"``; a model loaded with transformers' eager / sdpa / flash / flex is switched to it),
-  with the CP group passed through the model call. Without CP the model's own attention is kept
-  when it is exact on packed rows (``check_hf_attention``).
-- Loss. ``StepLoss``: the sum of token losses over DP x CP x gradient accumulation divided by the
-  step's global number of loss tokens (one all-reduce per step), times the ranks DDP / FSDP average
-  the gradients over (every rank: CP ranks hold the same weights), so the step's gradient and the
-  logged loss are those of the unpacked token mean. ``loss_is_scaled_for_ga = True`` stops the
-  Trainer's own division by the accumulation steps, and no ``num_items_in_batch`` is counted.
-- Accelerate's CP. With ``ParallelismConfig(cp_size=N)`` thdpack takes its place: the CP group is
-  accelerate's mesh dimension ``"cp"``, and accelerate's ``context_parallel`` hook (which would
-  replace every layer's mask with plain causal attention over the whole packed row) never runs.
-- Resume. Each checkpoint holds ``thdpack_stream.json`` and ``.npz`` (the stream's position,
-  settings, the consumed pieces of the epoch and the data's digest, checksummed);
-  ``train(resume_from_checkpoint=...)`` continues with the very next step's packs, also on another
-  number of processes or accumulation steps (the same packs in the same steps while the packs per
-  step stay the same) or with other packing settings (the rest of the epoch planned again with
-  them; one log line says what changed). Other data is refused unless
-  ``PackingArguments(resume_data_changed=True)``.
-- One run per ``output_dir``: the main process locks it for ``train()``, and a fresh run into a
-  folder that holds another run's ``checkpoint-N`` is refused (transformers would overwrite them).
-
-Refused, each with the reason: an attention implementation that is not exact on a packed row or
-CP shard; softcapping, sliding windows shorter than a sequence and chunked layers under CP
-(thdpack's attention has neither); tensor / sequence parallelism, DeepSpeed, ``nn.DataParallel``
-and ``model_init``; label smoothing and ``compute_loss_func`` (the loss is thdpack's); evaluation
-(no packed eval loop yet); a custom ``data_collator`` (thdpack builds the batches).
-
-Private Trainer internals this relies on (transformers 5.24): ``Trainer._prepare_context_parallel_inputs``
-(overridden to keep accelerate's CP off the packed batches) and the Trainer calling ``set_epoch``
-on its train loader, or on the batch sampler inside accelerate's ``skip_first_batches`` loader.
+The mixin replaces the Trainer's batches (thdpack's step stream, each rank its CP shard), its
+attention under CP (thdpack's), its loss (``StepLoss``, the unpacked token mean) and accelerate's
+CP hook, and keeps the stream's state in every checkpoint. What it refuses, and the Trainer
+internals it relies on, are listed in docs/guides/trainers.md.
 """
 
 from __future__ import annotations
@@ -127,7 +81,8 @@ STREAM_SETTING_NAMES = {
 
 
 class ThdpackTrainerMixin:
-    """What ``ThdpackTrainer`` and the TRL ``SFTTrainer`` add to a ``transformers.Trainer`` (module docstring).
+    """What ``ThdpackTrainer`` and the TRL ``SFTTrainer`` add to a ``transformers.Trainer``: thdpack's
+    batches, attention under CP, loss and stream state (docs/guides/trainers.md, "What the trainers do").
 
     A subclass calls ``_setup_packing`` at the end of its ``__init__``."""
 
@@ -325,9 +280,13 @@ class ThdpackTrainerMixin:
 
 
 class ThdpackTrainer(ThdpackTrainerMixin, Trainer):
-    """``transformers.Trainer`` with thdpack's packing, CP and loss (module docstring).
+    """``transformers.Trainer`` with thdpack's packing, CP and loss.
 
-    Takes the Trainer's arguments, plus ``packing`` (a :class:`PackingArguments` with ``pack_size``).
+    Args:
+        *args, **kwargs: ``transformers.Trainer``'s (``model``, ``args``, ``train_dataset`` of
+            ``input_ids`` and optional unshifted ``labels``, ...); not ``data_collator`` (thdpack
+            builds the batches) nor ``model_init``.
+        packing: thdpack's settings; ``pack_size`` is required.
     """
 
     def __init__(self, *args: Any, packing: PackingArguments | None = None, **kwargs: Any) -> None:

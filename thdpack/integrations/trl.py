@@ -8,28 +8,12 @@
                      parallelism_config=ParallelismConfig(cp_size=2))
     SFTTrainer(model=model, args=args, train_dataset=chats, processing_class=tokenizer).train()
 
-TRL 1.16 refuses ``packing=True`` with ``cp_size > 1`` (huggingface/trl#6843): accelerate's CP
-drops every layer's attention mask, so packed documents would attend to each other. This trainer
-keeps TRL's preprocessing (chat templates, ``assistant_only_loss`` / ``completion_only_loss``
-masks, EOS handling, its tokenization) to produce ``input_ids`` and ``labels``, and replaces what
-comes after (TRL's packing, padding-free collator, accelerate's CP hook and TRL's loss) with
-thdpack's: ``thdpack.integrations.transformers`` describes them. From the ``SFTConfig``:
-``max_length`` is the pack size (TRL's meaning under packing), ``packing_strategy="bfd_split"``
-splits sequences longer than a pack and ``"bfd"`` truncates them (counted in the packing stats);
-``packing`` itself is not needed (the trainer always packs). ``packing=PackingArguments(...)``
-overrides any of these, and sets what TRL has no setting for (among them ``cp_placement``:
-``"adaptive"`` by default, short sequences whole on one CP rank).
-
-Refused besides the Trainer integration's refusals: ``packing_strategy="wrapped"`` (it cuts
-documents at pack boundaries and attends across them; use ``PackingArguments(algorithm="window")``
-to keep the order), ``truncation_mode="keep_end"`` (thdpack truncates the end), ``loss_type="dft"``,
-TRL's ``compute_loss_func`` and an MoE router auxiliary loss (the loss is thdpack's token mean),
-vision datasets.
-
-TRL internals this relies on (trl 1.16): ``SFTTrainer`` preparing ``train_dataset`` into
-``input_ids`` / ``labels`` columns during ``__init__`` when ``packing=False`` and
-``max_length=None``, and ``aux_loss_enabled``. TRL's chunked fused LM head is not used (its fp32
-kernel would cap the exactness at fp32); the loss reads the model's logits of this rank's shard.
+TRL's preprocessing (chat templates, loss masks, EOS, tokenization) produces ``input_ids`` and
+``labels``; thdpack replaces what comes after (packing, collator, CP, loss), as
+``thdpack.integrations.transformers`` does. ``max_length`` is the pack size;
+``packing_strategy="bfd_split"`` splits sequences longer than a pack and ``"bfd"`` truncates them;
+``packing=PackingArguments(...)`` overrides these and sets the rest. docs/guides/trainers.md says
+what is refused and why.
 """
 
 from __future__ import annotations
@@ -48,9 +32,13 @@ __all__ = ["PackingArguments", "SFTConfig", "SFTTrainer"]
 
 
 class SFTTrainer(ThdpackTrainerMixin, trl.SFTTrainer):
-    """``trl.SFTTrainer`` with thdpack's packing, CP and exact loss (module docstring).
+    """``trl.SFTTrainer`` with thdpack's packing, CP and exact loss.
 
-    Takes ``trl.SFTTrainer``'s arguments (``args`` must be an ``SFTConfig``), plus ``packing``.
+    Args:
+        *args, **kwargs: ``trl.SFTTrainer``'s; ``args`` must be an ``SFTConfig`` (its ``max_length``
+            is the pack size, its ``packing_strategy`` the overflow), and not ``data_collator``.
+        packing: thdpack's settings; they override the ``SFTConfig``'s and set what TRL has no
+            setting for (``cp_placement``, ``cp_size`` without accelerate's ``ParallelismConfig``, ...).
     """
 
     def __init__(self, *args: Any, packing: PackingArguments | None = None, **kwargs: Any) -> None:

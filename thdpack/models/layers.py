@@ -11,6 +11,7 @@ RMSNorm's cast back to the input dtype before the weight), so weights map one to
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -79,6 +80,18 @@ def apply_rope(x_TNH: torch.Tensor, cos_TH: torch.Tensor, sin_TH: torch.Tensor) 
     return x_TNH * cos + rotated_TNH * sin
 
 
+@dataclass(frozen=True)
+class LayerContext:
+    """What every block reads besides its activations, the same for all blocks of one forward."""
+
+    rope_TH: tuple[torch.Tensor, torch.Tensor]
+    """``(cos_TH, sin_TH)`` of the tokens' positions (:func:`rope_cos_sin`)."""
+    thd: Mapping[str, Any]
+    """The batch's (or shard's) attention metadata, as ``thd_attention`` takes it."""
+    cp_group: CpGroupLike | None
+    """The CP topology or group of a shard, None without CP."""
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention of each packed sequence to itself, through ``thd_attention``."""
 
@@ -92,19 +105,13 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.dim, config.n_kv_heads * H, **factory)
         self.o_proj = nn.Linear(config.n_heads * H, config.dim, **factory)
 
-    def forward(
-        self,
-        x_TD: torch.Tensor,
-        rope_TH: tuple[torch.Tensor, torch.Tensor],
-        thd: Mapping[str, Any],
-        cp_group: CpGroupLike | None,
-    ) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         cfg = self.config
         T, H = x_TD.shape[0], cfg.head_dim
-        q_TNH = apply_rope(self.q_proj(x_TD).view(T, cfg.n_heads, H), *rope_TH)
-        k_TNH = apply_rope(self.k_proj(x_TD).view(T, cfg.n_kv_heads, H), *rope_TH)
+        q_TNH = apply_rope(self.q_proj(x_TD).view(T, cfg.n_heads, H), *ctx.rope_TH)
+        k_TNH = apply_rope(self.k_proj(x_TD).view(T, cfg.n_kv_heads, H), *ctx.rope_TH)
         v_TNH = self.v_proj(x_TD).view(T, cfg.n_kv_heads, H)
-        out_TNH = thd_attention(q_TNH, k_TNH, v_TNH, thd, config=cfg.attention, cp_group=cp_group)
+        out_TNH = thd_attention(q_TNH, k_TNH, v_TNH, ctx.thd, config=cfg.attention, cp_group=ctx.cp_group)
         return self.o_proj(out_TNH.reshape(T, cfg.n_heads * H))
 
 
@@ -132,12 +139,6 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps, device=device, dtype=dtype)
         self.mlp = SwiGLU(config, device=device, dtype=dtype)
 
-    def forward(
-        self,
-        x_TD: torch.Tensor,
-        rope_TH: tuple[torch.Tensor, torch.Tensor],
-        thd: Mapping[str, Any],
-        cp_group: CpGroupLike | None,
-    ) -> torch.Tensor:
-        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), rope_TH, thd, cp_group)
+    def forward(self, x_TD: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        x_TD = x_TD + self.self_attn(self.input_layernorm(x_TD), ctx)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))

@@ -22,7 +22,7 @@ from torch import nn
 
 from thdpack.cp.topology import CpGroupLike
 from thdpack.models.config import ModelConfig
-from thdpack.models.layers import DecoderBlock, RMSNorm, rope_cos_sin
+from thdpack.models.layers import DecoderBlock, LayerContext, RMSNorm, rope_cos_sin
 
 _RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
@@ -114,8 +114,9 @@ class Transformer(nn.Module):
         input_ids_T, position_ids_T = _token_inputs(thd)
         x_TD = self.embed_tokens(input_ids_T)
         rope_TH = rope_cos_sin(position_ids_T, self.config.head_dim, self.config.rope_theta, x_TD.dtype)
+        ctx = LayerContext(rope_TH, thd, cp_group)
         for layer in self.layers:
-            x_TD = layer(x_TD, rope_TH, thd, cp_group)
+            x_TD = layer(x_TD, ctx)
         return self.lm_head(self.norm(x_TD))
 
 

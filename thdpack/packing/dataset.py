@@ -1,25 +1,13 @@
 """PackedDataset: a map-style dataset of packs, planned over sequence lengths, built on the fly.
 
-The dataset holds a plan (index arrays, a few bytes per sequence) and builds pack ``i`` when
-asked, so host memory stays proportional to one pack. Every epoch is re-planned with a seed
-derived from ``(seed, epoch)``: for ``"bfd"`` / ``"ffd"`` which sequences share a pack changes
-from epoch to epoch, and the pack order of the epoch is shuffled by the same seed. Same seed,
-same epoch -> the same packs in the same order, on every machine.
-
-Data parallelism (the dealer, ``thdpack.packing.dealing``): with ``dp_size > 1``, ``ds[i]``
-and ``iter(ds)`` serve each rank a disjoint, interleaved slice of the epoch's packs, every rank
-the same number. When the packs do not divide evenly, ``remainder="repeat"`` (default, like
-``DistributedSampler``) repeats the first packs of the epoch's order to fill the last round;
-``remainder="drop"`` leaves the last few out. Either way ``epoch_shard`` reports how many packs
-(and, for drop, tokens) it took, and it is logged. ``step_stream`` (what the trainer uses) deals
-whole optimizer steps instead, balanced by ``balance``; it never repeats or drops a pack, so
-``remainder`` does not apply to it.
-
-One way to build it: ``PackedDataset(samples, pack_size, **keywords)`` takes every setting of
-``PackedDatasetConfig`` (its ``plan``'s, a ``thdpack.plan.PlanConfig``, listed flat) and of the
-run's ``PackingRuntime`` (CP size, data-parallel rank and size, pad id) by name, generated from
-their fields: ``PackedDataset(samples, 2048, cp_size=4, cp_placement="adaptive")``. The trainer's
-typed form, ``config.build(samples, runtime)``, is a call of it.
+The dataset holds a plan (index arrays, a few bytes per sequence) and builds pack ``i`` when asked,
+so host memory stays proportional to one pack. Every epoch is planned again and its packs shuffled
+with a seed derived from ``(seed, epoch)``: the same seed and epoch give the same packs in the same
+order on every machine. With ``dp_size > 1`` each rank gets a disjoint, interleaved share of the
+epoch's packs (``remainder`` evens the ranks out); ``step_stream``, what the trainer uses, deals
+whole optimizer steps instead. ``PackedDataset(samples, pack_size, **keywords)`` takes every setting
+of ``PackedDatasetConfig`` and of the run's ``PackingRuntime`` by name; ``config.build(samples,
+runtime)`` is a call of it.
 
 >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4)]
 >>> ds = PackedDataset(samples, 8, algorithm="sequential", shuffle=False)
@@ -143,11 +131,17 @@ class PackedDataset(torch.utils.data.Dataset):
         first_plan: PackPlan | None = None,
         **keywords: Any,
     ) -> None:
-        """The packs of ``samples`` in ``pack_size`` tokens, with every other setting and runtime
-        value by keyword (below; defaults as their configs', but ``seed``: ``DATASET_SEED``).
-        ``lengths`` (one per sample) saves a pass over the samples; they are checked as packs are
-        built. ``first_plan`` is epoch 0's plan made beforehand (``thdpack prepare``'s); it must be
-        the plan epoch 0 makes."""
+        """The packs of ``samples`` in ``pack_size`` tokens; epoch 0 is planned here.
+
+        Args:
+            samples: indexable mappings with ``input_ids`` and optional ``labels`` / ``loss_mask``.
+            pack_size: tokens per pack.
+            lengths: one per sample, saving a pass over the samples (checked as packs are built).
+            first_plan: epoch 0's plan made beforehand (``thdpack prepare``'s); it must be the plan
+                epoch 0 makes.
+            **keywords: every other setting and runtime value by name (listed below; defaults as
+                their configs', but ``seed``: ``DATASET_SEED``).
+        """
         config, runtime = DATASET_KEYWORDS.build(pack_size=pack_size, **keywords)
         self.config: PackedDatasetConfig = config
         self.runtime: PackingRuntime = runtime

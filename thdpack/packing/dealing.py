@@ -1,25 +1,13 @@
 """The data-parallel dealer: every epoch's plan and pack order, and how the packs reach the ranks.
 
-This module alone decides which packs a data-parallel rank sees:
-
-- **the epochs** (:class:`Epochs`): epoch ``e`` is planned over the sequence lengths with a seed
-  derived from ``(seed, e)`` (:func:`plan_epoch`; ``thdpack prepare`` plans epoch 0 with it too),
-  and its packs are put in an order shuffled by a second seed derived from ``(seed, e)``. Every
-  rank computes the same epochs, so the global order needs no communication;
-- **the rest of an epoch** (:meth:`Epochs.rest`): a run resumed with other plan settings plans
-  the pieces of the epoch's sequences it has not consumed (``Epoch.consumed``,
-  :class:`thdpack.packing.pieces.Pieces`) again, seeded by ``(seed, e, k)`` for its ``k``-th re-plan
-  of the epoch: every sequence of the epoch is still consumed exactly once;
-- **balanced steps** (:func:`deal`): a step's packs go to the ranks with equal counts and
-  balanced work, what :class:`thdpack.packing.step_stream.StepStream` (the trainer's stream) does;
-- **the map-style share** (:func:`rank_share`): an epoch's order dealt round robin, with the
-  ``remainder`` policy evening out the ranks; what ``PackedDataset[i]`` serves;
-- **round robin** (:func:`round_robin`) for a fixed layout (``thdpack verify``'s step).
-
-Attention cost, not tokens, is what differs between nearly full packs: a pack holding one
-4096-token sequence costs 4096^2 in attention, one holding sixteen 256-token sequences
-16 x 256^2, sixteen times less. A step waits for its slowest rank, so ``deal`` hands packs out by
-cost, largest first, each to the least-loaded rank that still takes packs.
+This module alone decides which packs a data-parallel rank sees. Epoch ``e`` is planned and its
+packs ordered with seeds derived from ``(seed, e)`` (:class:`Epochs`), so every rank computes the
+same order without communicating; the rest of an epoch is planned again from the pieces not yet
+consumed when a run resumes with other settings (:meth:`Epochs.rest`). The packs then reach the
+ranks as balanced steps (:func:`deal`, the trainer's stream), a map-style share
+(:func:`rank_share`, ``PackedDataset[i]``) or round robin (:func:`round_robin`). ``deal`` balances
+attention cost, not tokens: nearly full packs hold the same tokens, but one 4096-token sequence
+costs sixteen times the attention of sixteen 256-token ones, and a step waits for its slowest rank.
 
 >>> costs = pack_costs([np.array([8]), np.array([2, 2, 2, 2]), np.array([4, 4]), np.array([8])], "attention")
 >>> deal(costs, num_ranks=2)
@@ -146,20 +134,11 @@ def plan_on_sequences(plan: PackPlan, items: Pieces, lengths_S: np.ndarray) -> P
     the tokens of its sequence it holds."""
     item = plan.indices
     inside = np.zeros(len(item), dtype=np.int64) if plan.entry_starts is None else plan.entry_starts
-    return PackPlan(
-        items.sample[item],
-        plan.offsets,
+    return plan.replace(
+        indices=items.sample[item],
         sequence_lengths=lengths_S,
-        pack_size=plan.pack_size,
-        cp_size=plan.cp_size,
-        algorithm=plan.algorithm,
-        seed=plan.seed,
-        stats=plan.stats,
         entry_starts=items.start[item] + inside,
         entry_lengths=items.length[item] if plan.entry_lengths is None else plan.entry_lengths,
-        placement=plan.placement,
-        cost_model=plan.cost_model,
-        a2a_packs=plan.a2a_packs,
     )
 
 

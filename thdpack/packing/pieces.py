@@ -1,19 +1,16 @@
 """Pieces: a set of token ranges of a dataset's sequences, exact and canonical: what an epoch consumed.
 
-Every rank plans the same epochs (``thdpack.packing.dealing``), so which tokens of the epoch a
-run has trained is a global fact. A resumed run that plans the rest of an epoch with other
-settings needs it as data, not as a position in a plan it can no longer make: ``Pieces`` holds
-it, and a checkpoint records it (``to_arrays``) with a digest anyone can recompute.
+A resumed run that plans the rest of an epoch with other settings needs what was trained as data,
+not as a position in a plan it can no longer make: ``Pieces`` holds it, and a checkpoint records it
+(``to_arrays``) with a digest anyone can recompute. A piece is ``length`` tokens of sequence
+``sample`` from token ``start``; pieces are kept sorted, disjoint and merged, one form per set, so
+equal sets have equal arrays and digests. An overlap is a ``ValueError``: a token consumed twice is
+what the record rules out.
 
-A piece is ``length`` tokens of sequence ``sample`` from token ``start``. ``Pieces`` keeps them
-sorted by (sample, start), disjoint, and contiguous pieces of one sequence merged: one form per
-set, so equal sets have equal arrays and equal digests. A piece that overlaps another is a
-``ValueError``: a token consumed twice is what the ledger exists to rule out.
-
-On disk (``to_arrays``): ``whole``, a bitmap of the sequences held whole (``np.packbits`` of one
-bool per sequence), and ``sample`` / ``start`` / ``length`` (int64) of the pieces of the other
-sequences. ``digest`` is the sha256 of those four arrays' bytes in that order (little-endian
-int64; the bitmap as its bytes): ``hashlib.sha256(b"".join(a.tobytes() for a in arrays))``.
+On disk: ``whole``, a bitmap of the sequences held whole (``np.packbits``), and ``sample`` /
+``start`` / ``length`` (int64) of the pieces of the others; ``digest`` is
+``hashlib.sha256(b"".join(a.tobytes() for a in arrays))`` of those four arrays in that order
+(little-endian int64).
 
 Legend: ``S`` sequences of the dataset, ``R`` pieces.
 

@@ -1,25 +1,11 @@
 """Optimizer steps cut from the stream of every epoch's packs, dealt to the data-parallel ranks.
 
-Every rank plans the same epochs (:class:`thdpack.packing.dealing.Epochs`), so the global order of
-packs needs no communication. Each step takes the next ``world_size x micro_batches x
-packs_per_micro_batch`` packs of that order (an epoch's last packs and the next epoch's first may
-share a step: no pack is dropped or repeated), deals them to the ranks with balanced work
-(:func:`thdpack.packing.dealing.deal`) and builds only this rank's packs. Each epoch is planned
-once, also when a step straddles two.
-
-The stream's position is global: the epoch, the next pack of its order, and which pieces of the
-epoch's sequences that consumed (:class:`thdpack.packing.pieces.Pieces`), so a run may resume on
-another layout (``load_state_dict``):
-
-- the same plan settings and packs per step, another number of data-parallel ranks or
-  micro-batches: the same packs in the same steps;
-- the same plan settings, another number of packs per step (or ``balance``): the epoch's
-  remaining packs, cut into steps of the new size;
-- other plan settings (the CP size, the pack size, the placement, the algorithm, ...): the pieces
-  of the epoch not consumed yet are planned again with them (``Epochs.rest``), every sequence
-  of the epoch still consumed once; later epochs plan as usual.
-
-Only other data (another number of sequences) is refused.
+Each step takes the next ``world_size x micro_batches x packs_per_micro_batch`` packs of the global
+order (an epoch's last packs and the next epoch's first may share a step: no pack is dropped or
+repeated), deals them with balanced work and builds only this rank's. The stream's position is
+global (the epoch, the next pack, the pieces of the epoch consumed), so a run resumes on another
+number of ranks, micro-batches or plan settings (``load_state_dict``); docs/guides/operations.md
+("What may change on resume") says what each change does.
 
 >>> from thdpack.packing import PackedDataset
 >>> samples = [{"input_ids": list(range(1, n + 1))} for n in (3, 5, 2, 6, 4, 7)]
@@ -190,8 +176,18 @@ def _changes(diff: Mapping[str, tuple[Any, Any]], name: Callable[[str], str]) ->
 class StepStream:
     """The steps of ``epochs`` for data-parallel ``rank`` of ``world_size``; stateful for exact resume.
 
-    ``build(epoch, index)`` makes the pack at ``index`` of the ``Epoch``'s order (the packs of
-    this rank only are built); ``balance`` says how a step's packs are dealt (``dealing.pack_costs``).
+    Made by ``PackedDataset.step_stream``; ``next_step()`` returns the next ``Step``,
+    ``state_dict()`` / ``load_state_dict()`` save and restore the global position.
+
+    Args:
+        epochs: every epoch's plan and pack order (the same on every rank).
+        build: ``build(epoch, index)`` makes the pack at ``index`` of the ``Epoch``'s order (only
+            this rank's packs are built).
+        rank: this data-parallel rank.
+        world_size: the data-parallel ranks.
+        balance: how a step's packs are dealt to the ranks (``dealing.pack_costs``).
+        micro_batches: micro-batches per rank and step.
+        packs_per_micro_batch: packs per micro-batch.
     """
 
     def __init__(

@@ -1,23 +1,10 @@
-"""``cp_placement="auto"``: per pack, the fastest way to attend it by the step-time model.
+"""``cp_placement="auto"``: each pack attended the fastest of three exact ways, by the step-time model.
 
-A pack of the adaptive planner can be attended three ways, all exact:
-
-- ``adaptive``: by its placement (short sequences whole, long ones over their groups);
-- ``te``: its sequences all split over every CP rank (Transformer Engine's layout), where their TE
-  slots fit the pack;
-- ``a2a``: by all-to-all (any layout: every rank holds ``pack_size / cp`` tokens), where the CP
-  size divides the query heads.
-
-Each pack is timed alone as one step of one data-parallel rank (``StepModel``: the slowest rank's
-linear work, attention, exposed communication and the host's ops of its calls, combined per round
-as the step model combines them; ``StepTimes.slowest``), and takes the fastest;
-ties keep the earlier of the order above. By the model, then, no pack of an ``auto`` plan is slower
-than the same pack under any of the three.
-
-The packs (``thdpack.plan.auto.plan_auto``, given ``TimeCostModel.choose``) are the adaptive
-planner's, placed by the ``time`` cost model or by ``tiles``, whichever packing the model times
-faster in all after each pack's choice: an ``auto`` epoch is never slower than the ``adaptive``
-one either.
+The ways are the pack's placement (``adaptive``), Transformer Engine's layout (``te``, where the
+pack's TE slots fit it) and all-to-all (``a2a``, where the CP size divides the query heads). Each
+pack is timed alone as one data-parallel rank's step (``StepTimes.slowest``), so by the model no
+pack of an ``auto`` plan is slower than under any of the three; ties keep that order.
+docs/design/step_model.md ("What the planner sees") says how the packs themselves are planned.
 
 Legend: ``P`` packs, ``E`` entries, ``C`` candidates.
 """

@@ -1,15 +1,9 @@
-"""Communication times: where ranks sit, and what a send or a collective costs between them.
+"""Communication times: where ranks sit, and what a send or a collective between them costs.
 
-Ranks fill nodes in order (rank ``r`` on node ``r // gpus_per_node``). Ranks in one NVLink domain
-(``r // nvlink_domain``: a node, or a GB200 NVL72 rack) talk over NVLink (``intra_node``); a group
-that spans domains runs at the network's per-GPU bandwidth (``inter_node``), its slowest link.
-
-A collective over ``n`` ranks of a buffer of ``B`` bytes takes
-``base + hops + factor x (n-1)/n x B / bandwidth``, with nccl-tests' ``B`` (the reduced buffer,
-an all-gather's output, a reduce-scatter's input, the exchanged buffer) and bus-bandwidth factors
-(all-reduce 2, all-gather / reduce-scatter / all-to-all 1), and NCCL's latency model for a ring
-(``2(n-1)`` steps for an all-reduce, ``n-1`` for the others, the steps between domains at the
-network's hop latency). One send of a ring step costs ``base + hop + B / bandwidth``.
+Ranks fill nodes in order; a group inside one NVLink domain (a node, or a GB200 NVL72 rack) talks
+over NVLink, one that spans domains at the network's per-GPU bandwidth. Collectives follow
+nccl-tests' bytes and bus factors and NCCL's ring latency model (docs/design/step_model.md,
+"Communication").
 
 Legend: ``G`` groups.
 

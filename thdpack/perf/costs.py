@@ -1,22 +1,10 @@
 """Per-sequence costs: the seconds one sequence adds to each rank it runs on, additive per rank.
 
-This is the step-time model cut per sequence (what a planner's cost model calls; the whole-step
-model in ``thdpack.perf.step`` sums exactly these pieces):
-
-- ``whole``: the sequence alone on one rank: its causal block, and the linear layers of its tokens;
-- ``split(g)``: the sequence in Transformer Engine's dual-chunk layout over ``g`` ranks (slot =
-  its length rounded up to ``2g``, chunk ``c = slot / 2g``), run by the ring schedule
-  (``thdpack.attention.ring``): on every rank of the group a causal ``2c x 2c`` tile at step 0 and
-  a full ``2c x c`` (or ``c x 2c``, the same work) tile at each of the ``g - 1`` later steps, and
-  the linear layers of its ``2c`` tokens;
-- ``allgather(g)``: the same layout, each rank's chunks ``j`` and ``2g-1-j`` against every key
-  before them (one causal ``c``-block and one full block per chunk);
-- ``a2a(g)``: the whole sequence on every rank for ``1/g`` of the heads.
-
-All are forward + backward over every layer. What is not per sequence is kept apart: the fixed
-cost of each kernel call (``KernelTimes.calls``, per rank, group and layer) and the communication
-(``ring_bytes``: what each ring step sends; ``thdpack.perf.step`` overlaps it with the step's
-compute, which is not additive).
+This is the step-time model cut per sequence, the pieces a planner's cost model adds up and the
+whole-step model (``thdpack.perf.step``) sums: ``whole``, ``split(g)`` (Transformer Engine's
+dual-chunk layout over ``g`` ranks, the ring schedule), ``allgather(g)`` and ``a2a(g)``, forward +
+backward over every layer. Kernel calls and communication are not per sequence and stay apart
+(docs/design/step_model.md, "Per-sequence costs").
 
 Legend: ``S`` sequences, ``G`` ranks of a group.
 

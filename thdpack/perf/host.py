@@ -1,45 +1,13 @@
 """HostOps: the eager ops a training stack issues on the host, the host side of a step.
 
-A GPU runs what the host launches. An eager PyTorch step launches every kernel from Python, one op
-at a time, and each op costs the host some microseconds (Python, the dispatcher, autograd's
-bookkeeping, the launch) whatever the kernel computes. With ~2K tokens per GPU on a 0.9B model
-the kernels are shorter than their launches and the step is *host-bound*: its time is the host's.
-This module counts the ops; the profile gives the seconds of one (``MachineProfile.host``) and
-``thdpack.perf.step`` combines the two.
-
-**The unit.** One *eager op* is one call that dispatches work: a kernel, a copy, an allocation, a
-collective or point-to-point call, a wait, a stream or event call. Views, slices and shape queries
-are left out (they cost a fraction of one). Counts are per rank.
-
-**Where the counts come from.**
-
-- ``THDPACK`` / ``THDPACK_CPU``: thdpack's own decoder (``thdpack.models``), attention
-  (``thdpack.attention``: ring, all-gather, all-to-all) and step (``thdpack.train.forward_backward``),
-  counted by running them under a ``TorchDispatchMode`` that counts every non-view ATen op
-  (``tests/unit/perf/test_perf_host.py`` recounts them, so the constants cannot drift from the
-  code). The attention kernel's own ops are not counted there: a FlashAttention tile is one op
-  forward (plus the LSE's two) and six backward (``thdpack/attention/flash_kernel.py``
-  ``tile_forward`` / ``tile_backward``); the math tiles on a CPU are timed with the kernel
-  (``thdpack calibrate`` measures them through ``thd_attention``).
-- ``MEGATRON_TE``: Megatron-LM's GPT with Transformer Engine layers, counted by reading the
-  sources: Megatron-LM at ``10ce7bc`` (the commit of ``examples/dynamic_context_parallel``) and
-  Transformer Engine at ``d0067d0``; ``MEGATRON_TE.sources`` names the files and lines. A TE
-  module's Python costs more than one op: Transformer Engine issue #2053 measured a bf16
-  ``te.Linear`` forward at 2.7 times the host time of ``torch.nn.Linear`` (GB200: 99.66 against
-  37.08 us; GH200: 90.53 against 33.17 us), so each TE module call counts its kernels plus 1.7.
-
-**What a step issues.** Per rank and micro-batch (``micro_batch``: the batch's preparation,
-embedding, final norm, head and loss), per layer (``layer``: norms, projections, MLP, residuals;
-the attention core apart), per attention call of the layer:
-
-- ``whole``: the local kernel on whole sequences (``attention``);
-- ``ring`` over ``g`` ranks: ``ring`` once, ``ring_step`` per step, and ``exchange`` per
-  point-to-point exchange: ``g - 1`` forward (the K/V blocks); backward ``g`` for Transformer
-  Engine (K/V and dK/dV travel in one buffer) and ``2g - 1`` for thdpack (dK/dV apart);
-- ``allgather`` / ``a2a``: one call each (its collectives, reorders and kernel calls).
-
-Per optimizer step (``step``): the optimizer, the gradient reduction's launches, the loss read
-back; ``per_parameter`` more for each parameter tensor.
+An eager step launches every kernel from Python, one op at a time, and each op costs the host
+microseconds whatever the kernel computes: where kernels are short the step is host-bound. This
+module counts the ops per micro-batch, layer, attention call, ring step and exchange;
+the profile prices one (``MachineProfile.host``) and ``thdpack.perf.step`` combines host and
+device. ``THDPACK`` is counted from thdpack's own code (``tests/unit/perf/test_perf_host.py``
+recounts it), ``MEGATRON_TE`` from Megatron-LM's and Transformer Engine's sources
+(``HostOps.sources``); docs/design/step_model.md ("The host side of a step") has the unit and
+the counts.
 
 >>> [round(n, 1) for n in MEGATRON_TE.ring_ops(4)]   # TE's p2p ring over 4 ranks, one layer
 [71.2, 71.0]
@@ -136,24 +104,24 @@ class HostOps:
 
 FLASH_TILE = Ops(3, 6)
 """thdpack's FlashAttention-2 tile: the kernel and the LSE's normalisation forward; buffers, the
-LSE's conversion and the kernel backward (``thdpack/attention/flash_kernel.py``, lines 81-139)."""
+LSE's conversion and the kernel backward (``thdpack.attention.flash_kernel``'s tile functions)."""
 
 _THDPACK_SOURCES = (
     "counted under TorchDispatchMode (non-view ATen ops), fp32 on the CPU, torch 2.13: "
     "tests/unit/perf/test_perf_host.py recounts every number below",
-    "layer: thdpack/models/layers.py DecoderBlock (RMSNorm 40-44, RoPE 70-80, Attention 95-111, SwiGLU 121-122, "
-    "residuals 135-143): 33 forward, 65 backward (autograd's engine)",
-    "micro_batch: thdpack/cp/partition.py shard (5), thdpack/models/transformer.py forward 99-117 (embedding, "
-    "rope_cos_sin, final norm, head: 18 forward, 21 backward), thdpack/loss.py StepLoss.begin 249-283 (3 per "
+    "layer: thdpack/models/layers.py DecoderBlock (RMSNorm, apply_rope, Attention, SwiGLU, the residuals): "
+    "33 forward, 65 backward (autograd's engine)",
+    "micro_batch: thdpack/cp/partition.py shard (5), thdpack/models/transformer.py Transformer.forward (embedding, "
+    "rope_cos_sin, final norm, head: 18 forward, 21 backward), thdpack/loss.py StepLoss.begin (3 per "
     "micro-batch, 3 and the all-reduce per step) and StepLoss.__call__ (12 forward, 5 backward)",
-    "attention / ring_step: FLASH_TILE per kernel call (thdpack/attention/flash_kernel.py 81-139); "
+    "attention / ring_step: FLASH_TILE per kernel call (thdpack/attention/flash_kernel.py); "
     "differentiable_attention's backward bookkeeping (thdpack/attention/merge.py): 6",
-    "ring: thdpack/attention/ring.py ring_forward 88-125 and merge_partials (merge.py 33-72): 13.5 ops per step "
-    "forward, 1.5 fewer per call (step 0 selects no half); ring_backward 128-182: 6 per step and 6 per call",
-    "exchange: thdpack/cp/comm.py RingComm.send_recv 63-76 (two receive buffers, isend / irecv pairs) and its wait: 6",
+    "ring: thdpack/attention/ring.py ring_forward and merge_partials (merge.py): 13.5 ops per step "
+    "forward, 1.5 fewer per call (step 0 selects no half); ring_backward: 6 per step and 6 per call",
+    "exchange: thdpack/cp/comm.py RingComm.send_recv (two receive buffers, isend / irecv pairs) and its wait: 6",
     "allgather: thdpack/attention/allgather.py and cp/comm.py all_gather_rows / reduce_scatter_rows: 6 forward, "
     "12 backward, plus one kernel call",
-    "a2a: thdpack/attention/a2a.py _to_heads / _to_sequence 88-119 and cp/comm.py all_to_all_blocks: 12 forward, "
+    "a2a: thdpack/attention/a2a.py _to_heads / _to_sequence and cp/comm.py all_to_all_blocks: 12 forward, "
     "12 backward, plus one kernel call",
 )
 _THDPACK = {
@@ -179,7 +147,7 @@ THDPACK = HostOps(
         "step (thdpack.train on CUDA): StepLoss.begin (4), the loss read back (1), torch.optim.AdamW with foreach "
         "(one call per _foreach op of _multi_tensor_adamw: 12), clip_grad_norm (_foreach_norm, stack, norm, clamp, "
         "_foreach_mul_: 6), DDP's all-reduce of its buckets (3); per parameter: parameters_finite's isfinite and "
-        "all (thdpack/train/forward_backward.py 129-141)",
+        "all (thdpack/train/forward_backward.py)",
     ),
     **_THDPACK,
 )

@@ -1,20 +1,10 @@
 """Kernel times on one GPU: the linear layers, and the attention kernel on blocks of given sizes.
 
-Linear layers run at ``peak_flops x matmul_efficiency`` (a rank's tokens form one large GEMM per
-layer). The attention kernel's speed depends on the length of the sequences it runs on: the
-profile gives the achieved FLOP/s at a few lengths (a batch of equal sequences, as FlashAttention's
-benchmarks run), and a block is looked up at the side of the square of equal work: ``n`` for a
-causal ``n x n`` triangle, ``sqrt(rows x cols)`` for a full block. Between the measured lengths the
-rate is interpolated in ``log2(length)``; above the longest it stays; below the shortest, ``s0``,
-every launched tile costs what it costs at ``s0``: the rate falls with the useful fraction of the
-``tile x tile`` tiles the block launches (a 64-token sequence still runs one whole tile).
-
-FLOPs: a pair of (query, key) costs ``4 x heads x head_dim`` forward; a causal ``n``-block counts
-``n^2 / 2`` pairs (the benchmarks' convention), a full block ``rows x cols``; the backward counts
-2.5x the forward. The backward curve was measured without the causal mask; a causal block's
-backward takes the same slowdown the causal forward shows against the full forward at that length.
-
-Times are per layer unless a name says otherwise. Legend: ``S`` blocks (sequences).
+Linear layers run at ``peak_flops x matmul_efficiency``. The attention kernel runs at the
+profile's achieved FLOP/s for the length of the block it attends (the side of the square of equal
+work), interpolated between the measured lengths; below the shortest, every launched tile costs
+what it costs there (docs/design/step_model.md, "Kernels"). Times are per layer unless a name
+says otherwise. Legend: ``S`` blocks (sequences).
 
 >>> from thdpack.perf.machine import load_profile
 >>> from thdpack.perf.shape import ModelShape

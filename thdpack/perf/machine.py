@@ -1,28 +1,10 @@
 """MachineProfile: the public constants of one machine that the step-time model runs on.
 
-A profile is a JSON file (``thdpack/perf/profiles/<name>.json``, or any path) with a strict schema:
-every key is known, every number finite and non-negative, and every number cites where it comes
-from (``sources``: a datasheet, a paper's figure, a published benchmark, or a placeholder that
-``thdpack calibrate`` replaces by a measurement). Nothing is unpickled; a profile is plain JSON.
-
-The numbers, per GPU:
-
-- ``peak_flops``: dense bf16 tensor-core FLOP/s (the datasheet's, without sparsity);
-- ``matmul_efficiency``: the fraction of that peak large GEMMs reach (a published measurement);
-- ``memory_bandwidth``: HBM bytes/s (the optimizer step is memory-bound);
-- ``attention``: the attention kernel's achieved FLOP/s against the sequence length it runs on
-  (causal forward, full forward, backward; short chunks run far below peak), its tile edge and
-  its fixed cost per call;
-- ``intra_node`` / ``inter_node``: bandwidth (bytes/s, one direction, per GPU) and per-hop latency
-  of NVLink and of the network;
-- ``collective_base_latency_s``: the fixed cost of launching one collective;
-- ``gpus_per_node`` and ``nvlink_domain`` (GPUs one NVLink fabric joins: a node, or a GB200 NVL72
-  rack of 18 four-GPU trays);
-- ``collective_factors``: bytes a collective moves per byte of its buffer, times ``(n-1)/n``
-  (nccl-tests' bus-bandwidth factors);
-- ``host``: the host's seconds per eager op (``op_s``; ``thdpack.perf.host`` counts the ops) and
-  whether the device runs them ``asynchronously`` (a GPU: the host launches ahead while kernels
-  run) or the host computes them itself (a CPU: host and device time add).
+A profile is plain JSON (``thdpack/perf/profiles/<name>.json``, or any path) with a strict schema:
+every key known, every number finite and non-negative, and every number citing its source
+(``sources``: a datasheet, a paper's figure, a published benchmark, or a placeholder that
+``thdpack calibrate`` replaces by a measurement). docs/design/step_model.md ("Profiles and their
+sources") lists the numbers and where each comes from.
 
 >>> profile = load_profile("h100_sxm")
 >>> profile.peak_flops, profile.gpus_per_node
@@ -192,6 +174,13 @@ class MachineProfile:
 
 def load_profile(name_or_path: str | Path) -> MachineProfile:
     """A shipped profile by name (``PROFILE_NAMES``) or a profile JSON file by path.
+
+    Args:
+        name_or_path: a name of ``PROFILE_NAMES``, or the path of a profile JSON file (what
+            ``thdpack calibrate`` writes).
+
+    Returns:
+        The ``MachineProfile``, checked against the schema (``ValueError`` naming the key or value).
 
     >>> load_profile("h300")
     Traceback (most recent call last):

@@ -1,28 +1,11 @@
 """Megatron-LM's two sequence-packing schedulers, re-implemented from their public rules, as mesh runs.
 
-Both schedule one global batch at a time: every data-parallel rank loads ``micro_batches`` samples
-(micro-batch size 1, one sequence each), the lengths are gathered, and the scheduler decides
-which ranks run which samples in each micro-batch (``megatron/core/datasets/data_schedule.py`` and
-``data_schedule_utils.py``, NVIDIA/Megatron-LM, June 2026, read for this module; no code copied):
-
-- ``dp_balanced`` (``DpBalancedScheduler``): the samples in their order are packed next-fit up to
-  ``cp x max_seqlen_per_rank`` tokens (``thdpack.plan.ordered.next_fit``); while the number of
-  packs is not a multiple of ``dp``, the last sample of the last pack holding several becomes a
-  pack of its own; micro-batch ``i`` gives
-  pack ``i x dp + d`` to data-parallel rank ``d``, whose CP group splits every sample over its
-  ``cp`` ranks in TE's layout (the ring);
-- ``dynamic_cp`` (``DefaultDynamicCPScheduler``): every sample needs the smallest power-of-2 group
-  that holds it at ``max_seqlen_per_rank`` tokens per rank; its work is ``L^2 / group``. Sorted
-  longest first, the samples are cut into as many buckets of about equal work as there are group
-  sizes; a micro-batch takes, from the first bucket whose head fits, that head: into an existing
-  group of its size with room (the least loaded), or onto the least-loaded free ranks when they
-  are lighter; it closes when nothing fits, or once a smaller group has been used and the ranks'
-  loads are within 5%; ranks left empty then grow the smallest groups (doubling, in creation
-  order). What a micro-batch leaves goes to the next one.
-
-Samples are padded as Megatron's varlen dataset pads them (``sample_tokens``): to a multiple of
-``2 x cp`` for ``dp_balanced`` and of ``2 x dp x cp`` for dynamic CP; the kernels run on the padded
-lengths (Megatron passes ``cu_seqlens_padded`` as ``cu_seqlens``).
+``dp_balanced`` (``DpBalancedScheduler``) packs each global batch next-fit and deals the packs
+round robin to the data-parallel ranks, each sample split over its CP group; ``dynamic_cp``
+(``DefaultDynamicCPScheduler``) gives every sample the smallest power-of-2 group that holds it and
+balances the groups' work per micro-batch. Samples are padded as Megatron's varlen dataset pads
+them. They are the baseline ``benchmarks/mesh_sim.py --megatron`` checks the step model against;
+docs/design/step_model.md ("Megatron-LM's schedulers") states the rules as implemented.
 
 >>> dp_balanced([3000, 3000, 3000, 500, 100, 7000], dp=2, cp=2, max_seqlen_per_rank=4096)  # packs <= 8192
 [[[0, 1], [2, 3]], [[5], [4]]]

@@ -1,17 +1,11 @@
 """MeshRun: what every rank of a data x context parallel mesh runs in each training step.
 
-A step is a sequence of micro-batch *rounds* (gradient accumulation); in a round every rank runs
-its share of one micro-batch. The work is described by **groups** of consecutive ranks in a round,
-each attending some sequences (**entries**) one way:
-
-- ``whole``: one rank, its sequences whole (the local varlen kernel, nothing sent);
-- ``ring``: the sequences in TE's dual-chunk layout over the group, the ring schedule;
-- ``allgather``: the same layout, K/V all-gathered;
-- ``a2a``: the sequences whole on every rank for ``1/g`` of the heads (Ulysses all-to-all).
-
-Beside them, ``tokens`` holds the tokens each rank's linear layers run on in each round (padding
-included). ``placed_run`` builds a run from packs placed by thdpack's planners; Megatron-LM's
-schedulers build theirs in ``thdpack.perf.megatron``.
+A step is a sequence of micro-batch *rounds*; in a round, **groups** of consecutive ranks each
+attend some sequences (**entries**) one way (``COMMS``): ``whole`` on one rank, ``ring`` or
+``allgather`` in TE's dual-chunk layout over the group, or ``a2a`` (every sequence whole on every
+rank for ``1/g`` of the heads); ``tokens`` holds what each rank's linear layers run on.
+``placed_run`` builds a run from thdpack's placed packs, ``thdpack.perf.megatron`` from
+Megatron-LM's schedulers.
 
 Legend: ``G`` groups, ``E`` entries (sequences), ``P`` packs, ``S`` steps, ``M`` rounds, ``R`` ranks.
 
@@ -103,13 +97,27 @@ def placed_run(
     split_comm: Comm = "ring",
     pack_a2a: np.ndarray | None = None,
 ) -> MeshRun:
-    """The run of packs placed on CP groups (a ``CpPlacement``'s arrays: ``offsets`` (P+1,), per
-    entry ``lengths`` / ``group_size`` / ``group_start`` within the pack's ``cp_size`` ranks), pack
-    ``p`` running in step ``pack_step[p]``, round ``pack_round[p]`` on data-parallel rank
-    ``pack_dp[p]`` (ranks ``dp * cp_size ..``). Split entries communicate by ``split_comm``
-    (``"ring"`` or ``"allgather"``; ``"a2a"``: every pack is one all-to-all group of its raw
-    lengths, the placement's groups ignored; ``pack_a2a`` (P,) bool: so for the packs it flags).
-    Every rank of a pack holds ``pack_size / cp_size`` tokens (thdpack pads each pack to its size)."""
+    """The run of packs placed on CP groups.
+
+    Args:
+        offsets: (P+1,) pack boundaries over the entries (a ``CpPlacement``'s arrays, as the next three).
+        lengths: (E,) every entry's tokens.
+        group_size: (E,) ranks of each entry's group (1: whole on one rank).
+        group_start: (E,) the group's first rank within the pack's ``cp_size`` ranks.
+        pack_step: (P,) the step each pack runs in.
+        pack_round: (P,) its micro-batch round within the step.
+        pack_dp: (P,) its data-parallel rank (mesh ranks ``dp * cp_size ..``).
+        cp_size: ranks per CP group.
+        dp_size: data-parallel ranks.
+        pack_size: tokens per pack: every rank of a pack holds ``pack_size / cp_size`` (thdpack pads
+            each pack to its size).
+        split_comm: how split entries communicate: ``"ring"`` or ``"allgather"``; ``"a2a"``: every
+            pack is one all-to-all group of its raw lengths, the placement's groups ignored.
+        pack_a2a: (P,) bool, the packs attended by all-to-all (``cp_placement="auto"``), or None.
+
+    Returns:
+        The ``MeshRun``: per step and round, every group's ranks, way and entries, and every rank's tokens.
+    """
     offsets = np.asarray(offsets, dtype=np.int64)
     pack_E = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
     steps = int(np.max(pack_step)) + 1 if len(pack_step) else 0

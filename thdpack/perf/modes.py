@@ -1,26 +1,11 @@
-"""thdpack's ways to run a lengths file on a mesh, as mesh runs the step model times.
+"""thdpack's ways to run a lengths file on a ``dp x cp`` mesh, as mesh runs the step model times.
 
-A mode is how sequences reach the ranks of a ``world = dp x cp`` mesh:
-
-- ``te``: packs of ``cp x rank_tokens`` tokens, every sequence split over the pack's ``cp`` ranks
-  (Transformer Engine's layout, the ring);
-- ``adaptive``: the same packs planned with ``cp_placement="adaptive"`` (short sequences whole on
-  one rank, longer ones over a group; ``thdpack.plan.adaptive``);
-- ``a2a``: packs of raw lengths, Ulysses all-to-all over the ``cp`` ranks;
-- ``auto``: ``cp_placement="auto"``: the adaptive packs (placed by the ``time`` or the ``tiles``
-  cost model, whichever the step model times faster), each pack attended by its placement, TE's
-  layout or all-to-all, whichever the step model says is fastest (``thdpack.perf.auto``);
-- ``mesh``: ``cp = world``, ``auto`` over every rank of the mesh (Megatron's dynamic CP, ByteScale's
-  hybrid DP, with groups inside a node preferred by the time model): packs of ``world x
-  rank_tokens`` tokens.
-
-``MODES`` is the closed set; ``auto`` and ``mesh`` need the ``StepModel`` that times them.
-
-Steps are cut as thdpack's trainer cuts them (``thdpack.packing.step_stream``): the epoch's packs in a
-seeded shuffled order, ``dp x micro_batches`` per step, dealt to the data-parallel ranks by
-``thdpack.packing.dealing.deal`` (largest attention cost first to the least-loaded rank). With
-``batch_size``, each global batch of that many sequences is planned on its own instead (how
-Megatron-LM schedules), its packs dealt over as many rounds as they need.
+``MODES`` is the closed set: ``te`` (TE's layout), ``adaptive`` (per-sequence placement), ``a2a``
+(all-to-all), ``auto`` (each pack the fastest of those, ``thdpack.perf.auto``) and ``mesh``
+(``auto`` with ``cp`` = the whole mesh); ``auto`` and ``mesh`` need the ``StepModel`` that times
+them. Steps are cut and dealt as thdpack's trainer cuts and deals them
+(``thdpack.packing.step_stream``); with ``batch_size``, each global batch is planned on its own,
+as Megatron-LM schedules.
 
 Legend: ``P`` packs, ``E`` entries.
 """
@@ -74,8 +59,20 @@ def check_mode(mode: str) -> None:
 
 
 def plan_mode(lengths: np.ndarray, mode: Mode, *, cp: int, pack_size: int, model: StepModel | None = None) -> Packs:
-    """The packs of ``mode`` for ``lengths`` (sequences longer than ``pack_size`` split); ``auto``
-    and ``mesh`` are timed by ``model``."""
+    """The packs of ``mode`` for ``lengths``, as thdpack's planner makes them.
+
+    Args:
+        lengths: (S,) sequence lengths; sequences longer than ``pack_size`` are split.
+        mode: one of ``MODES``.
+        cp: the CP size each pack is laid out for.
+        pack_size: tokens per pack.
+        model: the ``StepModel`` that times ``auto`` and ``mesh`` (required for them at ``cp > 1``).
+
+    Returns:
+        ``Packs``: the packs' offsets and every entry's length and CP group (a ``CpPlacement``'s
+        arrays; TE's layout as every entry split over all ``cp`` ranks), and for ``auto`` the packs
+        attended by all-to-all.
+    """
     check_mode(mode)
     if mode in ("auto", "mesh") and cp > 1:
         if model is None:
@@ -112,9 +109,25 @@ def mode_run(
     seed: int = 0,
     model: StepModel | None = None,
 ) -> MeshRun:
-    """The mesh run of ``mode`` on ``world`` ranks (``cp`` per group; ``mesh`` uses all), packs of
-    ``cp x rank_tokens`` tokens; steps as the module docstring says. ``split_comm``: how split
-    sequences exchange K/V (``"ring"`` or ``"allgather"``); ``model`` times ``auto`` / ``mesh``."""
+    """The mesh run of ``mode`` on ``world`` ranks, cut into steps as thdpack's trainer cuts them.
+
+    Args:
+        lengths: (S,) sequence lengths.
+        mode: one of ``MODES``.
+        world: ranks of the mesh (``dp x cp``).
+        cp: ranks per CP group (``mesh`` uses all ``world``).
+        rank_tokens: tokens per rank: packs hold ``cp x rank_tokens``.
+        micro_batches: packs per data-parallel rank and step (rounds).
+        batch_size: None: the epoch's packs in a seeded shuffled order, ``dp x micro_batches`` per
+            step, dealt by attention cost (``thdpack.packing.dealing.deal``); else each global batch
+            of ``batch_size`` sequences planned on its own, as Megatron-LM schedules.
+        split_comm: how split sequences exchange K/V (``"ring"`` or ``"allgather"``).
+        seed: the pack order's seed.
+        model: the ``StepModel`` that times ``auto`` and ``mesh``.
+
+    Returns:
+        The ``MeshRun`` of the whole steps (a last partial step is left out).
+    """
     dp, cp = mesh_shape(mode, world, cp)
     pack_size = cp * rank_tokens
     comm: Comm = "a2a" if mode == "a2a" else split_comm

@@ -179,9 +179,16 @@ NAMED_SHAPES: dict[str, ModelShape] = {
 
 
 def load_shape(spec: str | Path) -> ModelShape:
-    """A model shape from ``spec``: a JSON file (``ModelShape``'s own fields, or a Hugging Face
-    ``config.json``), a name of ``NAMED_SHAPES``, or a thdpack ``ModelConfig`` preset (``tiny``,
-    ``small``, ``114m``; loading a preset imports torch, as ``thdpack.models`` does)."""
+    """A model shape from a file or a name.
+
+    Args:
+        spec: a JSON file (``ModelShape``'s own fields, or a Hugging Face ``config.json``), a name
+            of ``NAMED_SHAPES``, or a thdpack ``ModelConfig`` preset (``tiny``, ``small``, ``114m``;
+            loading a preset imports torch, as ``thdpack.models`` does).
+
+    Returns:
+        The ``ModelShape``; ``ValueError`` names an unknown field or name and the valid ones.
+    """
     path = Path(spec)
     if path.is_file():
         data = read_json_object(path, "model config")

@@ -1,40 +1,12 @@
 """The whole-step model: every rank's time in every round of every step, and the step time.
 
-Per rank, per round, forward + backward over every layer (``StepModel.run``):
-
-- **linear**: the tokens the rank holds (``MeshRun.tokens``) through every linear layer and the logits;
-- **attention**: the sum of its sequences' kernel work (``thdpack.perf.costs``) and one fixed cost
-  per kernel call (per layer: one per ring step, one per whole / all-gather / all-to-all call);
-- **communication**, exposed part only:
-  - ring (TE's overlap): each step but the last overlaps its tile with sending the next K/V block,
-    taking the longer of the two; the backward also sends the dK/dV block each step (the last hop
-    is exposed);
-  - all-gather: the K/V all-gather before the forward, the dK/dV reduce-scatter after the
-    backward, both exposed;
-  - a2a: two all-to-alls per layer forward (Q, K, V in; the output back) and two backward, exposed;
-  - a group inside one NVLink domain runs at NVLink speed, one spanning domains at the network's;
-- **host**: the eager ops the training stack issues (``thdpack.perf.host``: per micro-batch, per
-  layer, per attention call, ring step and exchange) at the profile's ``host.op_s`` each.
-
-The device's work (linear + attention + exposed communication) and the host's ops combine per
-round, the *segment* between two host syncs: Megatron-LM reads three ``.item()`` at the start of
-every micro-batch (``get_batch_on_this_rank_for_sequence_packing``), so the host cannot run ahead
-into the next one. Inside a round the host launches while the device runs (``host.asynchronous``:
-a GPU), so the round takes the longer of the two; on a CPU the host computes the ops itself and the
-two add. (Where a stack never syncs inside a step, the longer-of-two per round is an upper bound.)
-The **host** part of the breakdown is what the host adds beyond the device.
-
-The ranks of a group wait for each other every layer, so a round ends for a group when its slowest
-rank ends; a rank in several groups of a round (nested aligned groups) waits for the largest.
-Across rounds the groups change (Megatron's dynamic CP) and the waits chain: a group starts when its
-last rank is ready. After the last round every rank waits for the slowest (**barrier**), then the
-gradients are all-reduced over the mesh (**dp**; overlapped with the last round's backward when the
-``TrainingSpec`` says so) and the optimizer updates (memory-bound: ``optimizer_bytes_per_param``
-over HBM bandwidth), while the host issues the step's own ops (the optimizer's launches, the
-scheduler, the loss read back): the longer of the two on a GPU, their sum on a CPU.
-
-The breakdown is the mean rank's: linear + attention + comm + host + wait + dp + optimizer = the
-step; ``wait`` is the slowest rank's time minus the rank's own (the barrier and the waits in groups).
+Per rank and micro-batch round: the linear work of the tokens it holds, the attention of its
+sequences (``thdpack.perf.costs``) with a fixed cost per kernel call, the exposed part of each CP
+algorithm's communication, and the host's eager ops (``thdpack.perf.host``), combined as the longer
+of host and device on a GPU and their sum on a CPU. Groups wait for their slowest rank every
+layer, every rank for the slowest after the last round; then the gradient reduction and the
+optimizer. The breakdown (``PARTS``) is the mean rank's and adds up to the step.
+docs/design/step_model.md has each term.
 
 Legend: ``S`` steps, ``M`` rounds, ``R`` ranks, ``G`` groups, ``E`` entries, ``Q`` (group, rank) pairs.
 """
@@ -98,7 +70,15 @@ class StepTimes:
 
 
 class StepModel:
-    """The step-time model of one model on one machine (see the module docstring)."""
+    """The step-time model of one model on one machine: ``run(mesh_run)`` times every step.
+
+    Args:
+        profile: the machine's constants (``load_profile``).
+        shape: the model's sizes (``load_shape``).
+        topology: where the ranks sit (``Topology.of(profile)``, or the run's own nodes).
+        spec: how the run trains (gradient bytes, optimizer, DP overlap, the host's training
+            stack); None: ``TrainingSpec()``, thdpack's own trainer.
+    """
 
     def __init__(
         self, profile: MachineProfile, shape: ModelShape, topology: Topology, spec: TrainingSpec | None = None

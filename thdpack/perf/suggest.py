@@ -1,12 +1,7 @@
-"""``thdpack plan --suggest``'s options and their modelled step times (the command is
-``thdpack.data.plan_command``): the dp x cp, placement and K/V exchange to train a lengths file with.
+"""``thdpack plan --suggest``: the dp x cp, placement and K/V exchange to train a lengths file with.
 
-Every option the GPUs allow is planned as the trainer plans it and timed by the step model
-(``thdpack.perf.step``, from the profile's public constants): CP sizes that divide the GPU count
-and hold the longest sequence whole in a pack of ``cp x rank_tokens`` tokens, each with TE's
-layout or the adaptive placement over the ring or an all-gather of K/V, the all-to-all where the
-heads divide, ``auto`` (per pack the fastest of those by the model), and ``auto`` over every GPU
-(``mesh``). Options are ranked by real tokens per second per GPU.
+Every option the GPUs allow is planned as the trainer plans it and timed by the step model; options
+are ranked by real tokens per second per GPU. The command is ``thdpack.data.plan_command``.
 """
 
 from __future__ import annotations

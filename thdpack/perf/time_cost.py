@@ -1,35 +1,11 @@
-"""The ``time`` cost model of the CP placement: a sequence's modelled seconds on each rank of its
-group and each attention call's, as integer nanoseconds; with ``choose``, the timing a
-``cp_placement="auto"`` plan is given (``thdpack.plan.auto.PlanTiming``).
+"""The ``time`` cost model of the CP placement: the step-time model cut into what a placement changes.
 
-The placement search (``thdpack.plan.place``) adds up per-sequence costs per rank and keeps ties
-exact, so this model rounds each cost to whole nanoseconds once; everything after is integer
-arithmetic. Forward + backward over every layer, from the step-time model
-(``thdpack.perf.step``):
-
-- ``whole(n)``: a sequence's causal attention on one rank;
-- ``split(n, slot, g)``: its ring over a group of ``g`` ranks as if it were alone in the group:
-  per step the longer of its tile and its K/V (backward also dK/dV) send, the send at the group's
-  link (NVLink inside a node, the network per GPU across nodes) with its latency;
-- ``call(g)``: what one attention call of a group of ``g`` ranks (1: a rank's local call) costs
-  each of its ranks once, however many sequences it attends: on the device its kernel launches
-  (one per ring step), on the host its eager ops (``thdpack.perf.host``: per ring step its tile,
-  merge and exchanges), ``StepModel.call_seconds``;
-- ``host_lead(budget)``: how the device and the host combine on a rank holding ``budget`` tokens.
-  A GPU's host launches ahead, so a rank takes the longer of its device work (linear + attention +
-  exposed sends) and its host's ops (micro-batch and layers + attention calls); the linear work and
-  the micro-batch's and layers' ops are the same on every rank in every placement, so a rank costs
-  ``max(device, host + lead)`` of the rest, ``lead`` the host's fixed ops less the linear work. On a
-  CPU the two add (``None``).
-
-A rank's time cost (``thdpack.plan.cp_cost.rank_costs``) is then exactly the step model's
-attention + exposed communication + host part of that rank for the pack run alone, where each ring
-group attends one sequence; sequences that share a group share its sends, so the sum of their
-rings bounds the group's from above. Where the host is the bottleneck (short chunks, many ring
-steps, groups over the whole mesh) the search sees it and keeps groups small; where the device is,
-the host's ops cost nothing. A group of ``g`` ranks spans nodes when ``g > gpus_per_node`` (a CP
-group starts on a node boundary): its sends run at the network's bandwidth, so the search prefers
-sub-groups inside one node wherever they balance the pack as well.
+A sequence's modelled seconds on each rank of its group (``whole``, ``split``), each attention
+call's (``call``) and how device and host combine on a rank (``host_lead``), all as integer
+nanoseconds, so the placement search (``thdpack.plan.place``) adds them with exact ties. A pack's
+time cost per rank is then the step model's attention, exposed communication and host part of it;
+with ``choose``, the model also picks each pack's way for ``cp_placement="auto"``
+(docs/design/step_model.md, "What the planner sees").
 
 Legend: ``S`` sequences, ``G`` ranks of a group.
 

@@ -1,48 +1,12 @@
 """The adaptive CP planner: packs planned for per-sequence placement, and each pack's placement.
 
-Under Transformer Engine's layout (``cp_placement="te"``) every sequence takes its length rounded
-up to ``2*cp_size`` and is split over all ranks. Short sequences then become slivers of a few
-tokens per rank, each costing every rank a kernel tile per ring step. The adaptive planner places
-short sequences whole (no CP padding, no communication) and chooses a group per longer one.
-
-**Classes.** A sequence is *short* when it is at most ``whole_limit(cp_size, cost_model)`` tokens
-(and at most a rank's budget ``B = pack_size / cp_size``): its whole causal block costs no more
-than TE's layout costs every rank for it (tiles: 128 / 256 / 384 / 640 tokens at cp 2 / 4 / 8 /
-16; pairs: none). Every other sequence is *long*.
-
-**Two-level plan** (``bfd`` / ``ffd``):
-
-1. The long sequences are packed as TE packs them (slot = TE slot, the same best-fit engine).
-   Each pack *template* (the engine's packs of equal content share one) gets a placement from
-   ``thdpack.plan.place``: every sequence whole, split over a power-of-2 group, or over all ranks,
-   never worse than all of them split. The short sequences that will fill the pack's free room
-   count as evenly spread work (their cost per token, scaled by how much of the free room they
-   can fill), so a long sequence may stay whole where they will fill the other ranks.
-2. The short sequences are packed into *rank bins* of the remaining room: every rank of every
-   long pack (room ``B`` minus the tokens step 1 placed on it) and fresh ranks of ``B`` tokens, by the
-   same best-fit engine over bins of unequal room (each bin opened by a marker item that leaves
-   exactly its room; markers are larger than half the engine's capacity, so two never share a
-   bin). Fresh ranks are sorted by their cost and grouped ``cp_size`` at a time into packs (a pack
-   waits for its busiest rank: ranks of similar cost belong together).
-
-A short sequence never needs room it was not given, a long one never more than its TE slot: every
-pack is feasible by construction.
-
-**Guarantees.**
-
-- *Never worse than TE's layout of the same sequences, per pack* (tiles, by construction). A
-  short sequence on rank ``r`` costs ``r`` at most what TE's layout costs every rank for it
-  (``whole_limit``); step 1's placement of the long ones costs no rank more than TE's layout of
-  them costs every rank, computed on TE slots, an upper bound of every tile count of a shorter
-  sequence. Under pairs, which TE slots overestimate, there are no short sequences and each long
-  pack is checked on its real lengths after placement, taking TE's layout where that is cheaper.
-- *Never more packs than ``te``.* When the two-level plan has more packs than the L2 lower bound
-  of TE's slots, TE's plan is computed too, and used (each pack placed by ``place``, with every
-  sequence reserving its TE slot) when it has fewer.
-- Deterministic for a given ``seed``.
-
-``sequential`` / ``window`` keep their order: their packs are planned with TE's slots and each
-pack is placed on its own (slower: a pack at a time in a vectorised batch, not a template).
+Under Transformer Engine's layout every sequence is split over all CP ranks, so short ones become
+slivers that cost every rank a kernel tile per ring step. This planner places short sequences
+whole (no CP padding, no communication) and chooses a group of ranks per longer one, in two levels:
+the long sequences are packed in TE slots and each pack template placed (``thdpack.plan.place``),
+then the short ones fill the ranks' remaining room. Every pack is feasible by construction, never
+costs a rank more than TE's layout of it (tiles), and the plan never has more packs than ``te``'s;
+docs/design/cp_placement.md (section 7) says why.
 
 Legend: ``E`` entries, ``P`` packs, ``R`` ranks, ``K`` templates, ``M`` positions, ``B`` bins.
 """
@@ -230,8 +194,8 @@ def plan_adaptive(
     cost_model: Costing,
     sizes: Sequence[int] | None = None,
 ) -> AdaptivePlan:
-    """The two-level plan of the module docstring for entries of the given lengths (each in
-    ``[1, pack_size]``); ``pack_size`` a multiple of ``2*cp_size``, ``cp_size >= 2``."""
+    """The two-level plan (docs/design/cp_placement.md, section 7) for entries of the given lengths
+    (each in ``[1, pack_size]``); ``pack_size`` a multiple of ``2*cp_size``, ``cp_size >= 2``."""
     budget = pack_size // cp_size
     unit = cp_multiple(cp_size)
     short = lengths_E <= _short_limit(cp_size, pack_size, cost_model)
@@ -317,7 +281,8 @@ def _bounded_by_slots(cost_model: Costing) -> bool:
 
 
 def _short_limit(cp_size: int, pack_size: int, cost_model: Costing) -> int:
-    """Entries this short are placed whole without CP padding (the module docstring's classes)."""
+    """Entries this short are *short*: placed whole, without CP padding (at most ``whole_limit``
+    tokens and a rank's budget)."""
     return min(whole_limit(cp_size, cost_model), pack_size // cp_size)
 
 

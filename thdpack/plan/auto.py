@@ -1,10 +1,9 @@
-"""``cp_placement="auto"``'s packs: the adaptive packing by the ``time`` or the ``tiles`` cost
-model, whichever a timing model says runs faster once each pack takes its fastest way.
+"""``cp_placement="auto"``'s packs: the adaptive packing by the ``time`` or the ``tiles`` cost model,
+whichever a timing model says runs faster once each pack takes its fastest way.
 
-The timing model (``PlanTiming``: ``thdpack.perf.time_cost.TimeCostModel`` implements it) is
-handed in by the caller, who knows the machine and the model: the planner never loads one itself.
-It prices sequences for the ``time`` placement (``whole`` / ``split``, integer nanoseconds) and
-chooses each pack's way (``choose``: its placement, TE's layout or all-to-all; ``thdpack.perf.auto``).
+The timing model (``PlanTiming``, implemented by ``thdpack.perf.time_cost.TimeCostModel``) is handed
+in by the caller, who knows the machine and the model: the planner never loads one itself, so
+``plan`` stays below ``perf`` in the import order.
 
 Legend: ``E`` entries, ``P`` packs.
 """

@@ -1,27 +1,11 @@
-"""Attention cost of a sequence on its context-parallel ranks: the cost models the CP placement
-minimises (numpy only).
+"""The cost models the CP placement minimises: a sequence's attention cost on each rank of its group
+(numpy only).
 
-Three models, a closed set:
-
-- ``"tiles"`` (the default): FlashAttention-style kernel tiles of ``TILE x TILE`` (128 x 128)
-  that a rank's kernels launch for a sequence, padding rows included (varlen kernels tile each
-  sequence on its own). A sequence placed whole runs one causal block: the lower block triangle of
-  ``ceil(n / 128)`` blocks. A sequence split over a group of ``g`` ranks in Transformer Engine's
-  dual-chunk layout (slot ``s``, a multiple of ``2g``, chunk ``c = s / 2g``) runs the ring
-  schedule (``thdpack.attention.ring``) on every rank of the group: at step 0 a causal
-  ``2c x 2c`` tile, at each of the ``g - 1`` later steps a full ``2c x c`` or ``c x 2c`` tile;
-- ``"pairs"``: causal (query, key) pairs of real tokens whose query the rank owns, the work an
-  ideal kernel does;
-- ``"time"``: modelled nanoseconds on a machine profile for a model shape, communication and the
-  host's eager ops included (``thdpack.perf.time_cost.TimeCostModel``); the planner is handed the
-  loaded model (any ``SequenceCostModel``) in place of the name.
-
-A loaded model also prices each attention *call* (``SequenceCostModel.call``): what a rank pays
-once per group it attends in, whatever the sequences in it (the kernel launches of a ring's steps,
-the host's ops), on the device and on the host. A rank's cost is then its device time and its host
-time combined as the step model combines them (``CallCosts.combine``): the longer of the two where
-the host launches ahead of the device (a GPU), their sum where it computes (a CPU). Tiles and pairs
-have no call costs.
+A closed set: ``"tiles"`` (the default: the 128 x 128 kernel tiles a rank's kernels launch, padding
+rows included), ``"pairs"`` (the causal (query, key) pairs of real tokens a rank owns) and
+``"time"`` (modelled nanoseconds, communication and the host's ops included: a loaded
+``SequenceCostModel`` such as ``thdpack.perf.time_cost.TimeCostModel``, which also prices each
+group's attention call). docs/design/cp_placement.md (section 6) defines each.
 
 >>> whole_cost(np.array([100, 300]), "tiles").tolist()     # 1 block; 3 blocks: 6 tiles
 [1, 6]

@@ -10,10 +10,12 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -111,6 +113,18 @@ class PackPlan:
                 f"the placement ({placement!r}) does not describe this plan's packs ({len(self)} packs of "
                 f"{self.pack_size} tokens, cp_size={self.cp_size})"
             )
+
+    def replace(self, **changes: Any) -> PackPlan:
+        """A new plan with ``changes`` (constructor keywords) and this plan's every other field,
+        checked as any plan is.
+
+        >>> plan = PackPlan(np.array([0, 1]), np.array([0, 2]), sequence_lengths=np.array([3, 4]),
+        ...                 pack_size=8, cp_size=1, algorithm="bfd", seed=None, stats=None)
+        >>> plan.replace(indices=np.array([1, 0])).segments(0)
+        (array([1, 0]), array([0, 0]), array([4, 3]))
+        """
+        fields = {name: getattr(self, name) for name in _FIELDS}
+        return PackPlan(**{**fields, **changes})
 
     @property
     def cp_placement(self) -> str:
@@ -238,3 +252,7 @@ class PackPlan:
     def entry_lengths_flat(self) -> np.ndarray:
         """(E,) int64 tokens of every entry, pack by pack."""
         return self.sequence_lengths[self.indices] if self.entry_lengths is None else self.entry_lengths
+
+
+_FIELDS = tuple(inspect.signature(PackPlan.__init__).parameters)[1:]
+"""The constructor's parameters, each an attribute of the plan under its name."""

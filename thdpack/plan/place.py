@@ -1,40 +1,12 @@
 """Choose each sequence's CP group within a pack: greedy, vectorised over many packs at once.
 
-For every pack (a row of the inputs) the items are taken in the order given (costliest first)
-and each goes to the option that keeps the pack's busiest rank cheapest, among the options that
-leave room: whole on one rank (``g = 1``) or split over an aligned group of ``g`` ranks. Loads
-below the row's *level* (every item whole and the work that will fill the free room, perfectly
-balanced: a lower bound of the busiest rank) count as the level, so every option that stays below
-it is as good as any other there. Ties go to the option with less total work, then the smaller
-group (less communication), then the least-loaded ranks (longest-processing-time order), then the
-ranks left with the fewest tokens, then the lower option index. Every row is then compared with
-Transformer Engine's layout (every item split over all ranks) and takes it where that makes the
-busiest rank cheaper: no row's busiest rank costs more than under TE's layout.
-
-Room: each item reserves a slot (its TE slot, a multiple of ``2*cp_size``), and the reserves of
-a row fit its ranks' budgets split over all ranks. The search first places items wherever they
-fit. A row where an item then fits nowhere is searched again with its items from a little before
-that one *reserved*: every rank keeps room for all of them split over all ranks. Splitting a
-reserved item over all ranks keeps that invariant, so a row only gets stuck before its reserved
-items; the reserved part grows until the row is placed (at worst from the first item: then the
-search always completes).
-
-A loaded cost model (``time``) also prices each group's attention call
-(``thdpack.plan.cp_cost.CallCosts``): an option adds its group's call to its ranks the first time
-the row uses that group, and a rank's load is its device part and its host part combined (the
-longer of the two where the host launches ahead, a GPU; on a CPU the host's part joins the
-device's). Over a group the two maxima are taken apart, so an option's busiest rank stays two
-reductions.
-
-The rows are processed together, one item position at a time; rows are sorted by item count so a
-step only touches the rows that still have items. Costs are integers, so ties are exact and the
-result is deterministic. With the tiles model a split item costs every rank of its group the same,
-so a step works on ``(rows, options)`` arrays (per-group maxima of the rank loads); with pairs, on
-``(rows, options, ranks)``.
-
-The loop over item positions is numpy's: a few dozen calls per position, whose overhead is the
-cost for a few hundred rows. With numba installed (``thdpack[fast]``), large searches run the same
-greedy compiled, a row at a time (``thdpack.plan.place_compiled``), with equal results.
+Per pack (a row), the items go costliest first, each to the option (whole on one rank, or split
+over an aligned group of ranks) that keeps the pack's busiest rank cheapest among those that leave
+room; ties prefer less work, then smaller groups, then lighter ranks. Each item reserves its TE
+slot, so every row can be placed, and a row whose busiest rank would cost more than under
+Transformer Engine's layout takes that layout. Costs are integers, so ties are exact and the
+result deterministic. docs/design/cp_placement.md (section 7) has the rules in full;
+``thdpack.plan.place_compiled`` runs the same greedy compiled.
 
 Legend: ``K`` rows (packs or pack templates), ``M`` item positions, ``O`` group options,
 ``R`` ranks, ``C`` columns of a cost table, ``G`` group sizes, ``J`` ranks of a group.

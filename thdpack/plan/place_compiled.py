@@ -1,13 +1,10 @@
 """The placement search's loop a row at a time, compiled by numba when it is installed.
 
-``thdpack.plan.place`` runs its greedy over many rows at once with numpy: one item position at a
-time, every row's options as arrays. Each step is a few dozen numpy calls on small arrays, so for
-a few hundred templates of up to a hundred items the calls' overhead is the cost. ``search_rows``
-is the same greedy written as loops over one row's items, options and ranks, which numba compiles
-to machine code (``pip install 'thdpack[fast]'``). Both take the same integer inputs and break ties
-the same way (the first option, in option order, with the smallest ``(max(busiest, level), total
-work, group size, lightest group rank, peak tokens)``), so their results are equal; the tests run
-this function both compiled and as plain Python against the numpy loop.
+``thdpack.plan.place`` runs its greedy over many rows at once with numpy, whose per-call overhead
+is the cost for a few hundred rows. ``search_rows`` is the same greedy written as loops over one
+row's items, options and ranks, which numba compiles (``pip install 'thdpack[fast]'``). Both take
+the same integer inputs and break ties the same way, so their results are equal; the tests run
+this function compiled and as plain Python against the numpy loop.
 
 Legend: ``K`` rows, ``M`` item positions, ``O`` group options, ``R`` ranks, ``G`` group sizes,
 ``J`` ranks of a group (1 when every rank of a group costs the same).

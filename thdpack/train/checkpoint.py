@@ -1,4 +1,4 @@
-"""Checkpoints for exact resume: model, optimizer, scheduler, data stream and every rank's RNG.
+"""A checkpoint's files: its layout, how it is saved and published, and how it is verified.
 
 Layout of ``<output_dir>/checkpoints/``::
 
@@ -16,38 +16,26 @@ Layout of ``<output_dir>/checkpoints/``::
 
 A checkpoint is published the way every thdpack folder is (``thdpack.files.publish``): complete once
 its ``checksums.json`` exists; rank 0 writes it (atomically) after every rank finished writing, so
-a run killed while saving leaves a folder without it. ``latest``
-is rewritten (atomically) after each manifest and on resume; it is a pointer for people and
-tools: resume walks the checkpoints newest first, verifies every file against its manifest and
-falls back past damaged or unfinished ones with a warning naming the file
-(``verify_checkpoint(folder)`` runs the same check on its own). Checksums catch accidents, not a
-crafted folder: every file is read back as tensors and plain values only (``thdpack.files.safe_load``,
-``thdpack.files.safe_dcp``), so a file asking to run code stops the resume, named.
+a run killed while saving leaves a folder without it. ``latest`` is rewritten (atomically) after
+each manifest and on resume: a pointer for people and tools, which resume does not trust
+(``thdpack.train.resume`` verifies every file). ``verify_checkpoint(folder)`` runs that check on its
+own. Checksums catch accidents, not a crafted folder: every file is read back as tensors and plain
+values only (``thdpack.files.safe_load``, ``thdpack.files.safe_dcp``).
 
-A checkpoint resumes on another number of ranks: the model and optimizer reshard, the data
-stream continues from its global position (``thdpack.packing.step_stream``), and a rank the
-saving run did not have continues the RNG state of rank ``r % saved ranks`` (every rank of a run
-is seeded alike with ``train.seed``, so that is the state it would hold had it been there). A
-resume error on one rank is raised on every rank (``_on_every_rank``), never one rank alone.
-
-One output_dir holds the checkpoints of one run: a fresh run into a folder that holds
-checkpoints is refused unless it resumes them (``train.resume=true``) or clears them
-(``train.overwrite=true``), so pruning (keep the newest ``keep_checkpoints``) never mixes runs;
-and only one run writes it at a time (``thdpack.train.output_dir``). A save that fails (a full
-disk: torch says only "unexpected pos 576 vs 534") raises ``CheckpointSaveError`` naming the
-folder and, when the disk is full, saying so; its partial files are removed.
+One output_dir holds the checkpoints of one run, so pruning (keep the newest ``keep_checkpoints``)
+never mixes runs. A save that fails (a full disk: torch says only "unexpected pos 576 vs 534")
+raises ``CheckpointSaveError`` naming the folder and, when the disk is full, saying so; its
+partial files are removed.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import random
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from thdpack.files.publish import (
     digest_problem,
@@ -67,12 +55,10 @@ from thdpack.files.publish import (
     write_json_atomic,
     write_text_atomic,
 )
-from thdpack.files.safe_dcp import load_dcp
 from thdpack.files.safe_load import load_plain
 from thdpack.files.state_file import read_state, write_state
 from thdpack.packing.step_stream import StreamState
 
-log = logging.getLogger(__name__)
 LATEST = "latest"
 MANIFEST = "checksums.json"
 DAMAGED = "damaged"
@@ -96,6 +82,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore every generator from ``rng_state()``'s record."""
     random.setstate(state["python"])
     numpy_state = state["numpy"]
     key = numpy_state["state"]["key"].numpy().astype(np.uint32)
@@ -106,12 +93,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
 
 
-@dataclass(frozen=True)
-class Restored:
-    step: int
-    trainer: dict[str, Any]
-
-
 class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, a failing file system); names the folder."""
 
@@ -119,19 +100,19 @@ class CheckpointSaveError(RuntimeError):
 # -- files, manifests, verification --------------------------------------------------------
 
 
-def _step_folders(root: Path) -> list[Path]:
+def step_folders(root: Path) -> list[Path]:
     """``root``'s ``step_<n>`` folders, oldest step first (complete or not)."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_FOLDER.fullmatch(p.name)]
-    return sorted(found, key=_step_of)
+    return sorted(found, key=step_of)
 
 
-def _step_of(folder: Path) -> int:
+def step_of(folder: Path) -> int:
     return int(_STEP_FOLDER.fullmatch(folder.name).group(1))  # type: ignore[union-attr]
 
 
-def _read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+def read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(manifest, None) for a complete checkpoint, else (None, why it is not one)."""
     file = folder / MANIFEST
     if not file.is_file():
@@ -163,7 +144,7 @@ def _is_manifest(manifest: Any) -> bool:
     return entries_ok and header_ok and isinstance(manifest.get("step"), int)
 
 
-def _problems(folder: Path, manifest: dict[str, Any], digests: dict[str, dict[str, Any] | None]) -> list[str]:
+def manifest_problems(folder: Path, manifest: dict[str, Any], digests: dict[str, dict[str, Any] | None]) -> list[str]:
     found = ((name, digest_problem(expected, digests[name], MANIFEST)) for name, expected in manifest["files"].items())
     return [f"{folder / name} {problem}" for name, problem in found if problem is not None]
 
@@ -175,13 +156,13 @@ def verify_checkpoint(folder: str | os.PathLike[str]) -> list[str]:
     ``torch.distributed`` needed.
     """
     folder = Path(folder)
-    manifest, why = _read_manifest(folder)
+    manifest, why = read_manifest(folder)
     if manifest is None:
         return [why]  # type: ignore[list-item]
-    return _problems(folder, manifest, {name: file_digest(folder / name) for name in manifest["files"]})
+    return manifest_problems(folder, manifest, {name: file_digest(folder / name) for name in manifest["files"]})
 
 
-def _digests_shared(folder: Path, names: list[str]) -> dict[str, dict[str, Any] | None]:
+def digests_shared(folder: Path, names: list[str]) -> dict[str, dict[str, Any] | None]:
     """``file_digest`` of ``folder / name`` for every name, the reading split over the ranks.
 
     Collective; every rank passes the same ``names`` and gets every digest.
@@ -193,7 +174,7 @@ def _digests_shared(folder: Path, names: list[str]) -> dict[str, dict[str, Any] 
     return {name: digest for part in parts for name, digest in part.items()}  # type: ignore[union-attr]
 
 
-def _broadcast(value: Any) -> Any:
+def broadcast(value: Any) -> Any:
     """Rank 0's ``value`` on every rank (the file system is read once, every rank decides alike)."""
     box = [value]
     dist.broadcast_object_list(box, src=0)
@@ -251,8 +232,8 @@ def save_checkpoint(
         _remove(folder)  # frees what it took; resume would set it aside anyway (no checksums.json)
         raise failure from err
     dist.barrier()
-    names = _broadcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
-    digests = _digests_shared(folder, names)
+    names = broadcast(sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()))
+    digests = digests_shared(folder, names)
     if rank == 0:
         manifest = {
             "format": CHECKPOINT_FORMAT,
@@ -299,185 +280,10 @@ def _prune(root: Path, step: int, keep: int) -> None:
     """Keep the ``keep`` newest complete checkpoints up to ``step`` (``step`` itself always);
     remove the older ones and unfinished leftovers. Later steps are not this run's to judge."""
     kept = 0
-    for folder in reversed(_step_folders(root)):
-        if _step_of(folder) > step:
+    for folder in reversed(step_folders(root)):
+        if step_of(folder) > step:
             continue
-        if _step_of(folder) == step or (kept < keep and _read_manifest(folder)[0] is not None):
+        if step_of(folder) == step or (kept < keep and read_manifest(folder)[0] is not None):
             kept += 1
         else:
             _remove(folder)
-
-
-# -- resume ------------------------------------------------------------------------------
-
-
-def open_checkpoints(root: Path, *, resume: bool, overwrite: bool) -> Path | None:
-    """The verified checkpoint to resume from, or None to start at step 1 (collective).
-
-    - ``resume``: the newest complete checkpoint whose files all match their checksums. Damaged
-      or unfinished newer ones are skipped with a warning naming the file, then moved to
-      ``root/damaged/`` (the resumed run replaces them; pruning never counts them). ``ValueError``
-      naming every damaged file when ``root`` holds checkpoint folders but none is valid; None
-      when it holds none.
-    - otherwise ``root`` must be empty (another run's checkpoints would be mixed with this one's
-      and pruned away): ``ValueError`` naming the folder and the choices, unless ``overwrite``,
-      which deletes them.
-
-    On every rank the decision is the same: rank 0 reads the folder, the files are hashed by all.
-    """
-    rank = dist.get_rank()
-    entries, folders = _broadcast((_entries(root), _step_folders(root)) if rank == 0 else None)
-    if not resume:
-        if entries and not overwrite:
-            raise ValueError(
-                f"{root} holds the checkpoints of an earlier run ({_names(entries)}); continue it with "
-                "train.resume=true, write to a new train.output_dir, or delete them with train.overwrite=true"
-            )
-        if entries and rank == 0:
-            log.warning("train.overwrite=true: deleting %s (%s)", root, _names(entries))
-            for folder in folders:  # first: a removal cut short must not leave a complete checkpoint
-                retract(folder, MANIFEST)
-            shutil.rmtree(root)
-        dist.barrier()
-        return None
-    damaged: list[str] = []
-    skipped: list[Path] = []
-    for folder in reversed(folders):
-        manifest, why = _broadcast(_read_manifest(folder) if rank == 0 else None)
-        problems = [why] if manifest is None else _problems(folder, manifest, _digests_shared(folder, _files(manifest)))
-        if not problems:
-            if rank == 0:
-                _set_aside(root, skipped)
-                _point_latest_at(root, folder)
-            dist.barrier()
-            return folder
-        damaged.extend(problems)
-        skipped.append(folder)
-        _warn(f"skipping checkpoint {folder.name}: {'; '.join(problems)}")
-    if damaged:
-        raise ValueError(
-            f"no valid checkpoint in {root}: {'; '.join(damaged)}; restore the files, "
-            "or start over with train.overwrite=true or a new train.output_dir"
-        )
-    return None
-
-
-def _files(manifest: dict[str, Any]) -> list[str]:
-    return sorted(manifest["files"])
-
-
-def _entries(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir()) if root.is_dir() else []
-
-
-def _warn(text: str) -> None:
-    if dist.get_rank() == 0:
-        log.warning(text)
-
-
-def _names(names: list[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
-def _set_aside(root: Path, skipped: list[Path]) -> None:
-    """Move the skipped (damaged or unfinished) checkpoints to ``root/damaged/``, out of resume's
-    and pruning's way; a same-named older one there is replaced."""
-    if not skipped:
-        return
-    aside = root / DAMAGED
-    aside.mkdir(exist_ok=True)
-    for folder in skipped:
-        target = aside / folder.name
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(folder, target)
-    log.warning("moved %s to %s (inspect, then delete)", _names([f.name for f in skipped]), aside)
-
-
-def _point_latest_at(root: Path, folder: Path) -> None:
-    marker = root / LATEST
-    named = marker.read_text().strip() if marker.is_file() else None
-    if named != folder.name:
-        log.warning("%s named %r; it now names %s, the checkpoint this run resumes from", marker, named, folder.name)
-        write_text_atomic(marker, folder.name)
-
-
-def _materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's lazily-allocated state (Adam moments) with a zero step.
-
-    torch.distributed.checkpoint loads into the tensors of a template state dict; a fresh
-    optimizer has no moments yet, so without this they would silently not be restored.
-    """
-    if optimizer.state:
-        return
-    saved_lr = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-        for p in group["params"]:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    for group, lr in zip(optimizer.param_groups, saved_lr, strict=True):
-        group["lr"] = lr
-
-
-def _on_every_rank(action: Callable[[], Any]) -> Any:
-    """``action()`` on every rank (collective); a ``ValueError`` it raises on any rank is raised on
-    every rank, naming the ranks it came from when not all: no rank stops alone, leaving the others
-    to fail on a closed connection."""
-    result, error = None, None
-    try:
-        result = action()
-    except ValueError as err:
-        error = str(err)
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    said: dict[str, list[int]] = {}
-    for rank, message in enumerate(errors):
-        if message is not None:
-            said.setdefault(message, []).append(rank)
-    if said:
-        everyone = len(said) == 1 and len(next(iter(said.values()))) == len(errors)
-        raise ValueError(
-            "; ".join(m if everyone else f"{m} (on rank {', '.join(map(str, r))})" for m, r in said.items())
-        )
-    return result
-
-
-def rng_file_of(folder: Path, rank: int, manifest: dict[str, Any]) -> Path:
-    """The RNG state rank ``rank`` resumes from: its own, or for a rank the saving run did not have,
-    rank ``rank % saved ranks``'s (module docstring)."""
-    saved = sorted(int(name[len("rng/rank_") : -len(".pt")]) for name in manifest["files"] if name.startswith("rng/"))
-    if not saved:
-        raise ValueError(f"{folder} holds no RNG state (rng/rank_<r>.pt); resume from a checkpoint thdpack wrote")
-    return folder / "rng" / f"rank_{rank if rank in saved else saved[rank % len(saved)]}.pt"
-
-
-def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Restored:
-    """Restore model, optimizer and this rank's RNG from ``folder`` on any number of ranks
-    (collective); returns the trainer state. Every rank raises the same ``ValueError`` when one
-    cannot load its part."""
-    rank = dist.get_rank()
-    _materialize_optimizer_state(optimizer)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    load_dcp(state, folder / "dcp")
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    manifest, why = _read_manifest(folder)
-    if manifest is None:
-        raise ValueError(why)
-    rng_file = rng_file_of(folder, rank, manifest)
-    _on_every_rank(lambda: set_rng_state(load_plain(rng_file)))
-    saved = manifest.get("world_size")
-    if rank == 0 and isinstance(saved, int) and saved < dist.get_world_size():
-        log.info(
-            "checkpoint %s was saved by %d ranks: ranks %d..%d continue the RNG state of rank r %% %d (every rank "
-            "is seeded alike with train.seed)",
-            folder,
-            saved,
-            saved,
-            dist.get_world_size() - 1,
-            saved,
-        )
-    trainer = read_trainer_state(folder)
-    return Restored(step=int(trainer["step"]), trainer=trainer)

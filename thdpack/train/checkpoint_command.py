@@ -5,13 +5,11 @@
     thdpack checkpoint info out/checkpoint-500              # a Trainer integration's checkpoint
     thdpack checkpoint info DIR --pieces                    # every consumed sequence (or piece) too
 
-It reads the stream record a checkpoint holds (``stream.json`` + ``stream.npz``, or a Trainer
-checkpoint's ``thdpack_stream.json`` + ``.npz``: JSON and arrays, nothing unpickled) and prints the
-epoch, the position in its plan and the plan's settings, how many sequences and tokens of the epoch
-were consumed and remain, and the digest of the consumed pieces, recomputed here from the arrays
-(``thdpack.packing.pieces``: the recipe, so it can be checked with numpy alone). For thdpack's own
-checkpoints it first verifies every file against ``checksums.json``. Exit codes: 0, 1 when the
-checkpoint is damaged, 2 when DIR holds no checkpoint.
+It reads the stream record (JSON and arrays, nothing unpickled) and prints the epoch, the position
+in its plan and the plan's settings, the sequences and tokens consumed and remaining, and the
+digest of the consumed pieces, recomputed from the arrays (``thdpack.packing.pieces``). A thdpack
+checkpoint's files are verified first. Exit codes: 0, 1 when the checkpoint is damaged, 2 when DIR
+holds no checkpoint.
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
 """What a checkpoint was trained on and with, recorded when it is saved and compared on resume.
 
-A run records its identity in every checkpoint's ``trainer.pt`` (``"identity"``):
-
-- ``data``: the token store's content, the sha256 of each of its files from its manifest (the
-  data the steps were cut from: a prepared store's and the token cache's alike), and where it
-  came from (``data.store`` or ``data.inputs``, for the message only);
-- ``tokenizer``: the store's tokenizer (name, sha256 of its definition, vocabulary size);
-- ``model``: the ``model`` group's settings (``model.path``'s ``config.json`` by its sha256, so a
-  moved folder is the same model).
-
-Resume compares them before it loads a byte of the checkpoint's weights. A different model is
-refused, naming each setting (its weights would not fit, or would mean something else); so are
-different data and a different tokenizer, unless ``train.resume_data_changed=true`` says that
-continuing on other data is intended. Checkpoints written before identities were recorded hold
-only their config: their model settings are compared, the rest is reported as unknown.
+The identity in every checkpoint's ``trainer.pt`` holds the data (the sha256 of each token-store
+file), the tokenizer and the model's settings (a ``model.path`` folder by its ``config.json``'s
+sha256). Resume compares them before it loads any weight: another model is refused, other data or
+another tokenizer too unless ``train.resume_data_changed=true`` (docs/guides/operations.md,
+"Resume checks what it continues").
 
 >>> saved = {"data": {"origin": "a", "files": {"tokens.bin": "11"}}, "tokenizer": {"sha256": "t"}, "model": {"dim": 32}}
 >>> mine = {"data": {"origin": "b", "files": {"tokens.bin": "22"}}, "tokenizer": {"sha256": "t"}, "model": {"dim": 64}}

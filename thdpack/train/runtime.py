@@ -49,6 +49,11 @@ class Runtime:
     def barrier(self) -> None:
         dist.barrier()
 
+    def say(self, text: str) -> None:
+        """Print a progress line on the main rank only (the run's log on the console)."""
+        if self.is_main:
+            print(text, flush=True)
+
     def long_barrier(self) -> None:
         """Wait for every rank, however long the slowest takes (up to a day): the ranks that wait
         while the local main rank tokenizes the cache or verifies a store, before training."""

@@ -11,6 +11,7 @@ import torch
 
 import thdpack._optional as _optional
 from thdpack.attention import flash_kernel, math_kernel, reference_attention, thd_attention
+from thdpack.attention.math_kernel import Tile
 from thdpack.attention.merge import output_grads
 from thdpack.attention.ring_simulation import simulated_ring_attention
 from thdpack.attention.select import ENV_VAR
@@ -78,19 +79,17 @@ def test_flash_tiles_match_math_tiles(causal):
             k, v = (
                 torch.randn(k_side.num_rows, 2, 64, device=CUDA, generator=g, dtype=torch.bfloat16) for _ in range(2)
             )
-            args = (q, k, v, q_side, k_side)
-            out_f, lse_f = flash_kernel.tile_forward(*args, causal=tile_causal, scale=0.125)
-            out_m, lse_m = math_kernel.tile_forward(*args, causal=tile_causal, scale=0.125)
+            tile = Tile(q_side, k_side, tile_causal, 0.125)
+            out_f, lse_f = flash_kernel.tile_forward(q, k, v, tile)
+            out_m, lse_m = math_kernel.tile_forward(q, k, v, tile)
             assert torch.allclose(out_f.float(), out_m, atol=2e-2)
             assert torch.equal(torch.isneginf(lse_f), torch.isneginf(lse_m))  # +inf sentinel normalised
             finite = torch.isfinite(lse_m)
             assert torch.allclose(lse_f[finite], lse_m[finite], atol=1e-3)
             dout = torch.randn_like(q)
             delta = output_grads(dout, out_m, None, q.dtype).delta_NT
-            grads_f = flash_kernel.tile_backward(dout, q, k, v, out_m.to(q.dtype), lse_m, q_side, k_side,
-                                                 causal=tile_causal, scale=0.125)  # fmt: skip
-            grads_m = math_kernel.tile_backward(dout, q, k, v, lse_m, delta, q_side, k_side,
-                                                causal=tile_causal, scale=0.125)  # fmt: skip
+            grads_f = flash_kernel.tile_backward(dout, q, k, v, out_m.to(q.dtype), lse_m, tile)
+            grads_m = math_kernel.tile_backward(dout, q, k, v, lse_m, delta, tile)
             for got, want in zip(grads_f, grads_m, strict=True):
                 assert torch.allclose(got.float(), want, atol=5e-2)
 
@@ -100,7 +99,7 @@ def test_an_empty_key_set_gives_zero_output_and_minus_inf_lse():
     thd = {"cu_seqlens": torch.tensor([0, 0, 8], dtype=i32), "cu_seqlens_padded": torch.tensor([0, 8, 16], dtype=i32)}
     side = local_placement(thd_meta(thd), CUDA)  # the first slot holds padding only
     q = torch.randn(16, 2, 64, device=CUDA, dtype=torch.bfloat16)
-    out, lse = flash_kernel.tile_forward(q, q, q, side, side, causal=False, scale=0.125)
+    out, lse = flash_kernel.tile_forward(q, q, q, Tile(side, side, False, 0.125))
     assert out[:8].eq(0).all() and torch.isneginf(lse[:, :8]).all() and torch.isfinite(lse[:, 8:]).all()
 
 

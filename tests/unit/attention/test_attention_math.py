@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from thdpack.attention import math_kernel
 from thdpack.attention.backends.math import attend as attend_math
 from thdpack.attention.backends.math import tiled_attention
+from thdpack.attention.math_kernel import Tile
 from thdpack.attention.merge import merge_partials, output_grads
 from thdpack.cp.partition import local_placement
 from thdpack.thd.carriage import thd_meta
@@ -88,9 +89,7 @@ def test_tile_gradients_with_the_global_lse_sum_to_the_full_gradient(causal):
     lse = torch.full((4, len(case["valid"])), float("-inf"), dtype=torch.float64)
     tiles = _key_tiles(meta, cuts)
     for rows, k_side in tiles:
-        part = math_kernel.tile_forward(
-            case["q"], case["k"][rows], case["v"][rows], q_side, k_side, causal=causal, scale=scale
-        )
+        part = math_kernel.tile_forward(case["q"], case["k"][rows], case["v"][rows], Tile(q_side, k_side, causal, scale))
         out, lse = merge_partials(out, lse, *part)
     want = reference_results(case, thd, causal)
     valid = case["valid"]
@@ -104,9 +103,8 @@ def test_tile_gradients_with_the_global_lse_sum_to_the_full_gradient(causal):
     dq, dk, dv = torch.zeros_like(out), torch.zeros_like(case["k"]), torch.zeros_like(case["v"])
     for rows, k_side in tiles:
         dq_t, dk_t, dv_t = math_kernel.tile_backward(
-            case["dout"], case["q"], case["k"][rows], case["v"][rows], lse, delta, q_side, k_side,
-            causal=causal, scale=scale,
-        )  # fmt: skip
+            case["dout"], case["q"], case["k"][rows], case["v"][rows], lse, delta, Tile(q_side, k_side, causal, scale)
+        )
         dq += dq_t
         dk.index_add_(0, rows, dk_t)
         dv.index_add_(0, rows, dv_t)
@@ -164,7 +162,7 @@ def test_gradcheck_fp64():
     for causal in (True, False):
 
         def fn(q, k, v, causal=causal):
-            out, lse = tiled_attention(q, k, v, side, side, causal=causal, scale=0.7)
+            out, lse = tiled_attention(q, k, v, Tile(side, side, causal, 0.7))
             return out, lse.masked_fill(torch.isinf(lse), 0.0)
 
         assert torch.autograd.gradcheck(fn, (q, k, v))

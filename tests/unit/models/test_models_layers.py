@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from thdpack.attention import AttentionConfig
 from thdpack.models import ModelConfig
-from thdpack.models.layers import Attention, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
+from thdpack.models.layers import Attention, LayerContext, RMSNorm, SwiGLU, apply_rope, rope_cos_sin
 
 
 def test_rmsnorm_formula_and_half_precision():
@@ -85,7 +85,7 @@ def test_attention_equals_dense_gqa_per_sequence_with_the_configured_attention(c
     cu = torch.tensor([0, 5, 8], dtype=torch.int32)
     thd = {"cu_seqlens": cu, "cu_seqlens_padded": cu, "max_seqlen": 5}
     rope = rope_cos_sin(position_ids, config.head_dim, config.rope_theta, torch.float64)
-    out = attn(x, rope, thd, None)
+    out = attn(x, LayerContext(rope, thd, None))
 
     H = config.head_dim
     for start, n in ((0, 5), (5, 3)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from thdpack.train.config import Config, ModelNode
-from thdpack.train.trainer import build_model, model_vocab_size
+from thdpack.train.model_setup import build_model, model_vocab_size
 
 
 @pytest.mark.parametrize("model", [ModelNode(vocab_size=100), ModelNode(kind="hf", vocab_size=100)])

@@ -18,46 +18,32 @@ import torch
 
 import thdpack.attention.math_kernel as math_kernel
 from thdpack.attention.backends.base import MATH_CP, AttentionBackend, AttentionCall, AttentionOutput, CallFacts
+from thdpack.attention.math_kernel import Tile
 from thdpack.attention.merge import Gradients, OutputGrads, Saved, differentiable_attention
 from thdpack.cp.partition import local_placement
 from thdpack.thd.tokens import TokenPlacement
 
 
 @dataclass(frozen=True)
-class Tiles:
-    """Rows of side ``q`` attend rows of side ``k``: :mod:`~thdpack.attention.math_kernel`'s tiles
-    (an :class:`~thdpack.attention.merge.LseAttention`)."""
+class MathTile:
+    """:mod:`~thdpack.attention.math_kernel`'s tiles of one ``tile`` (an
+    :class:`~thdpack.attention.merge.LseAttention`)."""
 
-    q_side: TokenPlacement
-    k_side: TokenPlacement
-    causal: bool
-    scale: float
+    tile: Tile
 
     def forward(self, q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return math_kernel.tile_forward(
-            q_TNH, k_TNH, v_TNH, self.q_side, self.k_side, causal=self.causal, scale=self.scale
-        )
+        return math_kernel.tile_forward(q_TNH, k_TNH, v_TNH, self.tile)
 
     def backward(self, saved: Saved, grads: OutputGrads) -> Gradients:
         q_TNH, k_TNH, v_TNH, _, lse_NT = saved
-        return math_kernel.tile_backward(
-            grads.dout_TNH, q_TNH, k_TNH, v_TNH, lse_NT, grads.delta_NT, self.q_side, self.k_side,
-            causal=self.causal, scale=self.scale,
-        )  # fmt: skip
+        return math_kernel.tile_backward(grads.dout_TNH, q_TNH, k_TNH, v_TNH, lse_NT, grads.delta_NT, self.tile)
 
 
 def tiled_attention(
-    q_TNH: torch.Tensor,
-    k_TNH: torch.Tensor,
-    v_TNH: torch.Tensor,
-    q_side: TokenPlacement,
-    k_side: TokenPlacement,
-    *,
-    causal: bool,
-    scale: float,
+    q_TNH: torch.Tensor, k_TNH: torch.Tensor, v_TNH: torch.Tensor, tile: Tile
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out_TNH, lse_NT)`` of ``q_side``'s rows attending ``k_side``'s rows, with exact gradients."""
-    return differentiable_attention(q_TNH, k_TNH, v_TNH, Tiles(q_side, k_side, causal, scale))
+    """``(out_TNH, lse_NT)`` of ``tile.q``'s rows attending ``tile.k``'s rows, with exact gradients."""
+    return differentiable_attention(q_TNH, k_TNH, v_TNH, MathTile(tile))
 
 
 def attend(
@@ -70,7 +56,7 @@ def attend(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-attention of one device's packed tokens (``side`` describes them); ``(out, lse)``."""
-    return tiled_attention(q_TNH, k_TNH, v_TNH, side, side, causal=causal, scale=scale)
+    return tiled_attention(q_TNH, k_TNH, v_TNH, Tile(side, side, causal, scale))
 
 
 def kernel_problem(s: CallFacts) -> None:

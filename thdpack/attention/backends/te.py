@@ -28,11 +28,12 @@ from thdpack.attention.heads import kv_replication, repeat_kv_heads
 # DotProductAttention modules hold no weights (vanilla softmax); one per configuration
 _MODULES: dict[tuple[Any, ...], Any] = {}
 _CP_STREAMS: dict[torch.device, Any] = {}
-ALL_GATHER_THD_SINCE = (2, 18)
-"""The first Transformer Engine whose all-gather context parallelism takes THD."""
-A2A_THD_SINCE = (2, 10)
-"""The first Transformer Engine whose all-to-all context parallelism takes THD (2.9's
-``AttnFuncWithCPAndQKVOA2A`` asserts ``qkv_format != "thd"``)."""
+THD_CP_SINCE: dict[str, tuple[tuple[int, int], str, str]] = {
+    "all_gather": ((2, 18), "AttnFuncWithCPAndKVAllGather", "backend='math'"),
+    "a2a": ((2, 10), "AttnFuncWithCPAndQKVOA2A", "another backend (thdpack's all-to-all)"),
+}
+"""cp_comm_type -> (the first Transformer Engine whose context parallelism of that kind takes THD,
+the class whose ``assert qkv_format != "thd"`` refuses it before, the other way out)."""
 
 
 def kernel_problem(s: CallFacts) -> Exception | None:
@@ -49,20 +50,14 @@ def kernel_problem(s: CallFacts) -> Exception | None:
             "use backend='varlen' / 'flash' (CUDA) or 'math'"
         )
     version = _optional.transformer_engine_version()
-    if s.cp and s.cp_comm_type == "all_gather" and version is not None and version < ALL_GATHER_THD_SINCE:
-        found = ".".join(map(str, version))
-        return ValueError(
-            f"backend 'te' with cp_comm_type='all_gather' needs Transformer Engine >= 2.18 for THD batches "
-            f"(before it AttnFuncWithCPAndKVAllGather asserts qkv_format != 'thd'), found {found}; "
-            "use cp_comm_type='p2p', upgrade Transformer Engine, or backend='math'"
-        )
-    if s.cp and s.cp_comm_type == "a2a" and version is not None and version < A2A_THD_SINCE:
-        found = ".".join(map(str, version))
-        return ValueError(
-            f"backend 'te' with cp_comm_type='a2a' needs Transformer Engine >= 2.10 for THD batches "
-            f"(before it AttnFuncWithCPAndQKVOA2A asserts qkv_format != 'thd'), found {found}; "
-            "use cp_comm_type='p2p', upgrade Transformer Engine, or another backend (thdpack's all-to-all)"
-        )
+    if s.cp and s.cp_comm_type in THD_CP_SINCE and version is not None:
+        since, refuses, other = THD_CP_SINCE[s.cp_comm_type]
+        if version < since:
+            return ValueError(
+                f"backend 'te' with cp_comm_type={s.cp_comm_type!r} needs Transformer Engine >= "
+                f"{'.'.join(map(str, since))} for THD batches (before it {refuses} asserts qkv_format != 'thd'), "
+                f"found {'.'.join(map(str, version))}; use cp_comm_type='p2p', upgrade Transformer Engine, or {other}"
+            )
     facts = te_facts(s)
     problem = te_problem(facts) if facts is not None else None
     if problem is not None:
