@@ -17,8 +17,7 @@ where L(a) peaks: O(k) in the distinct sizes.
 >>> l2_lower_bound(np.bincount([6, 6, 6, 5, 5], minlength=11), capacity=10)   # sum bound says 3
 4
 
-L2 treats the items in J3 as fluid. Two cheap bounds see that they are not, and
-``best_lower_bound_of_sizes`` reports the largest of the three:
+The two integral bounds, of which ``best_lower_bound_of_sizes`` reports the largest with L2:
 
 - **single fills** (an integral refinement of L(a)): a pack of J2 whose room is below ``2a`` holds
   at most ONE item of J3, so J3 can put at most ``M(a)`` there, the largest volume of a matching
@@ -28,8 +27,6 @@ L2 treats the items in J3 as fluid. Two cheap bounds see that they are not, and
   multiples of ``lam`` (``2*floor(s/lam)`` below C/2, ``2*(floor(C/lam) - floor((C-s)/lam))``
   above, ``floor(C/lam)`` at C/2) sum to at most ``2*floor(C/lam)`` per pack, so their total over
   that is a bound for every ``lam`` in ``[1, C/2]``.
-
-Both are evaluated at the few thresholds where L(a) peaks (and ``lam`` around them): O(k) each.
 
 >>> sizes, counts = np.array([3, 7]), np.array([3, 2])   # two 7s, whose rooms of 5 take one 3 each
 >>> l2_lower_bound_of_sizes(sizes, counts, 12), best_lower_bound_of_sizes(sizes, counts, 12)
