@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from thdpack._settings import check_int
 from thdpack.layout.entries import CpLayout, rank_sums
-from thdpack.layout.rules import check_groups, slot_lengths
+from thdpack.layout.rules import check_cp_size, check_groups, slot_lengths
 
 
 def _where(pack: int, position: int, sequence_ids: np.ndarray | None, entry: int) -> str:
@@ -75,8 +76,8 @@ class CpPlacement:
     def __post_init__(self) -> None:
         for name in ("offsets", "lengths", "group_size", "group_start"):
             object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64))
-        if self.cp_size < 1 or self.pack_size < 1:
-            raise ValueError(f"cp_size and pack_size must be >= 1, got {self.cp_size} and {self.pack_size}")
+        object.__setattr__(self, "cp_size", check_cp_size(self.cp_size))
+        object.__setattr__(self, "pack_size", check_int("pack_size", self.pack_size, 1))
         if self.pack_size % self.cp_size:
             raise ValueError(f"pack_size={self.pack_size} is not a multiple of cp_size={self.cp_size}")
         n = len(self.lengths)
