@@ -14,7 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from thdpack.data.stats_command import load_lengths
+from thdpack._settings import check_int
+from thdpack.data.stats_command import load_lengths, without_empty
 from thdpack.perf.comm import Topology
 from thdpack.perf.machine import PROFILE_NAMES, load_profile
 from thdpack.perf.shape import NAMED_SHAPES, load_shape
@@ -39,11 +40,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    for flag, value in (
+        ("--gpus", args.gpus),
+        ("--rank-tokens", args.rank_tokens),
+        ("--micro-batches", args.micro_batches),
+    ):
+        check_int(flag, value, 1)
+    if args.gpus_per_node is not None:
+        check_int("--gpus-per-node", args.gpus_per_node, 1)
     path = args.suggest
-    lengths = load_lengths(path)
-    lengths = lengths[lengths > 0]  # records that tokenized to nothing have no work
-    if not len(lengths):
-        raise ValueError(f"{path} holds no sequence of at least one token")
+    lengths = without_empty(load_lengths(path), path)
     profile = load_profile(args.profile)
     shape = load_shape(args.model)
     model = StepModel(

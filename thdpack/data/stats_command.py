@@ -46,7 +46,8 @@ def example_lengths_path() -> Path:
 def load_lengths(path: str | Path) -> np.ndarray:
     """Sequence lengths from ``.npy``, a text file (one integer per line), or a thdpack token store.
 
-    ``(S,)`` int64 with S >= 1; an empty or 2-D file is a ``ValueError`` naming it. A store's
+    ``(S,)`` int64 with S >= 1, every length >= 0; an empty or 2-D file or a negative length is a
+    ``ValueError`` naming it. A store's
     lengths come from its offsets (checked in order, not read in full: ``verify_store`` does that).
     """
     path = Path(path)
@@ -73,7 +74,26 @@ def load_lengths(path: str | Path) -> np.ndarray:
         raise ValueError(f"{path} holds {lengths.dtype} of shape {lengths.shape}; expected 1-D integer lengths")
     if len(lengths) == 0:
         raise ValueError(f"{path} holds no lengths (0 sequences); give a file with one length per sequence")
+    negative = np.flatnonzero(lengths < 0)
+    if len(negative):
+        i = int(negative[0])
+        raise ValueError(
+            f"{path}: sequence {i} has length {int(lengths[i])} ({len(negative):,} negative in all); a length "
+            "counts tokens, so it is 0 or more"
+        )
     return lengths.astype(np.int64, copy=False)
+
+
+def without_empty(lengths: np.ndarray, source: str | Path) -> np.ndarray:
+    """``lengths`` without its zeros, printing how many were left out (they hold no token to train
+    on); ``ValueError`` naming ``source`` when nothing is left."""
+    empty = int((lengths == 0).sum())
+    if not empty:
+        return lengths
+    print(f"skipped {empty:,} empty sequences (length 0): they hold no token to train on")
+    if empty == len(lengths):
+        raise ValueError(f"{source}: all {empty:,} sequences are empty; there is nothing to pack")
+    return lengths[lengths != 0]
 
 
 @dataclass(frozen=True)
@@ -244,12 +264,7 @@ def run_stats(args: argparse.Namespace) -> int:
             f"overflow: {EXAMPLE_OVERFLOW} (the trainer's, for the embedded example: its files longer than a pack "
             "are split; --overflow error stops at the first)"
         )
-    empty = int((lengths == 0).sum())
-    if empty:
-        print(f"skipped {empty:,} empty sequences (length 0): they hold no token to train on")
-        lengths = lengths[lengths != 0]
-        if not len(lengths):
-            raise ValueError(f"{source}: all {empty:,} sequences are empty; there is nothing to pack")
+    lengths = without_empty(lengths, source)
     print(
         f"{len(lengths):,} sequences, {int(lengths.sum()):,} tokens, lengths min {lengths.min():,} / "
         f"median {int(np.median(lengths)):,} / max {lengths.max():,}\n"

@@ -76,3 +76,10 @@ def test_a_lengths_file_of_objects_is_named_and_never_unpickled(tmp_path, capsys
         assert main(["stats", str(tmp_path / name)]) == 2
         expected = f"thdpack stats: error: {tmp_path / name} holds {holds}, and thdpack never unpickles a file; save"
         assert capsys.readouterr().err.startswith(expected)
+
+
+def test_a_negative_length_is_named_with_its_sequence(tmp_path, capsys):
+    (tmp_path / "lengths.txt").write_text("4\n0\n-7\n9\n")
+    assert main(["stats", str(tmp_path / "lengths.txt")]) == 2
+    expected = f"thdpack stats: error: {tmp_path / 'lengths.txt'}: sequence 2 has length -7 (1 negative in all)"
+    assert capsys.readouterr().err.startswith(expected)

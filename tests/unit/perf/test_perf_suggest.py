@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from thdpack.cli import main
 from thdpack.perf.shape import NAMED_SHAPES
@@ -50,3 +51,21 @@ def test_plan_suggest_errors_are_messages(capsys, tmp_path):
     np.save(tmp_path / "long.npy", np.array([100, 90_000]))
     assert main(["plan", "--suggest", str(tmp_path / "long.npy"), "--gpus", "2", "--rank-tokens", "1024"]) == 2
     assert "no option fits: the longest sequence has 90,000 tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--gpus-per-node", "--rank-tokens", "--micro-batches"])
+def test_plan_suggest_names_an_option_below_one(capsys, tmp_path, flag):
+    np.save(tmp_path / "l.npy", np.array([100, 200]))
+    args = {"--gpus": "8", flag: "0"}
+    assert main(["plan", "--suggest", str(tmp_path / "l.npy"), *(x for kv in args.items() for x in kv)]) == 2
+    assert f"thdpack plan: error: {flag} must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_plan_suggest_refuses_a_negative_length_and_counts_the_empty_ones(capsys, tmp_path):
+    np.save(tmp_path / "neg.npy", np.array([5, -3, 100, -1]))
+    assert main(["plan", "--suggest", str(tmp_path / "neg.npy"), "--gpus", "8"]) == 2
+    expected = f"{tmp_path / 'neg.npy'}: sequence 1 has length -3 (2 negative in all); a length counts tokens"
+    assert expected in capsys.readouterr().err
+    np.save(tmp_path / "zeros.npy", np.array([0, 0, *range(100, 4100, 10)]))
+    assert main(["plan", "--suggest", str(tmp_path / "zeros.npy"), "--gpus", "2", "--model", "tiny"]) == 0
+    assert "skipped 2 empty sequences (length 0)" in capsys.readouterr().out
