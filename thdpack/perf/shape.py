@@ -103,13 +103,25 @@ class ModelShape:
 
         hidden = field("hidden_size", "n_embd", "d_model")
         heads = field("num_attention_heads", "n_head")
+        head_dim = config.get("head_dim")
+        if head_dim is None:  # the models that omit it take hidden // heads, and need it whole
+            if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+                raise ValueError(f"config.json: num_attention_heads must be an int >= 1, got {heads!r}")
+            if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
+                raise ValueError(f"config.json: hidden_size must be an int >= 1, got {hidden!r}")
+            if hidden % heads:
+                raise ValueError(
+                    f"config.json: hidden_size {hidden!r} is not a multiple of num_attention_heads {heads}, and no "
+                    "head_dim is given; give head_dim or sizes that divide"
+                )
+            head_dim = hidden // heads
         return cls(
             layers=field("num_hidden_layers", "n_layer"),
             hidden=hidden,
             ffn=field("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
             heads=heads,
             kv_heads=field("num_key_value_heads", default=heads),
-            head_dim=field("head_dim", default=hidden // heads),
+            head_dim=head_dim,
             vocab=field("vocab_size"),
             gated_mlp=bool(config.get("gated_mlp", config.get("model_type") not in UNGATED_MODEL_TYPES)),
             tied_embeddings=bool(field("tie_word_embeddings", default=False)),
