@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import time
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from thdpack._settings import check_int
 from thdpack.attention.backends.base import CallFacts
 from thdpack.attention.select import choose_backend
 from thdpack.calibrate.kernels import attention_curves, host_op_seconds, matmul_flops, memory_bandwidth
@@ -54,12 +56,14 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_calibrate(args: argparse.Namespace) -> int:
+    tokens = 16 if args.rank_tokens is None else args.rank_tokens  # the default is chosen per device below
+    check_effort(tokens, args.budget_s, args.repeats, flags=True)  # before any process joins
     started = _join_launch()
     device = _device()
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     profile = calibrate(
         load_shape(args.model), device=device, dtype=dtype, backend=args.backend,
-        rank_tokens=args.rank_tokens or (8192 if device.type == "cuda" else 2048),
+        rank_tokens=(8192 if device.type == "cuda" else 2048) if args.rank_tokens is None else args.rank_tokens,
         base=load_profile(args.base or default_base(device)), budget_s=args.budget_s, repeats=args.repeats,
     )  # fmt: skip
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -69,6 +73,18 @@ def run_calibrate(args: argparse.Namespace) -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def check_effort(rank_tokens: object, budget_s: object, repeats: object, *, flags: bool = False) -> None:
+    """``ValueError`` / ``TypeError`` naming the first of the measuring sizes that cannot time
+    anything: ``rank_tokens`` an int >= 16, ``budget_s`` a finite number > 0, ``repeats`` an int >= 1
+    (``flags``: named as the command's options)."""
+    name = (lambda n: "--" + n.replace("_", "-")) if flags else (lambda n: n)
+    if check_int(name("rank_tokens"), rank_tokens, 1) < 16:
+        raise ValueError(f"{name('rank_tokens')}={rank_tokens} is too few to time a kernel on; use at least 16")
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or not 0 < budget_s < math.inf:
+        raise ValueError(f"{name('budget_s')} must be a finite number of seconds > 0, got {budget_s!r}")
+    check_int(name("repeats"), repeats, 1)
 
 
 def calibrate(
@@ -84,8 +100,7 @@ def calibrate(
 ) -> MachineProfile:
     """This machine's profile; collective over the default group when there is one (every rank
     calls it), one process otherwise."""
-    if rank_tokens < 16:
-        raise ValueError(f"rank_tokens={rank_tokens} is too few to time a kernel on; use at least 16")
+    check_effort(rank_tokens, budget_s, repeats)
     start = time.monotonic()
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     facts = CallFacts(device=device, dtype=dtype, cp=False, cp_comm_type="p2p", need_lse=False, need_grad=True,

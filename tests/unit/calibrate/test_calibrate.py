@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from thdpack.calibrate.kernels import HOST_CHAIN, attention_curves, host_op_seconds
@@ -51,3 +52,21 @@ def test_a_model_without_a_source_is_refused(tmp_path, capsys):
     argv = ["calibrate", "--model", "gpt-9", "--out", str(tmp_path / "m.json")]
     assert main(argv) == 2
     assert "unknown model 'gpt-9'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--repeats", "0", "--repeats must be >= 1, got 0"),
+        ("--budget-s", "0", "--budget-s must be a finite number of seconds > 0, got 0.0"),
+        ("--budget-s", "-5", "--budget-s must be a finite number of seconds > 0, got -5.0"),
+        ("--budget-s", "nan", "--budget-s must be a finite number of seconds > 0, got nan"),
+        ("--rank-tokens", "0", "--rank-tokens must be >= 1, got 0"),
+        ("--rank-tokens", "8", "--rank-tokens=8 is too few to time a kernel on; use at least 16"),
+    ],
+)
+def test_an_effort_that_cannot_time_anything_is_named_before_measuring(tmp_path, capsys, option, value, message):
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model", "tiny", "--out", str(out), option, value]) == 2
+    assert f"thdpack calibrate: error: {message}" in capsys.readouterr().err
+    assert not out.exists()
