@@ -37,6 +37,12 @@ UNGATED_MODEL_TYPES = frozenset(
 a ``gated_mlp`` key in the mapping overrides it."""
 
 
+def _check_size(name: str, value: object) -> None:
+    """``ValueError`` unless ``value`` is an int >= 1 (a size of the model)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
     """A decoder's sizes (all integers >= 1)."""
@@ -64,9 +70,7 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "ffn", "heads", "kv_heads", "head_dim", "vocab", "itemsize"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelShape.{name} must be an int >= 1, got {value!r}")
+            _check_size(f"ModelShape.{name}", getattr(self, name))
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"ModelShape.heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; each KV head serves "
@@ -105,10 +109,8 @@ class ModelShape:
         heads = field("num_attention_heads", "n_head")
         head_dim = config.get("head_dim")
         if head_dim is None:  # the models that omit it take hidden // heads, and need it whole
-            if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
-                raise ValueError(f"config.json: num_attention_heads must be an int >= 1, got {heads!r}")
-            if not isinstance(hidden, int) or isinstance(hidden, bool) or hidden < 1:
-                raise ValueError(f"config.json: hidden_size must be an int >= 1, got {hidden!r}")
+            _check_size("config.json: num_attention_heads", heads)
+            _check_size("config.json: hidden_size", hidden)
             if hidden % heads:
                 raise ValueError(
                     f"config.json: hidden_size {hidden!r} is not a multiple of num_attention_heads {heads}, and no "
